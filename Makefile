@@ -1,0 +1,39 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create (or reuse) .venv and install what they need; the install is redone only when
+# pyproject.toml changes.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.k3-installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned to the CPU wheel that lies on this machine's disk; installing it first
+	# keeps any later dependency from pulling a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test,ray,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python jobs/demo.py
+
+lint: $(STAMP)
+	$(BIN)/lint-imports
+
+test: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python jobs/bench_model.py
+
+clean:
+	rm -rf $(VENV) .cache

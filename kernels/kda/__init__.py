@@ -1,0 +1,148 @@
+"""Kimi Delta Attention ops.
+
+Public functions (shape-checked, dispatching to the best path for the device):
+
+- `chunk_kda`: prefill and training, chunkwise, packed sequences, initial/final state.
+- `kda_step`: one decode step for a batch of sequences whose states live in a slot pool.
+
+`naive_recurrent_kda` and `naive_kda_step` (reference.py) are the readable ground truth with
+the same signatures.
+"""
+from __future__ import annotations
+
+import torch
+
+from .chunk import chunk_kda_torch, kda_step_torch
+from .reference import naive_kda_step, naive_recurrent_kda
+
+__all__ = ["chunk_kda", "kda_step", "naive_recurrent_kda", "naive_kda_step", "check_kda_inputs"]
+
+
+def _fail(name: str, msg: str) -> None:
+    raise ValueError(f"kda: {name} {msg}")
+
+
+def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> int:
+    """Validate the chunk/recurrent contract; return the number of sequences N."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            _fail(name, f"must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            _fail(name, f"must be floating point, got {x.dtype}")
+        if x.device != k.device:
+            _fail(name, f"is on {x.device} but k is on {k.device}")
+    if k.dim() != 4:
+        _fail("k", f"must be [B, T, H, K], got shape {tuple(k.shape)}")
+    B, T, H, K = k.shape
+    if q.shape != k.shape:
+        _fail("q", f"shape {tuple(q.shape)} != k shape {tuple(k.shape)}")
+    if g.shape != k.shape:
+        _fail("g", f"shape {tuple(g.shape)} != k shape {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        _fail("v", f"must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        _fail("beta", f"must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            _fail("q", f"batch must be 1 when cu_seqlens is given (packed), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            _fail("cu_seqlens", f"must be a 1-D integer tensor [N + 1], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            _fail("cu_seqlens", f"must rise from 0 to T={T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+        N = len(cu) - 1
+    else:
+        N = B
+    if initial_state is not None:
+        want = (N, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            _fail("initial_state", f"must be [N, H, K, V] = {list(want)}, got {tuple(initial_state.shape)}")
+        if initial_state.device != k.device:
+            _fail("initial_state", f"is on {initial_state.device} but k is on {k.device}")
+    return N
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise KDA over (packed) sequences.
+
+    Args:
+        q, k: [B, T, H, K] (q, k already L2-normalised by the caller); v: [B, T, H, V];
+        g: [B, T, H, K] log-decay <= 0 (fp32 recommended); beta: [B, T, H] in [0, 1].
+        scale: multiplies q, default K ** -0.5.
+        initial_state: [N, H, K, V] (fp32), N = B, or the number of packed sequences.
+        output_final_state: also return the final state [N, H, K, V] fp32.
+        cu_seqlens: [N + 1] offsets when the batch is packed (B == 1).
+        chunk_size: a multiple of 16, or at most 16.
+        lower_bound: g >= lower_bound is guaranteed (K3's bounded gate); faster, same result.
+    Returns:
+        (o [B, T, H, V] in v's dtype, final state or None)
+    """
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
+        _fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size}")
+    if lower_bound is not None and lower_bound * min(chunk_size, 16) < -80.0:
+        # e^(16 * |lb|) must stay inside fp32 for the dense diagonal sub-chunks.
+        lower_bound = None
+    return chunk_kda_torch(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, lower_bound=lower_bound,
+    )
+
+
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_idx: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decode step; states read from and written back to `state_pool` in place.
+
+    Args:
+        q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H].
+        state_pool: [P, H, K, V] fp32, the engine's slots; rows not in slot_idx are untouched.
+        slot_idx: [N] int64, distinct slot per sequence, each in [0, P).
+    Returns:
+        o: [N, H, V] in v's dtype.
+    """
+    if k.dim() != 3:
+        _fail("k", f"must be [N, H, K], got shape {tuple(k.shape)}")
+    N, H, K = k.shape
+    for name, x in (("q", q), ("g", g)):
+        if x.shape != k.shape:
+            _fail(name, f"shape {tuple(x.shape)} != k shape {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[:2] != (N, H):
+        _fail("v", f"must be [N, H, V] = [{N}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != (N, H):
+        _fail("beta", f"must be [N, H] = [{N}, {H}], got {tuple(beta.shape)}")
+    if state_pool.dim() != 4 or state_pool.shape[1:] != (H, K, v.shape[-1]):
+        _fail("state_pool", f"must be [P, {H}, {K}, {v.shape[-1]}], got {tuple(state_pool.shape)}")
+    if state_pool.dtype != torch.float32:
+        _fail("state_pool", f"must be float32 (recurrent state stays fp32), got {state_pool.dtype}")
+    if slot_idx.shape != (N,) or slot_idx.dtype not in (torch.int32, torch.int64):
+        _fail("slot_idx", f"must be an integer tensor of shape [{N}], got {tuple(slot_idx.shape)} {slot_idx.dtype}")
+    for name, x in (("q", q), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool), ("slot_idx", slot_idx)):
+        if x.device != k.device:
+            _fail(name, f"is on {x.device} but k is on {k.device}")
+    if N:
+        lo, hi = int(slot_idx.min()), int(slot_idx.max())
+        if lo < 0 or hi >= state_pool.shape[0]:
+            _fail("slot_idx", f"out of range [0, {state_pool.shape[0]}): min {lo}, max {hi}")
+        if torch.unique(slot_idx).numel() != N:
+            _fail("slot_idx", "has duplicate slots; each sequence needs its own")
+    return kda_step_torch(q, k, v, g, beta, state_pool, slot_idx.long(), scale=scale)

@@ -1,0 +1,106 @@
+"""Batched generation over the contiguous HybridCache: packed prefill, then one-token decode steps.
+
+The serving engine (serve/engine) replaces this with continuous batching over paged memory;
+this loop is the simple, exact baseline the tests and the demo use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import HybridCache
+from .model import K3ForCausalLM
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample_next(logits: torch.Tensor, sc: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]."""
+    if sc.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / sc.temperature
+    if sc.top_k:
+        kth = logits.topk(min(sc.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sc.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        drop = probs.cumsum(-1) - probs >= sc.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingConfig | None = None,
+             return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
+    """Continue each prompt (token id lists, any lengths) by up to sampling.max_new_tokens tokens.
+
+    Returns the new tokens per prompt (stopping after a stop token, which is kept), and with
+    return_logits the logits [steps, V] each token was chosen from.
+    """
+    sc = sampling or SamplingConfig()
+    sc.validate()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    cfg = model.cfg
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {cfg.vocab_size})")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    lens = [len(p) for p in prompts]
+    max_len = max(lens) + sc.max_new_tokens
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    cache = HybridCache(cfg, len(prompts), max_len, dtype=dtype, device=device)
+    gen = None
+    if sc.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(sc.seed)
+
+    ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
+    batch = cache.batch(lens)
+    last = batch.cu_seqlens[1:] - 1
+    logits = model(ids, cache=batch, logits_at=last).logits
+    cache.advance(lens)
+    out: list[list[int]] = [[] for _ in prompts]
+    seen: list[list[torch.Tensor]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    stops = set(sc.stop_token_ids)
+    for step in range(sc.max_new_tokens):
+        nxt = sample_next(logits, sc, gen)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                out[i].append(t)
+                if return_logits:
+                    seen[i].append(logits[i].float().cpu())
+                done[i] = t in stops
+        if all(done) or step == sc.max_new_tokens - 1:
+            break
+        batch = cache.batch([1] * len(prompts))
+        logits = model(nxt[:, None], cache=batch).logits[:, -1]
+        cache.advance([1] * len(prompts))
+    if return_logits:
+        return out, [torch.stack(s) for s in seen]
+    return out

@@ -1,0 +1,265 @@
+"""Kimi Linear checkpoints in Hugging Face layout <-> K3ForCausalLM.
+
+Reads config.json plus safetensors (one file or an index of shards) with the weight names of the
+released Kimi-Linear-48B-A3B (`block_sparse_moe.experts.N.w1`, `self_attn.q_conv1d`, ...), and
+also the names transformers uses in memory (`mlp.experts.gate_up_proj`, `self_attn.conv1d`,
+`self_attn.forget_gate.*`). Tensors are loaded one at a time into a model built on the meta
+device, so peak memory is the model itself. Export writes the released layout back.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import K3Config
+from .model import K3ForCausalLM
+
+
+def config_from_hf(hf: dict) -> K3Config:
+    """A K3Config for a Kimi Linear config.json (the released form or transformers' saved form)."""
+    def get(*names, default=None):
+        for n in names:
+            if n in hf and hf[n] is not None:
+                return hf[n]
+        return default
+
+    L = get("num_hidden_layers")
+    if not isinstance(L, int) or L < 1:
+        raise ValueError(f"config.json: num_hidden_layers must be a positive int, got {L!r}")
+    lin = hf.get("linear_attn_config") or {}
+    if hf.get("layer_types"):
+        types = ["mla" if t == "full_attention" else "kda" for t in hf["layer_types"]]
+    elif "full_attn_layers" in lin:
+        full = set(lin["full_attn_layers"])  # 1-based in the released config
+        types = ["mla" if i + 1 in full else "kda" for i in range(L)]
+    else:
+        raise ValueError("config.json: needs layer_types or linear_attn_config.full_attn_layers")
+    if hf.get("mlp_layer_types"):
+        mlp = ["moe" if t == "sparse" else "dense" for t in hf["mlp_layer_types"]]
+    else:
+        k = get("first_k_dense_replace", default=1)
+        mlp = ["dense" if i < k else "moe" for i in range(L)]
+    if get("num_expert_group", "n_group", default=1) != 1 or get("topk_group", default=1) != 1:
+        raise ValueError("config.json: grouped routing (num_expert_group > 1) is not supported by k3")
+    eos = get("eos_token_id")
+    return K3Config(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=L, layer_types=types, mlp_types=mlp,
+        intermediate_size=get("intermediate_size"), rms_norm_eps=get("rms_norm_eps", default=1e-5),
+        max_position_embeddings=get("model_max_length", "max_position_embeddings", default=1_048_576),
+        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), activation="swiglu",
+        kda_num_heads=get("linear_num_heads", default=lin.get("num_heads", 32)),
+        kda_head_dim=get("linear_head_dim", default=lin.get("head_dim", 128)),
+        kda_conv_size=get("linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", 4)),
+        kda_gate="unbounded", kda_output_gate="low_rank",
+        num_heads=get("num_attention_heads"), q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
+        v_head_dim=get("v_head_dim"), mla_output_gate=False,
+        num_experts=get("num_experts", "num_local_experts"),
+        num_experts_per_token=get("num_experts_per_token", "num_experts_per_tok"),
+        num_shared_experts=get("num_shared_experts", "n_shared_experts", default=1),
+        moe_intermediate_size=get("moe_intermediate_size"), moe_latent_size=None,
+        routed_scaling=float(get("routed_scaling_factor", default=1.0)),
+        moe_renormalize=bool(get("moe_renormalize", "norm_topk_prob", default=True)), attn_res_block_size=None,
+        bos_token_id=get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        pad_token_id=get("pad_token_id"),
+    )
+
+
+def config_to_hf(cfg: K3Config) -> dict:
+    """config.json for a Kimi-Linear-expressible K3Config; ValueError naming the field that is not."""
+    checks = {
+        "attn_res_block_size": cfg.attn_res_block_size is None, "moe_latent_size": cfg.moe_latent_size is None,
+        "activation": cfg.activation == "swiglu", "kda_gate": cfg.kda_gate == "unbounded",
+        "kda_output_gate": cfg.kda_output_gate == "low_rank", "mla_output_gate": not cfg.mla_output_gate,
+        "tie_word_embeddings": not cfg.tie_word_embeddings,
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"config has K3 features Kimi Linear cannot express: {bad}")
+    full = [i + 1 for i, t in enumerate(cfg.layer_types) if t == "mla"]
+    kda = [i + 1 for i, t in enumerate(cfg.layer_types) if t == "kda"]
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads,
+        "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "mla_use_nope": True,
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
+        "num_shared_experts": cfg.num_shared_experts, "routed_scaling_factor": cfg.routed_scaling,
+        "moe_renormalize": cfg.moe_renormalize, "moe_router_activation_func": "sigmoid",
+        "num_expert_group": 1, "topk_group": 1,
+        "first_k_dense_replace": next((i for i, t in enumerate(cfg.mlp_types) if t == "moe"), cfg.num_layers),
+        "layer_types": ["full_attention" if t == "mla" else "linear_attention" for t in cfg.layer_types],
+        "mlp_layer_types": ["sparse" if t == "moe" else "dense" for t in cfg.mlp_types],
+        "linear_attn_config": {"full_attn_layers": full, "kda_layers": kda, "head_dim": cfg.kda_head_dim,
+                               "num_heads": cfg.kda_num_heads, "short_conv_kernel_size": cfg.kda_conv_size},
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "model_max_length": cfg.max_position_embeddings,
+        "tie_word_embeddings": False, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+
+
+class _Reader:
+    """Lazy access to the tensors of a safetensors checkpoint (single file or sharded index)."""
+
+    def __init__(self, path: Path) -> None:
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (path / "model.safetensors").exists():
+            with safe_open(path / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self.path, self.weight_map, self._open = path, weight_map, {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(self.path / file, "pt")
+        return self._open[file].get_tensor(name)
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def _hf_to_k3_tensors(reader: _Reader, cfg: K3Config) -> Iterator[tuple[str, torch.Tensor]]:
+    used: set[str] = set()
+    names = reader.keys()
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        if kind == "kda":
+            if f"{a}.q_conv1d.weight" in reader.weight_map:
+                convs = [f"{a}.{x}_conv1d.weight" for x in "qkv"]
+                conv = torch.cat([reader.get(n).reshape(reader.get(n).shape[0], -1) for n in convs])
+                used.update(convs)
+            else:
+                used.add(f"{a}.conv1d.weight")
+                conv = reader.get(f"{a}.conv1d.weight")
+                conv = conv.reshape(conv.shape[0], -1)
+            yield f"{a}.conv_weight", conv
+            for n in ("A_log", "dt_bias", "f_a_proj.weight", "f_b_proj.weight"):
+                src = f"{a}.{n}" if f"{a}.{n}" in reader.weight_map else f"{a}.forget_gate.{n}"
+                used.add(src)
+                t = reader.get(src)
+                yield f"{a}.{n}", t.reshape(-1) if n == "A_log" else t
+            used.add(f"{a}.o_norm.weight")
+            yield f"{a}.o_norm_weight", reader.get(f"{a}.o_norm.weight")
+        moe = f"{p}.block_sparse_moe" if any(n.startswith(f"{p}.block_sparse_moe.") for n in names) else f"{p}.mlp"
+        if cfg.mlp_types[i] == "moe":
+            used.update({f"{moe}.gate.weight", f"{moe}.gate.e_score_correction_bias"})
+            yield f"{p}.mlp.gate.weight", reader.get(f"{moe}.gate.weight").float()
+            if f"{moe}.gate.e_score_correction_bias" in reader.weight_map:
+                yield f"{p}.mlp.gate.bias", reader.get(f"{moe}.gate.e_score_correction_bias").float()
+            E = cfg.num_experts
+            if f"{moe}.experts.gate_up_proj" in reader.weight_map:
+                gu = reader.get(f"{moe}.experts.gate_up_proj")
+                used.update({f"{moe}.experts.gate_up_proj", f"{moe}.experts.down_proj"})
+                gate, up = gu.chunk(2, dim=1)
+                yield f"{p}.mlp.experts.w_gate", gate
+                yield f"{p}.mlp.experts.w_up", up
+                yield f"{p}.mlp.experts.w_down", reader.get(f"{moe}.experts.down_proj")
+            else:
+                for src, dst in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
+                    keys = [f"{moe}.experts.{e}.{src}.weight" for e in range(E)]
+                    missing = [k for k in keys if k not in reader.weight_map]
+                    if missing:
+                        raise ValueError(f"checkpoint lacks expert weights, e.g. {missing[0]}")
+                    used.update(keys)
+                    yield f"{p}.mlp.experts.{dst}", torch.stack([reader.get(k) for k in keys])
+            for n in names:
+                if n.startswith(f"{moe}.shared_experts."):
+                    used.add(n)
+                    yield f"{p}.mlp." + n[len(f"{moe}."):], reader.get(n)
+    for n in names:
+        if n in used or _EXPERT.match(n):
+            continue
+        # transformers writes every MLP (the dense one too) under block_sparse_moe.
+        yield n.replace(".block_sparse_moe.", ".mlp."), reader.get(n)
+
+
+def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu") -> K3ForCausalLM:
+    """Build a K3ForCausalLM from a Kimi Linear checkpoint directory (config.json + safetensors)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path}: no config.json")
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in _hf_to_k3_tensors(_Reader(path), cfg):
+        if name not in expected:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        want = expected[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)} != expected {tuple(want.shape)} "
+                             f"(check heads x head_dim in config.json)")
+        keep_fp32 = name.endswith(("gate.weight", "gate.bias", "dt_bias", "A_log")) and ".mlp.gate" in name or \
+            name.endswith(("dt_bias", "A_log"))
+        t = t.to(device=device, dtype=torch.float32 if keep_fp32 or dtype is None and t.dtype == torch.float32
+                 else (dtype or t.dtype))
+        state[name] = t
+    missing = sorted(set(expected) - set(state) - {n for n in expected if n.endswith(".mlp.gate.bias")})
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for n in expected:
+        if n not in state:  # a checkpoint without a router bias: zeros
+            state[n] = torch.zeros(expected[n].shape, dtype=torch.float32, device=device)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def save_kimi_linear(model: K3ForCausalLM, path: str | Path) -> None:
+    """Write config.json + model.safetensors in the released Kimi Linear layout."""
+    cfg = model.cfg
+    hf_cfg = config_to_hf(cfg)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+        t = t.detach().cpu().contiguous()
+        m = re.match(r"^(model\.layers\.\d+)\.(self_attn|mlp)\.(.+)$", name)
+        if not m:
+            out[name] = t
+            continue
+        p, part, rest = m.groups()
+        if part == "self_attn":
+            a = f"{p}.self_attn"
+            if rest == "conv_weight":
+                for x, chunk in zip("qkv", t.chunk(3, dim=0)):
+                    out[f"{a}.{x}_conv1d.weight"] = chunk[:, None, :].contiguous()
+            elif rest == "A_log":
+                out[f"{a}.A_log"] = t.reshape(1, 1, -1, 1).contiguous()
+            elif rest == "o_norm_weight":
+                out[f"{a}.o_norm.weight"] = t
+            else:
+                out[f"{a}.{rest}"] = t
+            continue
+        layer = int(p.rsplit(".", 1)[1])
+        if cfg.mlp_types[layer] == "dense":
+            out[name] = t
+            continue
+        moe = f"{p}.block_sparse_moe"
+        if rest == "gate.bias":
+            out[f"{moe}.gate.e_score_correction_bias"] = t
+        elif rest.startswith("experts."):
+            src = {"experts.w_gate": "w1", "experts.w_up": "w3", "experts.w_down": "w2"}[rest]
+            for e in range(t.shape[0]):
+                out[f"{moe}.experts.{e}.{src}.weight"] = t[e].contiguous()
+        else:
+            out[f"{moe}.{rest}"] = t
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")

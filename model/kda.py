@@ -1,0 +1,184 @@
+"""Kimi Delta Attention layer: short convs, per-channel decay gate, delta-rule state, gated output.
+
+Forward modes (the layer picks, as fla's layers do):
+- chunkwise (`k3.kernels.kda.chunk_kda`) for prefill and training, optionally continuing from a
+  carried state and over packed sequences (`cu_seqlens`);
+- recurrent (`k3.kernels.kda.kda_step`) for one-token decode over the engine's state slots.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.kernels.kda import chunk_kda, kda_step
+
+from .config import K3Config
+from .norm import rms_norm
+
+
+@dataclass
+class KDAState:
+    """What one KDA layer carries per sequence: conv [N, 3*H*K, W-1] and recurrent [N, H, K, V] fp32."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # x / sqrt(sum x^2 + eps): the convention of fla and transformers' Kimi Linear (not F.normalize).
+    xf = x.float()
+    return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over packed sequences, each continuing from its own state.
+
+    x: [T, C] packed tokens; weight: [C, W]; state: [N, C, W-1] (the previous W-1 inputs,
+    oldest first) or None for zeros; cu_seqlens: [N + 1]. Returns (y [T, C], new state [N, C, W-1]).
+    The W-1 state rows are spliced in front of each sequence so one conv over the whole stream
+    never mixes two sequences.
+    """
+    T, C = x.shape
+    W = weight.shape[1]
+    N = cu_seqlens.numel() - 1
+    P = W - 1
+    if state is None:
+        state = x.new_zeros(N, C, P)
+    src = torch.cat([x, state.transpose(1, 2).reshape(N * P, C).to(x.dtype)])  # tokens, then state rows
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seg = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
+    ext_len = T + N * P
+    ext_start = cu_seqlens[:-1] + torch.arange(N, device=x.device) * P  # where each segment's state begins
+    perm = torch.empty(ext_len, dtype=torch.long, device=x.device)
+    tok_pos = torch.arange(T, device=x.device) + (seg + 1) * P
+    perm[tok_pos] = torch.arange(T, device=x.device)
+    state_pos = (ext_start[:, None] + torch.arange(P, device=x.device)[None]).reshape(-1)
+    perm[state_pos] = T + torch.arange(N * P, device=x.device)
+    ext = src[perm]  # [T + N*P, C]
+    y_ext = F.conv1d(ext.T[None], weight[:, None, :].to(x.dtype), groups=C)[0].T  # [T + N*P - P, C]
+    y = y_ext[tok_pos - P]
+    ext_end = ext_start + lengths + P
+    new_state = ext[(ext_end[:, None] - P + torch.arange(P, device=x.device)[None]).reshape(-1)]
+    return y, new_state.reshape(N, P, C).transpose(1, 2).contiguous()
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        self.num_heads, self.head_dim = H, K
+        self.qkv_dim = H * K
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        # Depthwise conv weights for q, k and v, stacked: [3*H*K, W].
+        self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.kda_conv_size))
+        # Decay gate: low rank D -> K -> H*K, per-head rate A, per-channel bias.
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if cfg.kda_output_gate == "full":
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm_weight = nn.Parameter(torch.ones(K))
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+        nn.init.kaiming_uniform_(self.conv_weight, a=math.sqrt(5))
+        with torch.no_grad():
+            # Decay rates spread over [1, 16] and dt in [1e-3, 1e-1] (inverse softplus), as in Mamba/fla.
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        nn.init.ones_(self.o_norm_weight)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-decay g [..., H, K] in fp32, always < 0."""
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        z = z.unflatten(-1, (self.num_heads, self.head_dim))
+        rate = self.A_log.float().exp()[:, None]
+        if self.cfg.kda_gate == "bounded":
+            return self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * z)
+        return -rate * F.softplus(z)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.g_proj(x) if self.cfg.kda_output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
+        return gate.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        state: KDAState | None = None,
+        slot_idx: torch.Tensor | None = None,
+        state_pool: KDAState | None = None,
+    ) -> tuple[torch.Tensor, KDAState | None]:
+        """x: [B, T, D] (or [1, T, D] packed with cu_seqlens [N + 1]).
+
+        Chunkwise mode: `state` (optional) gives each sequence's starting state; returns the final
+        state. Decode mode (T == 1, `state_pool` and `slot_idx` given): reads and updates the pool
+        in place and returns None.
+        """
+        B, T, D = x.shape
+        H, K = self.num_heads, self.head_dim
+        if state_pool is not None:
+            return self._decode(x, state_pool, slot_idx), None
+        packed_cu = cu_seqlens
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, (B + 1) * T, T, device=x.device)
+        xt = x.reshape(B * T, D)
+        qkv = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
+        qkv, conv_state = causal_conv1d(qkv, self.conv_weight, None if state is None else state.conv, cu_seqlens)
+        q, k, v = F.silu(qkv).reshape(B, T, 3, H, K).unbind(2)
+        q, k = l2norm(q), l2norm(k)
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, final = chunk_kda(
+            q, k, v, g, beta,
+            initial_state=None if state is None else state.recurrent,
+            output_final_state=True,
+            cu_seqlens=packed_cu,
+            chunk_size=self.cfg.kda_chunk_size,
+            lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
+        )
+        return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
+
+    def _decode(self, x: torch.Tensor, pool: KDAState, slot_idx: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        if T != 1:
+            raise ValueError(f"KDA decode takes one token per sequence, got x of shape {tuple(x.shape)}")
+        H, K = self.num_heads, self.head_dim
+        xt = x[:, 0]
+        qkv = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)  # [B, 3HK]
+        conv = pool.conv.index_select(0, slot_idx)  # [B, C, W-1]
+        window = torch.cat([conv, qkv[..., None].to(conv.dtype)], dim=-1)  # [B, C, W]
+        y = (window * self.conv_weight.to(window.dtype)).sum(-1).to(x.dtype)
+        pool.conv.index_copy_(0, slot_idx, window[..., 1:])
+        q, k, v = F.silu(y).reshape(B, 3, H, K).unbind(1)
+        q, k = l2norm(q), l2norm(k)
+        g = self.decay(xt)
+        beta = torch.sigmoid(self.b_proj(xt).float())
+        o = kda_step(q, k, v, g, beta, pool.recurrent, slot_idx)
+        return self._out(o[:, None], x)
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm, times sigmoid(output gate), then o_proj. o: [B, T, H, V]."""
+        gate = self.output_gate(x)
+        o = rms_norm(o.float(), self.o_norm_weight, self.cfg.rms_norm_eps) * torch.sigmoid(gate.float())
+        return self.o_proj(o.to(x.dtype).flatten(-2))

@@ -1,0 +1,215 @@
+"""K3ForCausalLM: embedding, the hybrid KDA/MLA stack with (Block AttnRes or standard) residuals,
+final norm, untied head, next-token loss.
+
+Inputs are [B, T] token ids, or one packed row [1, T] with `cu_seqlens` [N + 1] so sequences of
+different lengths share a batch without padding. A `CacheBatch` (model/cache.py) turns the
+forward into prefill or decode against memory someone else owns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
+from .cache import CacheBatch
+from .config import K3Config
+from .kda import KDAState, KimiDeltaAttention
+from .mla import GatedMLA
+from .moe import GatedMLP, LatentMoE, RouterOutput
+from .norm import RMSNorm, rms_norm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, idx: int) -> None:
+        super().__init__()
+        self.kind = cfg.layer_types[idx]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = KimiDeltaAttention(cfg, idx) if self.kind == "kda" else GatedMLA(cfg, idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.mlp_types[idx] == "moe"
+        self.mlp = LatentMoE(cfg) if self.is_moe else GatedMLP(cfg, cfg.hidden_size, cfg.intermediate_size)
+        self.idx = idx
+
+    def attention(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: CacheBatch | None) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.kind == "mla":
+            if cache is None:
+                return self.self_attn(x, cu_seqlens)
+            return self.self_attn(x, cache.cu_seqlens, cache.mla_kv[self.idx], cache.block_table, cache.context_lens)
+        if cache is None:
+            out, _ = self.self_attn(x, cu_seqlens)
+            return out
+        conv, rec = cache.kda_conv[self.idx], cache.kda_state[self.idx]
+        if cache.is_decode:
+            out, _ = self.self_attn(x.reshape(-1, 1, x.shape[-1]), state_pool=KDAState(conv, rec),
+                                    slot_idx=cache.kda_slots)
+            return out.reshape(x.shape)
+        slots = cache.kda_slots
+        start = KDAState(conv.index_select(0, slots), rec.index_select(0, slots))
+        out, final = self.self_attn(x, cache.cu_seqlens, state=start)
+        conv.index_copy_(0, slots, final.conv.to(conv.dtype))
+        rec.index_copy_(0, slots, final.recurrent)
+        hook = cache.extras.get("kda_final_hook")
+        if hook is not None:
+            hook(self.idx, final)
+        return out
+
+    def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            return self.mlp(x)
+        return self.mlp(x), None
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, vocab] or [len(logits_at), vocab]
+    loss: torch.Tensor | None = None
+    router: list[RouterOutput] | None = None  # one per MoE layer, in layer order
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_res = (
+            BlockAttnRes(cfg.hidden_size, cfg.num_layers, cfg.attn_res_block_size, cfg.rms_norm_eps)
+            if cfg.attn_res_block_size is not None else None
+        )
+        self.naive_attn_res = False  # tests flip this to run the one-softmax reference
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cache: CacheBatch | None = None, collect_router: bool = False
+                ) -> tuple[torch.Tensor, list[RouterOutput]]:
+        h = self.embed_tokens(input_ids)
+        routers: list[RouterOutput] = []
+
+        def sublayer(l: int, x: torch.Tensor) -> torch.Tensor:
+            layer = self.layers[l // 2]
+            if l % 2 == 0:
+                return layer.attention(x, cu_seqlens, cache)
+            out, r = layer.feed_forward(x)
+            if r is not None and collect_router:
+                routers.append(r)
+            return out
+
+        if self.attn_res is None:
+            for l in range(2 * self.cfg.num_layers):
+                h = h + sublayer(l, h)
+            return self.norm(h), routers
+
+        ar, eps = self.attn_res, self.cfg.rms_norm_eps
+        blocks, partial = [h], None
+        stats, base = None, 0
+        for l in range(ar.num_sublayers):
+            if ar.block_start(l):
+                blocks.append(partial)
+                partial = None
+            if self.naive_attn_res:
+                x = mix_naive(blocks + ([partial] if partial is not None else []), ar.queries[l], eps)
+            else:
+                if l == 0 or ar.block_start(l):
+                    V = torch.stack([b.float() for b in blocks])
+                    stats = BlockStats.compute(V, rms_norm(V, None, eps), ar.queries[ar.block_range(l).start:
+                                                                                      ar.block_range(l).stop])
+                    base = l
+                x = merge_partial(stats, l - base, partial, ar.queries[l], eps, h.dtype)
+            out = sublayer(l, x)
+            partial = out if partial is None else partial + out
+        h = mix_naive(blocks + [partial], ar.queries[-1], eps)
+        return self.norm(h), routers
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.initializer_range
+        nn.init.normal_(self.model.embed_tokens.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters") and not isinstance(m, (nn.Embedding, nn.Linear)):
+                m.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cache: CacheBatch | None = None,
+        logits_at: torch.Tensor | None = None,
+        collect_router: bool = False,
+    ) -> CausalLMOutput:
+        """input_ids [B, T] (or [1, T] packed with cu_seqlens [N + 1]).
+
+        labels: same shape as input_ids; position t is trained to predict labels[t + 1]
+        (-100 ignored; with packing, never across a sequence boundary).
+        logits_at: flat token indices to compute logits for (e.g. each sequence's last token);
+        default all.
+        """
+        self._check(input_ids, cu_seqlens, labels, cache)
+        h, routers = self.model(input_ids, cu_seqlens if cache is None else cache.cu_seqlens, cache, collect_router)
+        loss = None
+        if labels is not None:
+            loss = self.loss(h, labels, cu_seqlens)
+        flat = h.reshape(-1, h.shape[-1])
+        logits = self.lm_head(flat if logits_at is None else flat[logits_at])
+        if logits_at is None:
+            logits = logits.reshape(*h.shape[:2], -1)
+        return CausalLMOutput(logits=logits, loss=loss, router=routers if collect_router else None)
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        target = torch.full_like(labels, -100)
+        target[:, :-1] = labels[:, 1:]
+        if cu_seqlens is not None:
+            target[0, (cu_seqlens[1:-1] - 1).clamp_min(0)] = -100  # no prediction across a boundary
+        logits = self.lm_head(h).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+    def _check(self, input_ids, cu_seqlens, labels, cache) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"input_ids out of range [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
+        if cache is None and input_ids.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"input_ids has {input_ids.shape[1]} tokens > max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        cu = cu_seqlens if cache is None else cache.cu_seqlens
+        if cu is not None:
+            if input_ids.shape[0] != 1 and cache is None:
+                raise ValueError(f"packed input (cu_seqlens given) must be [1, T], got input_ids {tuple(input_ids.shape)}")
+            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() \
+                    or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens must rise from 0 to {input_ids.numel()}, got {cu.tolist()[:8]}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+
+    def set_router_bias(self, biases: torch.Tensor) -> None:
+        """biases [num_moe_layers, E]: selection biases for the next batch (no gradient)."""
+        moe = [l.mlp for l in self.model.layers if l.is_moe]
+        if biases.shape != (len(moe), self.cfg.num_experts):
+            raise ValueError(f"biases must be [{len(moe)}, {self.cfg.num_experts}], got {tuple(biases.shape)}")
+        with torch.no_grad():
+            for m, b in zip(moe, biases):
+                m.gate.bias.copy_(b)

@@ -1,0 +1,184 @@
+"""Feed-forward blocks: the dense gated MLP and the LatentMoE.
+
+LatentMoE (K3): the router reads the full-width x; routed experts run on a latent projection
+x_lat = W_down x; their weighted sum u goes back through RMSNorm and W_up; the fused shared
+experts run on the full width:  y = shared(x) + W_up RMSNorm(sum_i w_i E_i(W_down x)).
+With `moe_latent_size=None` (Kimi Linear) experts run on x directly and y = shared(x) + sum.
+
+Router: sigmoid scores in fp32 (routing arithmetic in low precision flips expert choices); the
+experts are the top-k of score + bias, where the bias is a buffer that balancing sets (it gets
+no gradient and never enters the weights); weights are the chosen unbiased scores,
+renormalised, times routed_scaling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.kernels.situ_glu import situ_glu, swiglu
+
+from .config import K3Config
+from .norm import RMSNorm
+
+
+def gated_activation(cfg: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if cfg.activation == "situ_glu":
+        return situ_glu(gate, up, cfg.situ_b1, cfg.situ_b2)
+    return swiglu(gate, up)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x), up(x))): the dense layer and the fused shared experts."""
+
+    def __init__(self, cfg: K3Config, dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = nn.Linear(dim, intermediate, bias=False)
+        self.up_proj = nn.Linear(dim, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, dim, bias=False)
+
+    def reset_parameters(self) -> None:
+        for m in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(m.weight, std=self.cfg.initializer_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_activation(self.cfg, self.gate_proj(x), self.up_proj(x)))
+
+
+@dataclass
+class RouterOutput:
+    """What one MoE layer's router decided for N tokens, and what balancing needs from it.
+
+    topk_idx [N, k] int64; topk_weight [N, k] fp32 (renormalised, scaled); scores [N, E] fp32
+    sigmoid scores (differentiable: auxiliary-loss baselines use them); counts [E] tokens per
+    expert; margins [N, E] fp32 = score - alpha_t, alpha_t the (k+1)-th largest biased score of
+    token t (Quantile Balancing's input; detached).
+    """
+
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    scores: torch.Tensor
+    counts: torch.Tensor
+    margins: torch.Tensor
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.top_k = cfg.num_experts_per_token
+        self.num_experts = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        # Selection-only bias, set by the balancer between steps; a buffer so no optimizer sees it.
+        self.register_buffer("bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.cfg.initializer_range)
+        self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        """x: [N, D] -> RouterOutput."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        with torch.no_grad():
+            biased = scores.detach() + self.bias.float()
+            top_vals, top_idx = biased.topk(self.top_k + 1, dim=-1)
+            idx = top_idx[:, : self.top_k]
+            margins = scores.detach() - top_vals[:, self.top_k:]
+            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+        w = scores.gather(1, idx)
+        if self.cfg.moe_renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return RouterOutput(idx, w * self.cfg.routed_scaling, scores, counts, margins)
+
+
+class Experts(nn.Module):
+    """E gated experts stored as stacked weights: gate/up [E, I, D_e], down [E, D_e, I]."""
+
+    def __init__(self, cfg: K3Config, dim: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        self.w_gate = nn.Parameter(torch.empty(E, I, dim))
+        self.w_up = nn.Parameter(torch.empty(E, I, dim))
+        self.w_down = nn.Parameter(torch.empty(E, dim, I))
+
+    def reset_parameters(self) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, std=self.cfg.initializer_range)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = gated_activation(self.cfg, x @ self.w_gate[e].T, x @ self.w_up[e].T)
+        return h @ self.w_down[e].T
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Grouped: sort the N*k (token, expert) pairs by expert, one matmul per contiguous group.
+
+        x: [N, D_e]; idx, weight: [N, k] -> [N, D_e]."""
+        N, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        xs = x[token]
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.expert(e, xs[start : start + n]))
+            start += n
+        ys = torch.cat(outs) if outs else xs.new_zeros(0, x.shape[-1])
+        ys = ys * weight.reshape(-1)[order, None].to(ys.dtype)
+        return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
+
+    def forward_loop(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Readable reference: for each expert, gather its tokens, run it, add back weighted."""
+        out = torch.zeros_like(x)
+        for e in range(self.cfg.num_experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel():
+                out.index_add_(0, tok, (self.expert(e, x[tok]) * weight[tok, slot, None]).to(x.dtype))
+        return out
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.latent = cfg.moe_latent_size is not None
+        De = cfg.moe_latent_size if self.latent else D
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, De)
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)
+        if self.latent:
+            self.latent_down = nn.Linear(D, De, bias=False)
+            self.latent_norm = RMSNorm(De, cfg.rms_norm_eps)
+            self.latent_up = nn.Linear(De, D, bias=False)
+        self.use_loop = False  # tests flip this to run the per-expert loop
+
+    def reset_parameters(self) -> None:
+        self.gate.reset_parameters()
+        self.experts.reset_parameters()
+        if self.cfg.num_shared_experts:
+            self.shared_experts.reset_parameters()
+        if self.latent:
+            nn.init.normal_(self.latent_down.weight, std=self.cfg.initializer_range)
+            nn.init.normal_(self.latent_up.weight, std=self.cfg.initializer_range)
+            self.latent_norm.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        """x: [..., D] -> (y [..., D], router output over the flattened tokens)."""
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])
+        r = self.gate(xt)
+        xe = self.latent_down(xt) if self.latent else xt
+        run = self.experts.forward_loop if self.use_loop else self.experts
+        u = run(xe, r.topk_idx, r.topk_weight)
+        y = self.latent_up(self.latent_norm(u)) if self.latent else u
+        if self.cfg.num_shared_experts:
+            y = y + self.shared_experts(xt)
+        return y.reshape(shape), r
