@@ -1,0 +1,39 @@
+"""Byte-level BPE tokenizers trained with `tokenizers`, and the special tokens k3 uses."""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2) -> Tokenizer:
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for byte-level BPE, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"tokenizer file not found: {p}")
+    return Tokenizer.from_file(str(p))
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    return {name: tok.token_to_id(t) for name, t in zip(("pad", "bos", "eos"), SPECIAL_TOKENS)}

@@ -1,0 +1,87 @@
+"""Kimi Linear checkpoints: a tiny random model built and saved by transformers, imported by k3."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3.model import SamplingConfig, generate, get_preset, K3ForCausalLM
+from k3.model.hf_kimi import load_kimi_linear, save_kimi_linear
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=16,
+    linear_num_heads=4, routed_scaling_factor=2.446,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention", "full_attention"],
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**TINY)).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):  # a non-zero correction bias, as in the released weights
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+            if hasattr(layer.self_attn, "o_norm"):
+                layer.self_attn.o_norm.weight.normal_(1, 0.1)
+    path = tmp_path_factory.mktemp("kimi") / "ckpt"
+    hf.save_pretrained(path)
+    return path, transformers.KimiLinearForCausalLM.from_pretrained(path).eval()
+
+
+def test_logits_match_transformers(checkpoint):
+    path, hf = checkpoint
+    ours = load_kimi_linear(path).eval()
+    ids = torch.randint(3, 512, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids).logits).abs().max().item()
+    assert diff <= 1e-4, f"max abs logit diff {diff}"
+
+
+def test_greedy_continuation_with_cache_matches_transformers(checkpoint):
+    path, hf = checkpoint
+    ours = load_kimi_linear(path).eval()
+    prompt = torch.randint(3, 512, (1, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                           eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    got, logits = generate(ours, [prompt[0].tolist()], SamplingConfig(max_new_tokens=12), return_logits=True)
+    assert got[0] == want
+    with torch.no_grad():  # and the cached step logits equal transformers' full forward
+        full = hf(torch.tensor([prompt[0].tolist() + want])).logits[0, prompt.shape[1] - 1:-1]
+    assert (full - logits[0]).abs().max().item() <= 1e-4
+
+
+def test_export_roundtrip_loads_in_transformers(checkpoint, tmp_path):
+    path, hf = checkpoint
+    ours = load_kimi_linear(path).eval()
+    save_kimi_linear(ours, tmp_path / "out")
+    back = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "out").eval()
+    again = load_kimi_linear(tmp_path / "out").eval()
+    ids = torch.randint(3, 512, (1, 23))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, hf(ids).logits)
+        assert torch.equal(again(ids).logits, ours(ids).logits)
+
+
+def test_bad_checkpoints_get_clear_errors(checkpoint, tmp_path):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="config.json"):
+        load_kimi_linear(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["linear_num_heads"] = 8  # heads x head_dim no longer matches the weights
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(ValueError, match="shape"):
+        load_kimi_linear(bad)
+    with pytest.raises(ValueError, match="attn_res_block_size"):
+        save_kimi_linear(K3ForCausalLM(get_preset("k3-tiny")), tmp_path / "k3")

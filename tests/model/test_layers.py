@@ -1,0 +1,167 @@
+"""Layer-level contracts: KDA modes, MLA forms, MoE grouping and bias, AttnRes mixing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close
+from k3.kernels.situ_glu import naive_swiglu, situ_glu
+from k3.model import get_preset
+from k3.model.attn_res import BlockStats, merge_partial, mix_naive
+from k3.model.kda import KDAState, KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import LatentMoE
+from k3.model.norm import rms_norm
+
+
+def tiny(**kw):
+    return get_preset("k3-tiny", **kw)
+
+
+def build(cls, cfg, seed=0):
+    torch.manual_seed(seed)
+    m = cls(cfg) if cls is LatentMoE else cls(cfg, 0)
+    m.reset_parameters()
+    return m.eval()
+
+
+@pytest.mark.parametrize("gate,og", [("bounded", "full"), ("unbounded", "low_rank")])
+def test_kda_prefill_then_decode_equals_one_forward(gate, og):
+    cfg = tiny(kda_gate=gate, kda_output_gate=og)
+    layer = build(KimiDeltaAttention, cfg)
+    x = torch.randn(2, 40, cfg.hidden_size)
+    with torch.no_grad():
+        full, full_state = layer(x)
+        out, st = layer(x[:, :33])
+        pool = KDAState(st.conv.clone(), st.recurrent.clone())
+        steps = [out]
+        for t in range(33, 40):
+            o, _ = layer(x[:, t:t + 1], state_pool=pool, slot_idx=torch.arange(2))
+            steps.append(o)
+    assert_close("decode outputs", torch.cat(steps, 1), full, 1e-5)
+    assert_close("recurrent state", pool.recurrent, full_state.recurrent, 1e-5)
+    assert_close("conv state", pool.conv, full_state.conv, 1e-6)
+
+
+def test_kda_prefill_in_pieces_and_packed():
+    cfg = tiny()
+    layer = build(KimiDeltaAttention, cfg)
+    x = torch.randn(1, 50, cfg.hidden_size)
+    with torch.no_grad():
+        full, _ = layer(x)
+        a, st = layer(x[:, :2])  # shorter than the conv window: state must carry old inputs
+        b, st = layer(x[:, 2:21], state=st)
+        c, _ = layer(x[:, 21:], state=st)
+        assert_close("pieces", torch.cat([a, b, c], 1), full, 1e-5)
+        y = torch.randn(1, 13, cfg.hidden_size)
+        packed, _ = layer(torch.cat([x, y], 1), cu_seqlens=torch.tensor([0, 50, 63]))
+        alone, _ = layer(y)
+    assert_close("packed seq 0", packed[:, :50], full, 1e-5)
+    assert_close("packed seq 1", packed[:, 50:], alone, 1e-5)
+
+
+@pytest.mark.parametrize("q_lora,gate", [(64, True), (None, False)])
+def test_mla_absorbed_equals_naive(q_lora, gate):
+    cfg = tiny(q_lora_rank=q_lora, mla_output_gate=gate)
+    layer = build(GatedMLA, cfg)
+    B, T = 2, 21
+    x = torch.randn(B, T, cfg.hidden_size)
+    with torch.no_grad():
+        naive = layer(x)
+        # absorbed: a paged cache with block size 8, pages deliberately out of order
+        kv = torch.zeros(8, 8, cfg.mla_latent_dim)
+        table = torch.tensor([[5, 1, 6], [0, 7, 3]])
+        layer(x[:, :5], kv_cache=kv, block_table=table, context_lens=torch.zeros(B, dtype=torch.long))
+        outs = [layer(x[:, t:t + 1], kv_cache=kv, block_table=table, context_lens=torch.full((B,), t))
+                for t in range(5, T)]
+        # and a multi-token chunk continuing from a context, absorbed too
+        kv2 = torch.zeros_like(kv)
+        layer(x[:, :9], kv_cache=kv2, block_table=table, context_lens=torch.zeros(B, dtype=torch.long))
+        chunk = layer(x[:, 9:], kv_cache=kv2, block_table=table, context_lens=torch.full((B,), 9))
+    assert_close("absorbed decode", torch.cat(outs, 1), naive[:, 5:], 1e-5)
+    assert_close("absorbed chunk", chunk, naive[:, 9:], 1e-5)
+
+
+def test_mla_packed_matches_separate():
+    cfg = tiny()
+    layer = build(GatedMLA, cfg)
+    a, b = torch.randn(1, 7, cfg.hidden_size), torch.randn(1, 12, cfg.hidden_size)
+    with torch.no_grad():
+        packed = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 7, 19]))
+        assert_close("seq a", packed[:, :7], layer(a), 1e-6)
+        assert_close("seq b", packed[:, 7:], layer(b), 1e-6)
+
+
+@pytest.mark.parametrize("latent", [64, None])
+def test_grouped_experts_equal_loop(latent):
+    cfg = tiny(moe_latent_size=latent)
+    moe = build(LatentMoE, cfg)
+    x = torch.randn(3, 17, cfg.hidden_size)
+    y, r = moe(x)
+    moe.use_loop = True
+    y2, r2 = moe(x)
+    assert torch.equal(r.topk_idx, r2.topk_idx)
+    assert_close("moe output", y, y2, 1e-6)
+    assert int(r.counts.sum()) == 3 * 17 * cfg.num_experts_per_token
+
+
+def test_router_bias_changes_selection_only_and_gets_no_gradient():
+    cfg = tiny()
+    moe = build(LatentMoE, cfg).train()
+    x = torch.randn(64, cfg.hidden_size)
+    _, r0 = moe(x)
+    bias = torch.zeros(cfg.num_experts)
+    bias[3] = 10.0  # expert 3 chosen by every token
+    moe.gate.bias.copy_(bias)
+    y, r1 = moe(x)
+    assert bool((r1.topk_idx == 3).any(-1).all()), "the bias did not change the selection"
+    assert not torch.equal(r0.topk_idx, r1.topk_idx)
+    # weights are the unbiased scores of the chosen experts, renormalised, times routed_scaling
+    chosen = r1.scores.gather(1, r1.topk_idx)
+    expect = chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling
+    assert_close("weights from unbiased scores", r1.topk_weight, expect, 1e-6)
+    assert_close("scores unchanged by bias", r1.scores, r0.scores, 0)
+    y.sum().backward()
+    assert not moe.gate.bias.requires_grad and moe.gate.bias.grad is None
+    assert "gate.bias" not in dict(moe.named_parameters())
+    assert moe.gate.weight.grad is not None
+    # margins: exactly k experts have a positive margin under the bias that chose them
+    biased_margin = r1.margins + moe.gate.bias
+    assert bool(((biased_margin > 0).sum(-1) == cfg.num_experts_per_token).all())
+
+
+def test_attn_res_zero_queries_mix_uniformly():
+    srcs = [torch.randn(2, 5, 16) for _ in range(4)]
+    out = mix_naive(srcs, torch.zeros(16), 1e-5)
+    assert_close("uniform", out, torch.stack(srcs).mean(0), 1e-6)
+
+
+def test_attn_res_two_phase_equals_one_softmax():
+    torch.manual_seed(0)
+    blocks = [torch.randn(2, 5, 16) for _ in range(3)]
+    partial = torch.randn(2, 5, 16)
+    Q = torch.randn(4, 16)
+    V = torch.stack(blocks)
+    stats = BlockStats.compute(V, rms_norm(V, None, 1e-5), Q)
+    for s in range(4):
+        assert_close(f"sub-layer {s}", merge_partial(stats, s, partial, Q[s], 1e-5, torch.float32),
+                     mix_naive(blocks + [partial], Q[s], 1e-5), 1e-6)
+        assert_close(f"sub-layer {s} (block start)", merge_partial(stats, s, None, Q[s], 1e-5, torch.float32),
+                     mix_naive(blocks, Q[s], 1e-5), 1e-6)
+
+
+def test_k3_preset_has_8_depth_slots():
+    assert get_preset("k3").attn_res_num_blocks == 8
+    assert get_preset("k3").attn_res_block_size == 12
+    assert get_preset("kimi-linear-48b-a3b").attn_res_num_blocks == 0
+
+
+def test_situ_glu_bounds_and_small_signal():
+    g = torch.linspace(-1e3, 1e3, 1001)
+    h = situ_glu(g, g.flip(0))
+    assert h.abs().max() <= 100.0
+    small = torch.randn(100) * 1e-2
+    assert_close("~SwiGLU near 0", situ_glu(small, small), naive_swiglu(small, small), 1e-2)
+    assert situ_glu(torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="shape"):
+        situ_glu(torch.ones(3), torch.ones(4))

@@ -1,0 +1,138 @@
+"""K3ForCausalLM end to end on k3-tiny: cache, packing, training, validation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3.model import K3Config, K3ForCausalLM, SamplingConfig, generate, get_preset
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(get_preset("k3-tiny")).eval()
+    with torch.no_grad():  # non-trivial depth mixing, so AttnRes is exercised
+        m.model.attn_res.queries.normal_(0, 0.05)
+    return m
+
+
+def test_every_k3_feature_is_on_in_tiny():
+    c = get_preset("k3-tiny")
+    assert c.layer_types[-1] == "mla" and c.layer_types.count("kda") == 3 * c.layer_types.count("mla")
+    assert c.kda_gate == "bounded" and c.mla_output_gate and c.attn_res_block_size
+    assert c.moe_latent_size and c.num_shared_experts >= 1 and c.activation == "situ_glu"
+    assert c.mlp_types[0] == "dense" and set(c.mlp_types[1:]) == {"moe"}
+
+
+def test_cached_generation_equals_uncached_forward(model):
+    prompts = [[5, 17, 99, 3, 250, 7, 8, 1000, 42, 11], list(range(100, 123))]
+    toks, logits = generate(model, prompts, SamplingConfig(max_new_tokens=10), return_logits=True)
+    for p, t, lg in zip(prompts, toks, logits):
+        with torch.no_grad():
+            ref = model(torch.tensor([p + t])).logits[0, len(p) - 1:-1]
+        err = (ref - lg).abs().max().item()
+        assert err <= 1e-4, f"cached vs uncached logits differ by {err}"
+        assert t == ref.argmax(-1).tolist()
+
+
+def test_packed_batch_equals_one_by_one(model):
+    seqs = [torch.randint(0, 4096, (n,)) for n in (5, 70, 1, 33)]
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], cu_seqlens=cu).logits[0]
+        for i, s in enumerate(seqs):
+            alone = model(s[None]).logits[0]
+            err = (packed[cu[i]:cu[i + 1]] - alone).abs().max().item()
+            assert err <= 1e-4, f"sequence {i}: packed vs alone differ by {err}"
+
+
+def test_packed_loss_never_crosses_a_boundary(model):
+    a, b = torch.randint(0, 4096, (1, 9)), torch.randint(0, 4096, (1, 12))
+    with torch.no_grad():
+        la = model(a, labels=a).loss * 8
+        lb = model(b, labels=b).loss * 11
+        packed = torch.cat([a, b], 1)
+        lp = model(packed, cu_seqlens=torch.tensor([0, 9, 21]), labels=packed).loss * 19
+    assert abs(float(lp) - float(la + lb)) < 1e-3
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    sc = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=123)
+    a = generate(model, [[1, 2, 3]], sc)
+    b = generate(model, [[1, 2, 3]], sc)
+    assert a == b
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[1]], SamplingConfig(top_p=0.0))
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, [[1]], SamplingConfig(temperature=-1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[1]], SamplingConfig(max_new_tokens=0))
+    with pytest.raises(ValueError, match="prompts"):
+        generate(model, [[]])
+
+
+def test_overfits_a_small_batch():
+    torch.manual_seed(0)
+    cfg = get_preset("k3-tiny")
+    m = K3ForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (4, 64))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0)
+    first = None
+    for step in range(200):
+        loss = m(ids, labels=ids).loss
+        first = first if first is not None else loss.item()
+        if loss.item() <= 0.1 * first:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() <= 0.1 * first, f"loss {first:.3f} -> {loss.item():.3f} after {step + 1} steps"
+
+
+def test_bad_inputs_get_value_errors(model):
+    with pytest.raises(ValueError, match="out of range"):
+        model(torch.tensor([[1, 4096]]))
+    with pytest.raises(ValueError, match="out of range"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.ones(1, 3))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(torch.tensor([[1, 2, 3]]), cu_seqlens=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="labels"):
+        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="biases"):
+        model.set_router_bias(torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(num_experts_per_token=16), "num_experts_per_token"),
+    (dict(layer_types=["kda"] * 7), "layer_types"),
+    (dict(mlp_types=["moe"] * 9), "mlp_types"),
+    (dict(attn_res_block_size=0), "attn_res_block_size"),
+    (dict(kda_num_heads=0), "kda_num_heads"),
+    (dict(layer_types=["kda"] * 7 + ["attention"]), "layer_types"),
+    (dict(kda_chunk_size=40), "kda_chunk_size"),
+    (dict(activation="gelu"), "activation"),
+    (dict(eos_token_id=5000), "eos_token_id"),
+])
+def test_inconsistent_configs_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        get_preset("k3-tiny", **change)
+
+
+def test_config_json_roundtrip(tmp_path):
+    for name in ("k3", "k3-tiny", "kimi-linear-48b-a3b", "k3-small"):
+        c = get_preset(name)
+        p = tmp_path / f"{name}.json"
+        c.to_json(p)
+        assert K3Config.from_json(p) == c
+    d = json.loads(get_preset("k3-tiny").to_json())
+    d["bogus"] = 1
+    with pytest.raises(ValueError, match="bogus"):
+        K3Config.from_dict(d)
+    with pytest.raises(ValueError, match="preset"):
+        get_preset("k4")
