@@ -26,10 +26,10 @@ demo: $(STAMP)
 	$(BIN)/python jobs/demo.py
 
 lint: $(STAMP)
-	$(BIN)/lint-imports
+	.ci/lint-imports
 
 test: $(STAMP)
-	$(BIN)/lint-imports
+	.ci/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
