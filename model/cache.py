@@ -77,7 +77,9 @@ class CacheBatch:
     mla_kv: dict[int, torch.Tensor]
     block_table: torch.Tensor
     context_lens: torch.Tensor
-    # Per-layer hooks the engine may set to snapshot KDA states at token offsets (prefix caching).
+    # Prefix caching: the owner may set extras["kda_snapshot_offsets"] = {sequence index: [offsets
+    # into its new tokens]}; each KDA layer then leaves extras["kda_snapshots"][layer] =
+    # [(sequence index, offset, KDAState)] with the exact state after that many new tokens.
     extras: dict = field(default_factory=dict)
 
     @property

@@ -128,12 +128,18 @@ class KimiDeltaAttention(nn.Module):
         state: KDAState | None = None,
         slot_idx: torch.Tensor | None = None,
         state_pool: KDAState | None = None,
+        snapshot_offsets: dict[int, list[int]] | None = None,
+        snapshots_out: list | None = None,
     ) -> tuple[torch.Tensor, KDAState | None]:
         """x: [B, T, D] (or [1, T, D] packed with cu_seqlens [N + 1]).
 
         Chunkwise mode: `state` (optional) gives each sequence's starting state; returns the final
         state. Decode mode (T == 1, `state_pool` and `slot_idx` given): reads and updates the pool
         in place and returns None.
+
+        snapshot_offsets {sequence index: [token offsets within its tokens here]} asks for the exact
+        state after those many tokens (prefix caching checkpoints at block boundaries); each is
+        appended to snapshots_out as (sequence index, offset, KDAState of one sequence).
         """
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
@@ -143,21 +149,60 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, (B + 1) * T, T, device=x.device)
         xt = x.reshape(B * T, D)
-        qkv = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
-        qkv, conv_state = causal_conv1d(qkv, self.conv_weight, None if state is None else state.conv, cu_seqlens)
+        qkv_in = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
+        qkv, conv_state = causal_conv1d(qkv_in, self.conv_weight, None if state is None else state.conv, cu_seqlens)
         q, k, v = F.silu(qkv).reshape(B, T, 3, H, K).unbind(2)
         q, k = l2norm(q), l2norm(k)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, final = chunk_kda(
-            q, k, v, g, beta,
-            initial_state=None if state is None else state.recurrent,
-            output_final_state=True,
-            cu_seqlens=packed_cu,
+        init = None if state is None else state.recurrent
+        if snapshot_offsets:
+            o, final = self._chunk_with_snapshots(q, k, v, g, beta, init, cu_seqlens, qkv_in.detach(), state,
+                                                  snapshot_offsets, snapshots_out)
+        else:
+            o, final = self._chunk(q, k, v, g, beta, init, packed_cu)
+        return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
+
+    def _chunk(self, q, k, v, g, beta, init, cu_seqlens):
+        return chunk_kda(
+            q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens,
             chunk_size=self.cfg.kda_chunk_size,
             lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
         )
-        return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
+
+    def _chunk_with_snapshots(self, q, k, v, g, beta, init, cu_seqlens, qkv_in, state, offsets, out):
+        """Run each sequence piece by piece, cutting at the requested offsets, and record states.
+
+        q..beta are [B, T, ...] with tokens flattened per cu_seqlens; qkv_in is the pre-conv input
+        [B*T, 3HK], from which the conv state at any offset is read directly."""
+        B, T = k.shape[:2]
+        flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+        q, k, v, g, beta = (flat(t) for t in (q, k, v, g, beta))
+        W1 = self.cfg.kda_conv_size - 1
+        outs, finals = [], []
+        cu = cu_seqlens.tolist()
+        for i in range(len(cu) - 1):
+            a, b = cu[i], cu[i + 1]
+            S = None if init is None else init[i:i + 1]
+            cuts = sorted({o for o in offsets.get(i, []) if 0 < o <= b - a})
+            if (b - a) and cuts and cuts[-1] != b - a:
+                cuts.append(b - a)
+            prev = 0
+            conv0 = qkv_in.new_zeros(qkv_in.shape[1], W1) if state is None else state.conv[i].to(qkv_in.dtype)
+            for c in cuts or ([b - a] if b > a else []):
+                sl = slice(a + prev, a + c)
+                o, S = self._chunk(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S, None)
+                outs.append(o)
+                if out is not None and c in offsets.get(i, []):
+                    window = torch.cat([conv0, qkv_in[a:a + c].T], dim=-1)[:, -W1:]
+                    out.append((i, c, KDAState(conv=window.clone(), recurrent=S[0].clone())))
+                prev = c
+            if S is None:  # an empty sequence keeps its state
+                S = init[i:i + 1] if init is not None else q.new_zeros(1, self.num_heads, self.head_dim,
+                                                                       self.head_dim, dtype=torch.float32)
+            finals.append(S)
+        o = torch.cat(outs, dim=1).reshape(B, T, *outs[0].shape[2:])
+        return o, torch.cat(finals)
 
     def _decode(self, x: torch.Tensor, pool: KDAState, slot_idx: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape

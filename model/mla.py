@@ -107,10 +107,42 @@ class GatedMLA(nn.Module):
             return self._naive(x, lat, cu_seqlens if B == 1 else None)
         q_nope, q_rope = self.query(xt)  # [BT, H, *]
         W_uk, W_uv = self._w_kv()
-        q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)
-        ctx = mla_decode(q_lat, q_rope, kv_cache, block_table[seq], pos + 1, self.scale)  # [BT, H, L]
+        q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)  # [BT, H, L]
+        if int(lengths.max()) == 1:  # pure decode: one paged-attention call for the whole batch
+            ctx = mla_decode(q_lat, q_rope, kv_cache, block_table, pos + 1, self.scale)
+        else:
+            ctx = torch.empty_like(q_lat)
+            one = (lengths == 1).nonzero().flatten()
+            if one.numel():
+                rows = cu_seqlens[:-1][one]
+                ctx[rows] = mla_decode(q_lat[rows], q_rope[rows], kv_cache, block_table[one], pos[rows] + 1, self.scale)
+            for i in (lengths > 1).nonzero().flatten().tolist():
+                a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+                ctx[a:b] = self._absorbed_chunk(q_lat[a:b], q_rope[a:b], kv_cache, block_table[i], int(context_lens[i]))
         o = torch.einsum("nhl,hvl->nhv", ctx, W_uv)
         return self._finish(o, xt).reshape(B, T, -1)
+
+    def _absorbed_chunk(self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                        table: torch.Tensor, context: int, tile: int = 512) -> torch.Tensor:
+        """Several new tokens of one sequence over its cached latents (context tokens before them).
+
+        Reads the sequence's pages once and tiles the queries so memory stays at
+        H x tile x (context + n) scores, however long the context."""
+        n = q_lat.shape[0]
+        total = context + n
+        bs = kv_cache.shape[1]
+        pos = torch.arange(total, device=q_lat.device)
+        rows = kv_cache[table[pos // bs].long(), pos % bs].float()  # [S, L + R]
+        c, r = rows[:, : self.lora], rows[:, self.lora:]
+        out = torch.empty(n, self.num_heads, self.lora, dtype=torch.float32, device=q_lat.device)
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
+            score = (torch.einsum("nhl,sl->nhs", q_lat[a:b].float(), c)
+                     + torch.einsum("nhr,sr->nhs", q_rope[a:b].float(), r)) * self.scale
+            visible = pos[None, :] <= (context + torch.arange(a, b, device=q_lat.device))[:, None]  # [tile, S]
+            score = score.masked_fill(~visible[:, None, :], float("-inf"))
+            out[a:b] = torch.einsum("nhs,sl->nhl", torch.softmax(score, dim=-1), c)
+        return out.to(q_lat.dtype)
 
     def _naive(self, x: torch.Tensor, lat: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -49,12 +49,13 @@ class DecoderLayer(nn.Module):
             return out.reshape(x.shape)
         slots = cache.kda_slots
         start = KDAState(conv.index_select(0, slots), rec.index_select(0, slots))
-        out, final = self.self_attn(x, cache.cu_seqlens, state=start)
+        snaps: list = []
+        out, final = self.self_attn(x, cache.cu_seqlens, state=start,
+                                    snapshot_offsets=cache.extras.get("kda_snapshot_offsets"), snapshots_out=snaps)
+        if snaps:
+            cache.extras.setdefault("kda_snapshots", {})[self.idx] = snaps
         conv.index_copy_(0, slots, final.conv.to(conv.dtype))
         rec.index_copy_(0, slots, final.recurrent)
-        hook = cache.extras.get("kda_final_hook")
-        if hook is not None:
-            hook(self.idx, final)
         return out
 
     def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from k3.model import SamplingConfig, generate, get_preset, K3ForCausalLM
+from helpers import kimi_linear_torch_only
 from k3.model.hf_kimi import load_kimi_linear, save_kimi_linear
 
 transformers = pytest.importorskip("transformers")
+kimi_linear_torch_only()  # transformers' torch path, never fla's GPU kernels
 
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,

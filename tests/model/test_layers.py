@@ -165,3 +165,20 @@ def test_situ_glu_bounds_and_small_signal():
     assert situ_glu(torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="shape"):
         situ_glu(torch.ones(3), torch.ones(4))
+
+
+def test_kda_snapshots_are_the_exact_prefix_states():
+    cfg = tiny()
+    layer = build(KimiDeltaAttention, cfg)
+    x = torch.randn(1, 100, cfg.hidden_size)
+    snaps = []
+    with torch.no_grad():
+        y, fin = layer(x, cu_seqlens=torch.tensor([0, 60, 100]), snapshot_offsets={0: [2, 33, 60], 1: [5]},
+                       snapshots_out=snaps)
+        full0, st0 = layer(x[:, :60])
+        assert_close("output unchanged by snapshots", y[:, :60], full0, 1e-5)
+        want = {(0, 2): layer(x[:, :2])[1], (0, 33): layer(x[:, :33])[1], (0, 60): st0, (1, 5): layer(x[:, 60:65])[1]}
+    assert sorted((i, c) for i, c, _ in snaps) == sorted(want)
+    for i, c, s in snaps:
+        assert_close(f"recurrent@{i},{c}", s.recurrent, want[(i, c)].recurrent[0], 1e-5)
+        assert_close(f"conv@{i},{c}", s.conv, want[(i, c)].conv[0], 1e-6)
