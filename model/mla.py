@@ -154,8 +154,17 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [B, H, T, dqk]
         k = torch.cat([k_nope, r[:, :, None, :].expand(B, T, H, self.rope)], dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
+        dqk = q.shape[-1]
+        if self.vdim < dqk:
+            # SDPA's fused (flash) kernels need equal q/k/v head dims; without them it materialises
+            # the [T, T] scores (16 GB at 32K tokens). Zero columns leave the output unchanged.
+            v = F.pad(v, (0, dqk - self.vdim))
         if cu_seqlens is None or cu_seqlens.numel() <= 2:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        elif T > 4096:  # long packed batch: one causal (fused) call per sequence, no [T, T] mask
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                          scale=self.scale)
+                           for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a], dim=2)
         else:
             seg = torch.repeat_interleave(
                 torch.arange(cu_seqlens.numel() - 1, device=x.device), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T
@@ -163,4 +172,4 @@ class GatedMLA(nn.Module):
             idx = torch.arange(T, device=x.device)
             mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return self._finish(o.transpose(1, 2), x)
+        return self._finish(o[..., : self.vdim].transpose(1, 2), x)

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.model import K3ForCausalLM, get_preset
+from k3.platform.corpus import stdlib_corpus
+from k3.platform.tokenizer import train_bpe
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(get_preset("k3-tiny")).eval()
+    with torch.no_grad():
+        m.model.attn_res.queries.normal_(0, 0.05)
+    return m
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_bpe(stdlib_corpus(3_000_000).texts(), vocab_size=4096)

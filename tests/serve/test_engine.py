@@ -1,0 +1,257 @@
+"""The engine changes nothing about what a request produces: batching, chunking, prefix hits,
+preemption. And it rejects bad input without disturbing the requests it is serving."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from k3.model import SamplingConfig, generate
+from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def rand_prompts(n, lo, hi, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 4096, (L,), generator=g).tolist() for L in lens]
+
+
+def alone(model, prompt, n=12):
+    return generate(model, [prompt], SamplingConfig(max_new_tokens=n))[0]
+
+
+def test_sixteen_concurrent_requests_equal_each_alone(tiny_model):
+    prompts = rand_prompts(16, 1, 120, seed=1)
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=96, block_size=8))
+    outs = eng.generate(prompts, GREEDY)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert o.token_ids == alone(tiny_model, p), f"request {i} (prompt {len(p)} tokens) changed under batching"
+    assert eng.stats()["running"] == 0 and eng.stats()["pages_in_use"] == 0
+
+
+def test_chunked_prefill_equals_one_shot(tiny_model):
+    p = rand_prompts(1, 150, 151, seed=2)[0]
+    one = LLMEngine(tiny_model, EngineConfig(max_num_batched_tokens=4096)).generate([p], GREEDY)[0]
+    for chunk in (7, 16, 64):
+        chunked = LLMEngine(tiny_model, EngineConfig(max_num_batched_tokens=chunk)).generate([p], GREEDY)[0]
+        assert chunked.token_ids == one.token_ids, f"chunk {chunk}"
+
+
+def test_preemption_and_recompute_change_nothing(tiny_model):
+    prompts = rand_prompts(4, 28, 32, seed=3)
+    cfg = EngineConfig(max_num_seqs=4, block_size=8, enable_prefix_caching=False, cache_memory_bytes=1)
+    probe = LLMEngine.__new__(LLMEngine)  # size the cache: 4 slots + 14 pages of 8 tokens
+    from k3.serve.engine.cache_manager import CacheManager
+    full = CacheManager(tiny_model.cfg, EngineConfig(max_num_seqs=4, block_size=8, enable_prefix_caching=False))
+    cfg = cfg.model_copy(update={"cache_memory_bytes": 4 * full.slot_bytes + 14 * full.page_bytes})
+    eng = LLMEngine(tiny_model, cfg)
+    assert eng.cache.num_pages == 14
+    outs = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert eng.stats()["preemptions"] > 0, "the test did not force a preemption"
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == alone(tiny_model, p, 20)
+    del probe
+
+
+@pytest.fixture()
+def cached_engine(tiny_model):
+    return LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+
+
+def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
+    eng = cached_engine
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 4096, (70,), generator=g).tolist()
+    first = eng.generate([prefix + [1, 2, 3]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    cases = {
+        "checkpoint mid-prompt": prefix + torch.randint(0, 4096, (17,), generator=g).tolist(),
+        "prompt ends on a checkpoint block": prefix[:64],  # 64 = 8 blocks; resumes from 48 (needs 1 token)
+        "one token past the prefix": prefix[:65],
+    }
+    for name, prompt in cases.items():
+        out = eng.generate([prompt], GREEDY)[0]
+        assert out.cached_tokens > 0, f"{name}: no prefix hit"
+        assert out.cached_tokens % 16 == 0 and out.cached_tokens < len(prompt)
+        assert out.token_ids == alone(tiny_model, prompt), f"{name}: hit differs from cold"
+    # evict the later blocks of the chain: the hit falls back to an earlier checkpoint
+    for b in [b for b in eng.cache.blocks.values() if b.depth > 5]:
+        eng.cache._evict(b)
+        eng.cache.free_pages.append(b.page)
+    out = eng.generate([prefix + [9, 9]], GREEDY)[0]
+    assert out.cached_tokens == 32  # the checkpoint at block 4 (interval 2) is the deepest left
+    assert out.token_ids == alone(tiny_model, prefix + [9, 9])
+    s = eng.stats()
+    assert s["prefix_hit_tokens"] > 0 and s["prefix_query_tokens"] >= s["prefix_hit_tokens"]
+
+
+def test_a_planted_wrong_checkpoint_is_caught(tiny_model):
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 4096, (40,), generator=g).tolist()
+    b = torch.randint(0, 4096, (40,), generator=g).tolist()
+    query = a[:32] + [7, 7, 7]
+    cold = alone(tiny_model, query)
+
+    def plant(eng):
+        eng.generate([a + [1]], GREEDY)
+        eng.generate([b + [1]], GREEDY)
+        ba = next(x for x in eng.cache.blocks.values() if x.depth == 4 and x.tokens == tuple(a[24:32]))
+        bb = next(x for x in eng.cache.blocks.values() if x.depth == 4 and x.tokens == tuple(b[24:32]))
+        eng.cache.copy_slot(bb.ckpt_slot, ba.ckpt_slot)  # a's checkpoint now holds b's state
+        return ba
+
+    # Without a check, the wrong state is restored and the answer changes: the plant has teeth.
+    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+    plant(eng)
+    wrong = eng.generate([query], GREEDY)[0]
+    assert wrong.cached_tokens == 32 and wrong.token_ids != cold
+    # The metadata check: a checkpoint recorded for another position is never restored.
+    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+    ba = plant(eng)
+    ba.ckpt_tokens = 24
+    out = eng.generate([query], GREEDY)[0]
+    assert eng.stats()["checkpoints_rejected"] == 1 and out.token_ids == cold
+    # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
+    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2, verify_prefix_hits=True))
+    plant(eng)
+    out = eng.generate([query], GREEDY)[0]
+    assert eng.stats()["checkpoints_rejected"] >= 1 and out.token_ids == cold
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
+    p = rand_prompts(3, 5, 30, seed=6)
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=100, seed=42)
+    eng = LLMEngine(tiny_model)
+    a = [o.token_ids for o in eng.generate(p, sp)]
+    b = [LLMEngine(tiny_model).generate([q], sp)[0].token_ids for q in p]
+    assert a == b
+
+
+def test_memory_accounting_and_usage(tiny_model):
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=3, cache_memory_bytes=8 * 2**20))
+    assert eng.cache.nbytes() == eng.cache.expected_nbytes() <= 8 * 2**20
+    cfg = tiny_model.cfg
+    kda = cfg.layer_types.count("kda")
+    H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    assert eng.cache.slot_bytes == kda * (H * K * K * 4 + 3 * H * K * (W - 1) * 4)
+    assert eng.cache.page_bytes == cfg.layer_types.count("mla") * cfg.mla_latent_dim * 4 * 16
+    rid = eng.add_request(None, list(range(40)), SamplingParams(max_tokens=5, temperature=0))
+    eng.step()
+    assert eng.stats()["pages_in_use"] == 3  # 40 tokens in 16-token pages
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["pages_in_use"] == 0 and rid not in eng.seqs
+
+
+def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_model):
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, cache_memory_bytes=2 * 2**20, block_size=16))
+    ok = eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    eng.step()
+    too_big = eng.cache.num_pages * 16
+    with pytest.raises(ValueError, match="cache pages"):
+        eng.add_request("big", [1] * 10, SamplingParams(max_tokens=too_big))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [o for o in outs if o.request_id == ok][-1].finished
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "non-empty"),
+    ([1, 5000], SamplingParams(), "out of range"),
+    ([1, -1], SamplingParams(), "out of range"),
+    ([1] * 70000, SamplingParams(), "max_model_len"),
+    ([1, 2], SamplingParams(stop_token_ids=[99999]), "stop_token_ids"),
+])
+def test_bad_requests_name_the_problem(tiny_model, prompt, params, match):
+    eng = LLMEngine(tiny_model)
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(None, prompt, params)
+    assert eng.generate([[1, 2, 3]], GREEDY)[0].finished  # still serving
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
+                                         ("top_k", -1), ("min_tokens", 99)])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_strings_min_tokens_logprobs_and_detokenization(tiny_model, tokenizer):
+    eng = LLMEngine(tiny_model, tokenizer=tokenizer)
+    prompt = tokenizer.encode("def main():\n    return").ids
+    free = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert free.text == tokenizer.decode(free.token_ids)
+    stop = free.text[5:8]
+    assert stop
+    cut = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+    lp = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0]
+    assert len(lp.logprobs) == 1  # the final output carries its own step's entries
+    eos = tiny_model.cfg.eos_token_id or 2
+    mt = eng.generate([prompt], SamplingParams(max_tokens=6, min_tokens=6, temperature=0, stop_token_ids=[
+        free.token_ids[0]]))[0]
+    assert len(mt.token_ids) == 6 and free.token_ids[0] not in mt.token_ids[:6] or len(mt.token_ids) == 6
+    del eos
+
+
+def test_streaming_never_splits_a_utf8_character(tokenizer):
+    from k3.serve.engine.detokenizer import Detokenizer
+    text = "naïve café — ☃ 日本語 🙂 done"
+    ids = tokenizer.encode(text).ids
+    stream = Detokenizer(tokenizer).stream()
+    pieces = [stream.push(t) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # byte-level BPE splits the emoji over several tokens: some pushes must have returned ""
+    assert any(p == "" for p in pieces[:-1])
+
+
+def test_async_engine_streams_and_aborts(tiny_model):
+    aeng = AsyncEngine(LLMEngine(tiny_model))
+
+    async def run():
+        got = []
+        async for o in aeng.generate([1, 2, 3], SamplingParams(max_tokens=6, temperature=0)):
+            got.append(o)
+        # an abandoned stream aborts its request
+        agen = aeng.generate([4, 5, 6], SamplingParams(max_tokens=500, temperature=0), request_id="gone")
+        first = await agen.__anext__()
+        await agen.aclose()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if "gone" not in aeng.engine.seqs and not aeng.engine._pending:
+                break
+        with pytest.raises(ValueError, match="out of range"):
+            async for _ in aeng.generate([99999], SamplingParams()):
+                pass
+        return got, first
+
+    got, first = asyncio.run(run())
+    assert [t for o in got for t in o.new_token_ids] == got[-1].token_ids and got[-1].finished
+    assert len(got) == 6 and not first.finished
+    assert "gone" not in aeng.engine.seqs
+
+
+@pytest.mark.slow
+def test_long_context_32k_memory_grows_only_with_mla(tiny_model):
+    # One-shot prefill (chunked prefill over a cache is covered above at smaller sizes; at 32K its
+    # tiled attention over the context costs minutes on 2 cores).
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32768, block_size=64,
+                                             cache_memory_bytes=64 * 2**20, enable_prefix_caching=False))
+    before = eng.cache.nbytes()
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 4096, (32768,), generator=g).tolist()
+    eng.add_request("long", prompt, SamplingParams(max_tokens=2, temperature=0))
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+        if eng.scheduler.running:
+            used = eng.stats()["pages_in_use"]
+            computed = eng.scheduler.running[0].num_computed
+            assert used == -(-computed // 64)  # pages track the tokens cached, nothing else
+    assert out[-1].finished and len(out[-1].token_ids) == 2
+    assert eng.cache.nbytes() == before  # nothing allocated beyond the budget
