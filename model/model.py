@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
@@ -30,7 +31,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = KimiDeltaAttention(cfg, idx) if self.kind == "kda" else GatedMLA(cfg, idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.mlp_types[idx] == "moe"
-        self.mlp = LatentMoE(cfg) if self.is_moe else GatedMLP(cfg, cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = LatentMoE(cfg, idx) if self.is_moe else GatedMLP(cfg, cfg.hidden_size, cfg.intermediate_size)
         self.idx = idx
 
     def attention(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: CacheBatch | None) -> torch.Tensor:
@@ -84,6 +85,7 @@ class K3Model(nn.Module):
             if cfg.attn_res_block_size is not None else None
         )
         self.naive_attn_res = False  # tests flip this to run the one-softmax reference
+        self.gradient_checkpointing = False  # recompute each sub-layer in backward (training memory)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: CacheBatch | None = None, collect_router: bool = False
@@ -91,14 +93,21 @@ class K3Model(nn.Module):
         h = self.embed_tokens(input_ids)
         routers: list[RouterOutput] = []
 
-        def sublayer(l: int, x: torch.Tensor) -> torch.Tensor:
+        def run(l: int, x: torch.Tensor) -> torch.Tensor:
             layer = self.layers[l // 2]
             if l % 2 == 0:
                 return layer.attention(x, cu_seqlens, cache)
             out, r = layer.feed_forward(x)
-            if r is not None and collect_router:
+            if r is not None and collect_router and len(routers) < n_moe:  # recompute in backward adds none
                 routers.append(r)
             return out
+
+        n_moe = sum(1 for layer in self.layers if layer.is_moe)
+
+        def sublayer(l: int, x: torch.Tensor) -> torch.Tensor:
+            if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(run, l, x, use_reentrant=False)
+            return run(l, x)
 
         if self.attn_res is None:
             for l in range(2 * self.cfg.num_layers):

@@ -95,63 +95,85 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated experts stored as stacked weights: gate/up [E, I, D_e], down [E, D_e, I]."""
+    """Routed experts [first, first + count) of E, as stacked weights: gate/up [count, I, D_e],
+    down [count, D_e, I]. A single device holds all E; under expert parallelism each rank builds
+    only its own range, and `dispatch` (set from outside, e.g. k3.platform.ep) moves tokens to
+    the rank that owns their expert and back."""
 
-    def __init__(self, cfg: K3Config, dim: int) -> None:
+    def __init__(self, cfg: K3Config, dim: int, layer_idx: int = 0, first: int = 0, count: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = layer_idx
         E, I = cfg.num_experts, cfg.moe_intermediate_size
-        self.w_gate = nn.Parameter(torch.empty(E, I, dim))
-        self.w_up = nn.Parameter(torch.empty(E, I, dim))
-        self.w_down = nn.Parameter(torch.empty(E, dim, I))
+        self.first = first
+        self.count = E - first if count is None else count
+        if not (0 <= first and first + self.count <= E and self.count >= 1):
+            raise ValueError(f"experts [{first}, {first + self.count}) is not a range inside [0, {E})")
+        self.w_gate = nn.Parameter(torch.empty(self.count, I, dim))
+        self.w_up = nn.Parameter(torch.empty(self.count, I, dim))
+        self.w_down = nn.Parameter(torch.empty(self.count, dim, I))
+        self.dispatch = None
+        self.init_seed = 0
 
     def reset_parameters(self) -> None:
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=self.cfg.initializer_range)
+        # One draw from the global RNG per layer, then a generator per (layer, expert): every
+        # expert gets the same values whichever rank builds it and however many others exist.
+        self.init_seed = int(torch.randint(0, 2**31 - 1, ()))
+        std = self.cfg.initializer_range
+        with torch.no_grad():
+            for local in range(self.count):
+                g = torch.Generator().manual_seed(self.init_seed * 1_000_003 + self.first + local)
+                for w in (self.w_gate, self.w_up, self.w_down):
+                    w[local].copy_(torch.randn(w.shape[1:], generator=g) * std)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert e on x [n, D_e]."""
         h = gated_activation(self.cfg, x @ self.w_gate[e].T, x @ self.w_up[e].T)
         return h @ self.w_down[e].T
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Grouped: sort the N*k (token, expert) pairs by expert, one matmul per contiguous group.
-
-        x: [N, D_e]; idx, weight: [N, k] -> [N, D_e]."""
-        N, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
-        xs = x[token]
-        outs = []
-        start = 0
+    def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each row of x [n, D_e] through its local expert local_ids [n]; rows sorted by expert,
+        one matmul per contiguous group, returned in the original order."""
+        order = local_ids.argsort(stable=True)
+        counts = torch.bincount(local_ids, minlength=self.count).tolist()
+        xs = x[order]
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(self.expert(e, xs[start : start + n]))
+                outs.append(self.expert(e, xs[start:start + n]))
             start += n
         ys = torch.cat(outs) if outs else xs.new_zeros(0, x.shape[-1])
-        ys = ys * weight.reshape(-1)[order, None].to(ys.dtype)
+        return torch.empty_like(ys).index_copy(0, order, ys)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [N, D_e]; idx (global expert ids), weight: [N, k] -> sum_k weight * expert(x): [N, D_e]."""
+        if self.dispatch is not None:
+            return self.dispatch(self, x, idx, weight)
+        N, k = idx.shape
+        token = torch.arange(N, device=x.device).repeat_interleave(k)
+        ys = self.grouped(x[token], idx.reshape(-1) - self.first)
+        ys = ys * weight.reshape(-1, 1).to(ys.dtype)
         return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
 
     def forward_loop(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Readable reference: for each expert, gather its tokens, run it, add back weighted."""
         out = torch.zeros_like(x)
-        for e in range(self.cfg.num_experts):
-            tok, slot = torch.where(idx == e)
+        for e in range(self.count):
+            tok, slot = torch.where(idx == self.first + e)
             if tok.numel():
                 out.index_add_(0, tok, (self.expert(e, x[tok]) * weight[tok, slot, None]).to(x.dtype))
         return out
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         D = cfg.hidden_size
         self.latent = cfg.moe_latent_size is not None
         De = cfg.moe_latent_size if self.latent else D
         self.gate = Router(cfg)
-        self.experts = Experts(cfg, De)
+        self.experts = Experts(cfg, De, layer_idx)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)
         if self.latent:

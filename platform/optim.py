@@ -14,7 +14,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and "attn_res" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
 
 
 def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:

@@ -1,0 +1,179 @@
+"""Token data: a corpus in, fixed-length token shards (Parquet) and a manifest out.
+
+Input: a directory of text files (*.txt, *.py, *.md, ...), a JSONL file or directory of them
+(field `text`), a Parquet file or directory (column `text`), or "bundled" (the Python
+standard library's source). Output directory:
+
+    tokenizer.json
+    shard-00000.parquet ...    one column `tokens`: list<int32> of seq_len + 1 tokens per row
+    manifest.json              tokenizer hash, input fingerprint, counts, shard list
+
+Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifted labels).
+A rerun with the same input and settings finds the manifest and does nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from .corpus import stdlib_corpus
+from .tokenizer import special_ids, tokenizer_hash, train_bpe
+
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Manifest:
+    version: int
+    input: str
+    input_fingerprint: str
+    settings: dict
+    tokenizer: str
+    tokenizer_hash: str
+    vocab_size: int
+    special_ids: dict
+    seq_len: int
+    num_sequences: int
+    num_tokens: int
+    shards: list[str]
+
+    def shard_paths(self, root: str | Path) -> list[str]:
+        return [str(Path(root) / s) for s in self.shards]
+
+
+def _files(root: Path, suffixes: set[str]) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+def resolve_input(source: str) -> tuple[str, list[Path]]:
+    """(kind, files) for a corpus path; ValueError naming the problem otherwise."""
+    if source == "bundled":
+        return "bundled", stdlib_corpus().files
+    p = Path(source)
+    if not p.exists():
+        raise ValueError(f"input {source!r} does not exist")
+    if p.is_file():
+        kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(p.suffix, "text")
+        return kind, [p]
+    for kind, suf in (("jsonl", {".jsonl"}), ("parquet", {".parquet"})):
+        files = _files(p, suf)
+        if files:
+            return kind, files
+    files = _files(p, TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"input directory {source!r} holds no text, .jsonl or .parquet files")
+    return "text", files
+
+
+def iter_texts(kind: str, files: list[Path]) -> Iterator[str]:
+    for f in files:
+        if kind in ("text", "bundled"):
+            yield f.read_text(encoding="utf-8", errors="replace")
+        elif kind == "jsonl":
+            with open(f, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                        raise ValueError(f"{f}:{n}: each JSONL line needs a string field 'text'")
+                    yield row["text"]
+        else:
+            try:
+                table = pq.read_table(f, columns=["text"])
+            except Exception as e:  # pyarrow raises several types for corrupt files
+                raise ValueError(f"{f}: cannot read a 'text' column from Parquet ({e})") from None
+            yield from (t for t in table.column("text").to_pylist() if t)
+
+
+def fingerprint(kind: str, files: list[Path]) -> str:
+    h = hashlib.sha256(kind.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def read_manifest(out_dir: str | Path) -> Manifest:
+    p = Path(out_dir) / MANIFEST
+    if not p.exists():
+        raise ValueError(f"no {MANIFEST} in {out_dir}: run jobs/prepare_data.py first")
+    m = Manifest(**json.loads(p.read_text()))
+    missing = [s for s in m.shard_paths(out_dir) if not Path(s).exists()]
+    if missing:
+        raise ValueError(f"{out_dir}: manifest lists missing shards, e.g. {missing[0]}")
+    return m
+
+
+def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: int = 256,
+            rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True) -> tuple[Manifest, bool]:
+    """Tokenize a corpus into shards. Returns (manifest, whether anything was written)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+    out = Path(out_dir)
+    kind, files = resolve_input(source)
+    fp = fingerprint(kind, files)
+    settings = {"vocab_size": vocab_size, "seq_len": seq_len, "rows_per_shard": rows_per_shard, "max_bytes": max_bytes}
+    if (out / MANIFEST).exists():
+        try:
+            old = read_manifest(out)
+            if old.input_fingerprint == fp and old.settings == settings:
+                return old, False
+        except (ValueError, TypeError):
+            pass  # a broken or older manifest: rebuild
+    texts = list(iter_texts(kind, files))
+    if max_bytes is not None:
+        kept, total = [], 0
+        for t in texts:
+            if total >= max_bytes:
+                break
+            kept.append(t)
+            total += len(t.encode())
+        texts = kept
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"input {source!r} has no text")
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_bpe(texts, vocab_size=vocab_size)
+    ids = special_ids(tok)
+    stream: list[int] = []
+    for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
+        for enc in tok.encode_batch(texts[i:i + 256]):
+            stream.extend(enc.ids)
+            stream.append(ids["eos"])
+    row = seq_len + 1
+    n_rows = len(stream) // row
+    if n_rows == 0:
+        raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
+    for old_shard in out.glob("shard-*.parquet"):
+        old_shard.unlink()
+    shards = []
+    for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
+        rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
+        table = pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int32()))})
+        name = f"shard-{s:05d}.parquet"
+        tmp = out / (name + ".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, out / name)
+        shards.append(name)
+    tok.save(str(out / "tokenizer.json"))
+    m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",
+                 tokenizer_hash=tokenizer_hash(tok), vocab_size=tok.get_vocab_size(), special_ids=ids,
+                 seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * row, shards=shards)
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(asdict(m), indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)  # the manifest appears last: a crashed run is never "done"
+    return m, True
