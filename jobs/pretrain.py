@@ -26,7 +26,7 @@ if not os.environ.get("RAY_ADDRESS"):
 import torch
 
 from k3.platform.balance import BalanceConfig
-from k3.platform.train import TrainConfig, load_checkpoint_model, summarize, train_loop_per_worker
+from k3.platform.train import TrainConfig, load_checkpoint_model
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
@@ -70,89 +70,46 @@ if args.balance:
     fields["balance"] = {**fields.get("balance", {}), "method": args.balance}
 try:
     cfg = TrainConfig(**fields)
-    cfg = cfg.model_copy(update={"storage_path": str(Path(cfg.storage_path).resolve()),
-                                 "data": str(Path(cfg.data).resolve())})
     data_info = cfg.check()
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration: {e}")
-mcfg = cfg.model_cfg()
 print(f"pretrain: {cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, ZeRO-{cfg.zero_stage}, "
       f"balance {cfg.balance.method}, {cfg.steps} steps x {cfg.micro_batch * cfg.num_workers} sequences of "
       f"{data_info['seq_len']} tokens", flush=True)
 
-# 2. Ray: the job's cluster, or a local one on loopback.
+# 2. Ray: the job's cluster (RAY_ADDRESS, set by `ray job submit`), or a private local one.
 import ray  # noqa: E402
-import ray.data  # noqa: E402
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
+import ray.train  # noqa: E402
 
-from k3.platform.coordinator import get_or_create_coordinator  # noqa: E402
-from k3.platform.data import read_manifest  # noqa: E402
+from k3.platform.launch import fit  # noqa: E402
 
-if not ray.is_initialized():
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+if os.environ.get("RAY_ADDRESS"):
+    ray.init()
+else:
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
-run_dir = Path(cfg.storage_path) / cfg.name
-run_dir.mkdir(parents=True, exist_ok=True)
 
-# 3. The balance coordinator: a named actor that outlives worker restarts.
-coordinator = None
-n_moe = mcfg.mlp_types.count("moe")
-if cfg.balance.method != "none" and n_moe:
-    coordinator = get_or_create_coordinator(
-        cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
-        config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))
-
-# 4. Data: deterministic, equal splits of the shards, one per worker.
-ctx = ray.data.DataContext.get_current()
-ctx.execution_options.preserve_order = True
-manifest = read_manifest(cfg.data)
-splits = ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers, equal=True)
-
-# 5. Train.
-env = {"DS_ACCELERATOR": os.environ["DS_ACCELERATOR"], "TORCH_EXTENSIONS_DIR": os.environ.get(
-    "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")), "PYTHONUNBUFFERED": "1"}
-if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
-trainer = TorchTrainer(
-    train_loop_per_worker,
-    train_loop_config={"config": cfg.model_dump(), "splits": splits},
-    scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                 resources_per_worker={"CPU": 1} if not cfg.use_gpu else None),
-    run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
-                         failure_config=FailureConfig(max_failures=cfg.max_failures),
-                         checkpoint_config=CheckpointConfig(num_to_keep=3),
-                         worker_runtime_env={"env_vars": env}),
-)
+# 3. Train: coordinator, Ray Data splits, TorchTrainer (k3.platform.launch.fit).
 try:
-    result = trainer.fit()
-except Exception as e:  # Ray Train raises after max_failures restarts
-    sys.exit(f"pretrain: training failed: {e}")
+    summary = fit(cfg)
+except (ValueError, RuntimeError) as e:
+    sys.exit(f"pretrain: {e}")
 
-# 6. Summary and a sample from the final checkpoint, loaded as one single-process model.
-with result.checkpoint.as_directory() as d:
-    state = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
-    summary = {"config": {"preset": cfg.preset, "num_workers": cfg.num_workers, "ep_size": cfg.ep_size,
-                          "balance": cfg.balance.method, "steps": cfg.steps},
-               **summarize(state["history"]), "checkpoint": result.checkpoint.path}
-    if coordinator is not None:
-        summary["coordinator"] = {k: v for k, v in ray.get(coordinator.metrics.remote()).items() if k != "layers"}
-    print("summary " + json.dumps(summary))
-    if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-    if args.sample:
-        from tokenizers import Tokenizer
+# 4. Summary (per-layer MaxVio included) and a sample from the final checkpoint, loaded as one
+# single-process model.
+history = summary.pop("history")
+print("summary " + json.dumps(summary))
+if args.summary_json:
+    Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")
+if args.sample:
+    from tokenizers import Tokenizer
 
-        from k3.model import SamplingConfig, generate
+    from k3.model import SamplingConfig, generate
 
+    with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
         model = load_checkpoint_model(d)
         tok = Tokenizer.from_file(str(Path(d) / "k3" / "tokenizer.json"))
-        prompt = tok.encode("def ").ids
-        new = generate(model, [prompt], SamplingConfig(max_new_tokens=args.sample, temperature=0.8, top_p=0.95,
-                                                        seed=cfg.seed))[0]
-        print("sample:\n" + tok.decode(prompt + new))
-if coordinator is not None:
-    ray.kill(coordinator, no_restart=True)
+    prompt = tok.encode("def ").ids
+    new = generate(model, [prompt], SamplingConfig(max_new_tokens=args.sample, temperature=0.8, top_p=0.95,
+                                                    seed=cfg.seed))[0]
+    print("sample:\n" + tok.decode(prompt + new))

@@ -51,7 +51,7 @@ class TrainConfig(BaseModel):
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage.")
     micro_batch: int = Field(8, ge=1, description="Sequences per worker per step.")
     steps: int = Field(200, ge=1, description="Optimizer steps.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine).")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
@@ -93,6 +93,9 @@ class TrainConfig(BaseModel):
                              f"{m.num_sequences}")
         if self.balance.method in ("quantile", "quantile_hist") and cfg.num_experts_per_token >= cfg.num_experts:
             raise ValueError("quantile balancing needs num_experts_per_token < num_experts")
+        if self.balance.method == "quantile" and self.num_workers > 1:
+            raise ValueError("balance.method 'quantile' (exact) needs every token's margins in one process; with "
+                             "more than one worker use 'quantile_hist' (the coordinator's histogram solve)")
         return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
 
 
@@ -102,14 +105,15 @@ def _is_expert(name: str) -> bool:
 
 
 def save_model_files(model: K3ForCausalLM, out: Path, rank: int, ep_rank: int, ep_size: int,
-                     edp_rank: int) -> None:
+                     edp_rank: int, expert_opt: torch.optim.Optimizer | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items() if not _is_expert(k)}, out / "shared.pt")
         (out / "config.json").write_text(model.cfg.to_json() + "\n")
     if edp_rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in state.items() if _is_expert(k)},
+        torch.save({"weights": {k: v.detach().cpu() for k, v in state.items() if _is_expert(k)},
+                    "optimizer": expert_opt.state_dict() if expert_opt is not None else None},
                    out / f"experts-ep{ep_rank}-of-{ep_size}.pt")
 
 
@@ -126,7 +130,7 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalL
         n = int(parts[0].name.rsplit("-of-", 1)[1][:-3])
         if len(parts) != n:
             raise ValueError(f"{path}: expected {n} expert files, found {len(parts)}")
-        shards = [torch.load(p, map_location=device) for p in parts]
+        shards = [torch.load(p, map_location=device, weights_only=False)["weights"] for p in parts]
         for key in shards[0]:
             state[key] = torch.cat([s[key] for s in shards], dim=0)
     with torch.device("meta"):
@@ -136,6 +140,54 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalL
 
 
 # -- the worker ---------------------------------------------------------------------------------
+def _ep_groups(rank: int, world: int, ep: int):
+    """(expert-parallel group of this rank, expert-data-parallel group of this rank).
+
+    EP groups are consecutive ranks [0..ep), [ep..2ep), ...; the ranks holding the same experts
+    (same rank % ep) form the expert-data-parallel groups. Every rank creates every group, as
+    torch.distributed requires."""
+    import torch.distributed as dist
+
+    ep_group = edp_group = None
+    for start in range(0, world, ep):
+        g = dist.new_group(list(range(start, start + ep)))
+        if start <= rank < start + ep:
+            ep_group = g
+    for r in range(ep):
+        g = dist.new_group(list(range(r, world, ep)))
+        if rank % ep == r:
+            edp_group = g
+    return ep_group, edp_group
+
+
+def _reduce_and_clip_experts(experts: list, edp_group, world: int, max_norm: float) -> float:
+    """Sum expert gradients over the ranks holding the same experts, divide by the world size,
+    clip them by their own global norm (over all experts of all ranks); returns that norm."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in experts if p.grad is not None]
+    if not grads:
+        return 0.0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if edp_group is not None and dist.get_world_size(edp_group) > 1:
+        dist.all_reduce(flat, group=edp_group)
+    flat.div_(world)
+    sq = flat.double().pow(2).sum().reshape(1)
+    if world > 1:  # each expert is held once per EP group: sum over one EP group's worth of ranks
+        n_edp = dist.get_world_size(edp_group) if edp_group is not None else 1
+        dist.all_reduce(sq)
+        sq /= n_edp
+    norm = float(sq.sqrt())
+    if norm > max_norm:
+        flat.mul_(max_norm / (norm + 1e-6))
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+    return norm
+
+
+
 def _ds_config(cfg: TrainConfig) -> dict:
     c: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
@@ -157,10 +209,9 @@ def _ds_config(cfg: TrainConfig) -> dict:
 def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to-bottom loop reads best
     import deepspeed
     import ray
+    import ray.data
     import ray.train
     import torch.distributed as dist
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    from deepspeed.utils import groups
 
     from .coordinator import BalanceClient
     from .ep import apply_expert_parallel, build_model, expert_parameters
@@ -184,35 +235,55 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
     ep_rank, edp_rank = rank % ep, rank // ep
     model = build_model(mcfg, ep_rank, ep, seed=cfg.seed, device=str(device))
     model.model.gradient_checkpointing = cfg.activation_checkpointing
-    ep_dispatch = []
+    # Routed experts stay outside DeepSpeed: its ZeRO optimizer averages every parameter it owns
+    # over all data-parallel ranks, which would mix different ranks' different experts. They get
+    # their own AdamW; their gradients are summed over the ranks holding the same experts and
+    # divided by the world size, which is the data-parallel mean whatever ep_size is.
+    experts = expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    ep_dispatch, edp_group = [], None
     if ep > 1:
-        groups._create_expert_and_data_parallel(ep)
-        group_name = f"ep_size_{ep}"
-        ep_dispatch = apply_expert_parallel(model, groups._get_expert_parallel_group(group_name), ep)
-        for p in expert_parameters(model):
-            p.allreduce = False  # DeepSpeed: reduce over the expert-data-parallel group only
-            p.group_name = group_name
+        ep_group, edp_group = _ep_groups(rank, world, ep)
+        ep_dispatch = apply_expert_parallel(model, ep_group, ep)
+    elif world > 1:
+        edp_group = dist.group.WORLD
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
     for n, p in model.named_parameters():
         p.use_muon = p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n and cfg.optimizer == "muon"
-    groups_ = param_groups(model, cfg.weight_decay)
-    optimizer = None
-    if cfg.optimizer == "adamw":
-        if ep > 1:
-            groups_ = split_params_into_different_moe_groups_for_optimizer(groups_)
-        optimizer = torch.optim.AdamW(groups_, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups_ = [{**g, "params": [p for p in g["params"] if id(p) not in expert_ids]}
+               for g in param_groups(model, cfg.weight_decay)]
+    groups_ = [g for g in groups_ if g["params"]]
+    optimizer = torch.optim.AdamW(groups_, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8) if cfg.optimizer == "adamw" else None
+    expert_opt = torch.optim.AdamW(experts, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    own_experts = [p.detach().clone() for p in experts]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=_ds_config(cfg),
                                            model_parameters=groups_ if optimizer is None else None)
+    with torch.no_grad():  # DeepSpeed broadcast every module parameter from rank 0; experts are per rank
+        for p, v in zip(experts, own_experts):
+            p.copy_(v)
+    del dense, own_experts
 
     # Resume: DeepSpeed state, data position, losses so far, the coordinator's state.
     start_step, history, coord_state = 0, [], None
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            engine.load_checkpoint(d, tag="ds", load_module_strict=True)
+            engine.load_checkpoint(d, tag="ds", load_module_strict=False)
+            ex = torch.load(Path(d) / "k3" / f"experts-ep{ep_rank}-of-{ep}.pt", weights_only=False)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if id(p) in expert_ids:
+                        p.copy_(ex["weights"][n])
+            expert_opt.load_state_dict(ex["optimizer"])
             st = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
             start_step, history, coord_state = st["step"], st["history"], st.get("coordinator")
-    balancing = cfg.balance.method != "none"
-    coordinator = ray.get_actor(cfg.coordinator_name) if balancing else None
+    method = cfg.balance.method if "moe" in mcfg.mlp_types else "none"
+    coordinator = ray.get_actor(cfg.coordinator_name) if method == "quantile_hist" else None
+    local_balancer = None
+    if method == "quantile":  # one worker: the exact solve in-process
+        from .balance import Balancer
+        local_balancer = Balancer(cfg.balance, mcfg.mlp_types.count("moe"), mcfg.num_experts,
+                                  mcfg.num_experts_per_token)
     if coordinator is not None and rank == 0 and coord_state is not None:
         ray.get(coordinator.load_state_dict.remote(coord_state))  # back to the checkpoint's step
     dist.barrier()
@@ -221,6 +292,7 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         model.set_router_bias(client.update.bias.to(device))
 
     # Data: this worker's split, a fixed order per epoch, so a resumed run sees the same batches.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     shard = splits[rank]
     rows = shard.count()
     per_epoch = rows // cfg.micro_batch
@@ -250,7 +322,7 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             batch = next(data)
         batch = batch.to(device)
         lr = cosine_lr(step, cfg.steps, cfg.warmup_steps, cfg.lr, cfg.min_lr_ratio)
-        for g in engine.optimizer.param_groups:
+        for g in list(engine.optimizer.param_groups) + list(expert_opt.param_groups):
             g["lr"] = lr
         t0 = time.perf_counter()
         if client is not None and step > start_step:
@@ -262,15 +334,18 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             d.last_a2a_seconds = 0.0
         out = engine(batch, labels=batch, collect_router=True)
         loss = out.loss
-        if cfg.balance.method == "aux_loss":
+        if method == "aux_loss":
             from .balance import switch_aux_loss
-            loss = loss + sum(switch_aux_loss(r.scores, r.topk_idx, cfg.balance.aux_coef) for r in out.router)
+            loss = loss + sum(switch_aux_loss(r.scores, r.topk_idx, cfg.balance.aux_loss_coef) for r in out.router)
         counts = torch.stack([r.counts for r in out.router]) if out.router else torch.zeros(0)
         if client is not None:
             hist = torch.stack([client.histogram(i, r.margins) for i, r in enumerate(out.router)])
-            client.report(step + 1, hist, counts)  # non-blocking; collected before the next step
+            client.report(step, hist, counts)  # non-blocking; collected before the next step
         engine.backward(loss)
+        expert_norm = _reduce_and_clip_experts(experts, edp_group, world, cfg.grad_clip)
         engine.step()
+        expert_opt.step()
+        expert_opt.zero_grad(set_to_none=True)
         compute_s += time.perf_counter() - t1
         a2a_s = sum(d.last_a2a_seconds for d in ep_dispatch)
         # Step metrics: mean loss over workers, global expert loads.
@@ -279,13 +354,27 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         mean_loss = float(stats[0]) / world
         loads = stats[1:].reshape(len(moe_layers), -1) if moe_layers else None
         maxvio = (loads.max(1).values / loads.mean(1) - 1).tolist() if loads is not None else []
+        # Biases for the next step (never this one): loss-free from the global loads, the same on
+        # every rank; exact QB from this process's margins.
+        if method == "loss_free":
+            from .balance import loss_free_update
+            with torch.no_grad():
+                for layer, l_loads in zip([l for l in model.model.layers if l.is_moe], loads):
+                    layer.mlp.gate.bias.copy_(loss_free_update(layer.mlp.gate.bias, l_loads.to(device),
+                                                               cfg.balance.loss_free_step))
+        elif local_balancer is not None:
+            for i, r in enumerate(out.router):
+                local_balancer.observe(i, r.margins, r.counts)
+            local_balancer.step()
+            model.set_router_bias(local_balancer.bias().to(device))
         history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio})
         tokens_since += batch.numel() * world
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.log_every == 0 or last or (step + 1) % cfg.checkpoint_every == 0:
             now = time.perf_counter()
             tps = tokens_since / (now - t_last)
-            gnorm = engine.get_global_grad_norm()
+            dense_norm = engine.get_global_grad_norm()
+            gnorm = math.sqrt(float(dense_norm or 0.0) ** 2 + expert_norm ** 2)
             bias = torch.stack([l.mlp.gate.bias for l in model.model.layers if l.is_moe]) if moe_layers else None
             spread = (bias.max(1).values - bias.min(1).values).tolist() if bias is not None else []
             report = {"step": step + 1, "loss": mean_loss, "lr": lr, "tokens_per_s": tps,
@@ -305,7 +394,7 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
                 t_ck = time.perf_counter()
                 tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{rank}-"))
                 engine.save_checkpoint(str(tmp), tag="ds")
-                save_model_files(model, tmp / "k3", rank, ep_rank, ep, edp_rank)
+                save_model_files(model, tmp / "k3", rank, ep_rank, ep, edp_rank, expert_opt)
                 if rank == 0:
                     coord = ray.get(coordinator.state_dict.remote()) if coordinator is not None else None
                     torch.save({"step": step + 1, "history": history, "coordinator": coord,
