@@ -33,23 +33,23 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def sample_next(logits: torch.Tensor, sc: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [N, V] -> token ids [N]."""
-    if sc.temperature == 0:
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]: greedy at temperature 0, else temperature, top-k, top-p."""
+    if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / sc.temperature
-    if sc.top_k:
-        kth = logits.topk(min(sc.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sc.top_p < 1.0:
+    if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop = probs.cumsum(-1) - probs >= sc.top_p
+        drop = probs.cumsum(-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
@@ -89,7 +89,7 @@ def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingC
     done = [False] * len(prompts)
     stops = set(sc.stop_token_ids)
     for step in range(sc.max_new_tokens):
-        nxt = sample_next(logits, sc, gen)
+        nxt = sample_next(logits, sc.temperature, sc.top_k, sc.top_p, gen)
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
                 out[i].append(t)
