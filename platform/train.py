@@ -329,7 +329,8 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             update = client.fetch()
             model.set_router_bias(update.bias.to(device))
         t1 = time.perf_counter()
-        wait_s += t1 - t0
+        t0_wait = t1 - t0
+        wait_s += t0_wait
         for d in ep_dispatch:
             d.last_a2a_seconds = 0.0
         out = engine(batch, labels=batch, collect_router=True)
@@ -367,7 +368,9 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
                 local_balancer.observe(i, r.margins, r.counts)
             local_balancer.step()
             model.set_router_bias(local_balancer.bias().to(device))
-        history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio})
+        t_step = time.perf_counter() - t1
+        history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio, "tokens": batch.numel() * world,
+                        "step_s": t0_wait + t_step, "wait_s": t0_wait, "all_to_all_s": a2a_s})
         tokens_since += batch.numel() * world
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.log_every == 0 or last or (step + 1) % cfg.checkpoint_every == 0:
