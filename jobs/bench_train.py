@@ -34,7 +34,7 @@ p.add_argument("--data", default="data/bundled")
 args = p.parse_args()
 
 prepare("bundled", args.data, progress=False)
-ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
 runs = {"1 worker, QB": dict(num_workers=1, ep_size=1, balance={"method": "quantile_hist"}),
         "2 workers ep2, QB": dict(num_workers=2, ep_size=2, balance={"method": "quantile_hist"}),
         "2 workers ep2, loss-free": dict(num_workers=2, ep_size=2, balance={"method": "loss_free"}),

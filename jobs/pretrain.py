@@ -86,7 +86,7 @@ from k3.platform.launch import fit  # noqa: E402
 if os.environ.get("RAY_ADDRESS"):
     ray.init()
 else:
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)  # never a stale `ray start` cluster
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
 
 # 3. Train: coordinator, Ray Data splits, TorchTrainer (k3.platform.launch.fit).

@@ -146,3 +146,12 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_muon_with_loss_free_balancing_and_activation_checkpointing(ray_local, data_dir, tmp_path, ds_env):
+    s = run(ray_local, data_dir, tmp_path, "muon", num_workers=1, ep_size=1, steps=3, checkpoint_every=3,
+            optimizer="muon", balance={"method": "loss_free"}, activation_checkpointing=True)
+    assert s["loss_is_finite"] and s["steps"] == 3
+    model = load_checkpoint_model(s["checkpoint"])
+    biases = torch.stack([layer.mlp.gate.bias for layer in model.model.layers if layer.is_moe])
+    assert biases.abs().sum() > 0, "loss-free balancing never moved the bias"
