@@ -25,7 +25,11 @@ from k3.serve.engine.cache_manager import CacheManager
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+p.add_argument("--threads", type=int, default=None,
+               help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
 args = p.parse_args()
+if args.threads:
+    torch.set_num_threads(args.threads)
 torch.manual_seed(0)
 gen = torch.Generator().manual_seed(0)
 result: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
