@@ -27,20 +27,30 @@ def test_import_platform_from_repo_root_gives_stdlib():
 
 
 @pytest.mark.ray
-def test_import_platform_inside_ray_job_with_repo_working_dir(ray_local):
-    import ray
+def test_import_platform_inside_ray_job_with_repo_working_dir(tmp_path):
+    # A Ray job's working dir (here: the repository) goes on every worker's path; a driver of its
+    # own, because Ray accepts a local working_dir only at ray.init.
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import os
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+         runtime_env={{"working_dir": {str(REPO)!r}, "excludes": [".venv", ".git", ".cache", "runs", "data"]}})
 
-    @ray.remote(runtime_env={"working_dir": str(REPO), "excludes": [".venv", ".git", ".cache", "runs", "out"]})
-    def probe() -> tuple[str, str, bool]:
-        import os
-        import platform
+@ray.remote
+def probe():
+    import os, platform
+    import k3.platform.cli as cli
+    return platform.__file__, cli.__name__, os.path.exists("platform/cli.py")
 
-        import k3.platform.cli as cli
-
-        return platform.__file__, cli.__name__, os.path.exists("platform/cli.py")
-
-    stdlib_file, cli_name, cwd_is_repo = ray.get(probe.remote(), timeout=180)
+print("RESULT", ray.get(probe.remote(), timeout=180))
+ray.shutdown()
+""")
+    out = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=300)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line is not None, out.stderr[-2000:]
+    stdlib_file, cli_name, cwd_is_repo = eval(line[len("RESULT "):])
     assert cwd_is_repo, "the task did not run inside the uploaded working dir"
-    assert "site-packages" not in stdlib_file and stdlib_file.endswith("platform.py")
-    assert not stdlib_file.endswith("platform/__init__.py")
+    assert stdlib_file.endswith("platform.py") and "site-packages" not in stdlib_file
     assert cli_name == "k3.platform.cli"

@@ -2,24 +2,51 @@
 
 Public functions (shape-checked, dispatching to the best path for the device):
 
-- `chunk_kda`: prefill and training, chunkwise, packed sequences, initial/final state.
+- `chunk_kda`: prefill and training, chunkwise, packed sequences, initial/final state;
+  differentiable (a hand-written chunkwise backward on both paths).
 - `kda_step`: one decode step for a batch of sequences whose states live in a slot pool.
 
+CUDA tensors run the Triton kernels (triton.py), CPU tensors the torch path (cpu.py);
+`backend="torch"` or `"triton"` forces one (Triton on CPU needs TRITON_INTERPRET=1).
 `naive_recurrent_kda` and `naive_kda_step` (reference.py) are the readable ground truth with
 the same signatures.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .chunk import chunk_kda_torch, kda_step_torch
+from .cpu import chunk_kda_torch, kda_step_torch
 from .reference import naive_kda_step, naive_recurrent_kda
 
 __all__ = ["chunk_kda", "kda_step", "naive_recurrent_kda", "naive_kda_step", "check_kda_inputs"]
 
+MAX_TRITON_HEAD_DIM = 256  # one [BT, K] block per program; fla has the same limit
+
 
 def _fail(name: str, msg: str) -> None:
     raise ValueError(f"kda: {name} {msg}")
+
+
+def _pick_backend(x: torch.Tensor, backend: str | None, head_dims: dict[str, int]) -> str:
+    """'triton' for CUDA tensors (or when forced), else 'torch'; checks what Triton needs."""
+    if backend not in (None, "torch", "triton"):
+        _fail("backend", f"must be None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or (backend is None and not x.is_cuda):
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if backend == "triton":
+            _fail("backend", "'triton' needs the triton package")
+        return "torch"
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("backend", f"'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    for name, d in head_dims.items():
+        if not 1 <= d <= MAX_TRITON_HEAD_DIM:
+            _fail(name, f"head dim {d} is not supported by the Triton kernel (1..{MAX_TRITON_HEAD_DIM})")
+    return "triton"
 
 
 def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> int:
@@ -43,6 +70,8 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> i
     if beta.shape != (B, T, H):
         _fail("beta", f"must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
     if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            _fail("cu_seqlens", f"must be a tensor, got {type(cu_seqlens).__name__}")
         if B != 1:
             _fail("q", f"batch must be 1 when cu_seqlens is given (packed), got B={B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -55,11 +84,25 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> i
         N = B
     if initial_state is not None:
         want = (N, H, K, v.shape[-1])
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            _fail("initial_state", "must be a floating-point tensor")
         if tuple(initial_state.shape) != want:
             _fail("initial_state", f"must be [N, H, K, V] = {list(want)}, got {tuple(initial_state.shape)}")
         if initial_state.device != k.device:
             _fail("initial_state", f"is on {initial_state.device} but k is on {k.device}")
     return N
+
+
+def _check_gate(g: torch.Tensor, lower_bound: float | None) -> None:
+    """g is a log-decay: <= 0, and >= lower_bound when one is promised (the fast diagonal blocks
+    rely on it; a broken promise would overflow instead of failing)."""
+    if g.numel() == 0:
+        return
+    lo, hi = (float(x) for x in torch.aminmax(g.detach()))
+    if not (hi <= 0.0):  # also catches NaN
+        _fail("g", f"must be a log-decay <= 0 everywhere, got max {hi}")
+    if lower_bound is not None and lo < lower_bound:
+        _fail("g", f"has values below lower_bound={lower_bound} (min {lo}); pass lower_bound=None for an unbounded gate")
 
 
 def chunk_kda(
@@ -74,8 +117,10 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     lower_bound: float | None = None,
+    *,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunkwise KDA over (packed) sequences.
+    """Chunkwise KDA over (packed) sequences, differentiable.
 
     Args:
         q, k: [B, T, H, K] (q, k already L2-normalised by the caller); v: [B, T, H, V];
@@ -84,21 +129,30 @@ def chunk_kda(
         initial_state: [N, H, K, V] (fp32), N = B, or the number of packed sequences.
         output_final_state: also return the final state [N, H, K, V] fp32.
         cu_seqlens: [N + 1] offsets when the batch is packed (B == 1).
-        chunk_size: a multiple of 16, or at most 16.
+        chunk_size: a multiple of 16, or at most 16 (Triton: 16, 32 or 64, else 64).
         lower_bound: g >= lower_bound is guaranteed (K3's bounded gate); faster, same result.
+        backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
     Returns:
         (o [B, T, H, V] in v's dtype, final state or None)
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
-        _fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or (
+        chunk_size > 16 and chunk_size % 16
+    ):
+        _fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size!r}")
     if lower_bound is not None and lower_bound * min(chunk_size, 16) < -80.0:
-        # e^(16 * |lb|) must stay inside fp32 for the dense diagonal sub-chunks.
+        # e^(8 * |lb|) must stay far inside fp32 for the dense diagonal sub-chunks.
         lower_bound = None
-    return chunk_kda_torch(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, lower_bound=lower_bound,
-    )
+    _check_gate(g, lower_bound)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(k.device)
+    scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, lower_bound)
+    if _pick_backend(k, backend, {"k": k.shape[-1], "v": v.shape[-1]}) == "triton":
+        from .triton import chunk_kda_triton
+
+        return chunk_kda_triton(*args)
+    return chunk_kda_torch(*args)
 
 
 def kda_step(
@@ -110,16 +164,24 @@ def kda_step(
     state_pool: torch.Tensor,
     slot_idx: torch.Tensor,
     scale: float | None = None,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """One decode step; states read from and written back to `state_pool` in place.
 
     Args:
         q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H].
-        state_pool: [P, H, K, V] fp32, the engine's slots; rows not in slot_idx are untouched.
-        slot_idx: [N] int64, distinct slot per sequence, each in [0, P).
+        state_pool: [P, H, K, V] fp32, the engine's slots; rows not in slot_idx are untouched
+            (bit for bit).
+        slot_idx: [N] int32/int64, distinct slot per sequence, each in [0, P).
+        backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
     Returns:
         o: [N, H, V] in v's dtype.
     """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool),
+                    ("slot_idx", slot_idx)):
+        if not isinstance(x, torch.Tensor):
+            _fail(name, f"must be a tensor, got {type(x).__name__}")
     if k.dim() != 3:
         _fail("k", f"must be [N, H, K], got shape {tuple(k.shape)}")
     N, H, K = k.shape
@@ -130,6 +192,9 @@ def kda_step(
         _fail("v", f"must be [N, H, V] = [{N}, {H}, V], got {tuple(v.shape)}")
     if beta.shape != (N, H):
         _fail("beta", f"must be [N, H] = [{N}, {H}], got {tuple(beta.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.is_floating_point():
+            _fail(name, f"must be floating point, got {x.dtype}")
     if state_pool.dim() != 4 or state_pool.shape[1:] != (H, K, v.shape[-1]):
         _fail("state_pool", f"must be [P, {H}, {K}, {v.shape[-1]}], got {tuple(state_pool.shape)}")
     if state_pool.dtype != torch.float32:
@@ -140,9 +205,16 @@ def kda_step(
         if x.device != k.device:
             _fail(name, f"is on {x.device} but k is on {k.device}")
     if N:
-        lo, hi = int(slot_idx.min()), int(slot_idx.max())
+        lo, hi = (int(x) for x in torch.aminmax(slot_idx))
         if lo < 0 or hi >= state_pool.shape[0]:
             _fail("slot_idx", f"out of range [0, {state_pool.shape[0]}): min {lo}, max {hi}")
         if torch.unique(slot_idx).numel() != N:
             _fail("slot_idx", "has duplicate slots; each sequence needs its own")
+    scale = K**-0.5 if scale is None else float(scale)
+    if _pick_backend(k, backend, {"k": K, "v": v.shape[-1]}) == "triton":
+        if not state_pool.is_contiguous():
+            _fail("state_pool", "must be contiguous for the Triton kernel (it is updated in place)")
+        from .triton import kda_step_triton
+
+        return kda_step_triton(q, k, v, g, beta, state_pool, slot_idx, scale)
     return kda_step_torch(q, k, v, g, beta, state_pool, slot_idx.long(), scale=scale)

@@ -43,8 +43,7 @@ def naive_recurrent_kda(
     else:
         cu = cu_seqlens.tolist()
         bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-    o = torch.zeros(B, T, H, V, dtype=torch.float32, device=v.device)
-    finals = []
+    outs, finals = [], []  # bounds run through every token in order, so the outputs stack into o
     for n, (b, start, end) in enumerate(bounds):
         if initial_state is None:
             S = q.new_zeros(H, K, V)
@@ -55,8 +54,9 @@ def naive_recurrent_kda(
             memory = torch.einsum("hk,hkv->hv", k[b, t], S)
             delta = beta[b, t][:, None] * (v[b, t] - memory)
             S = S + k[b, t][..., None] * delta[:, None, :]
-            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t] * scale, S)
+            outs.append(torch.einsum("hk,hkv->hv", q[b, t] * scale, S))
         finals.append(S)
+    o = torch.stack(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V, dtype=torch.float32)
     final = torch.stack(finals) if output_final_state else None
     return o.to(dtype), final
 

@@ -1,19 +1,46 @@
 """Absorbed MLA attention for decode over the paged latent cache.
 
-`mla_decode` checks its inputs and runs a batched torch path (gather the pages of every
-sequence, masked softmax); `naive_mla_decode` is the per-sequence reference.
+`mla_decode` checks its inputs and dispatches: Triton (flash-decoding over the block table) on
+CUDA, a batched torch path on CPU. `naive_mla_decode` is the per-sequence reference with the
+same signature. With `w_uv` the value projection is applied after the softmax, and with `gate`
+the output gate after that, so a layer can hand over everything between q_lat and o_proj.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .cpu import finish, mla_decode_torch
 from .reference import naive_mla_decode
 
 __all__ = ["mla_decode", "naive_mla_decode"]
 
+MAX_TRITON_LATENT = 1024  # L (and R <= 256) held as one block per program
+
 
 def _fail(name: str, msg: str) -> None:
     raise ValueError(f"mla_decode: {name} {msg}")
+
+
+def _use_triton(x: torch.Tensor, backend: str | None, L: int, R: int) -> bool:
+    if backend not in (None, "torch", "triton"):
+        _fail("backend", f"must be None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or (backend is None and not x.is_cuda):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if backend == "triton":
+            _fail("backend", "'triton' needs the triton package")
+        return False
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("backend", f"'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    if L > MAX_TRITON_LATENT:
+        _fail("q_lat", f"latent dim {L} is not supported by the Triton kernel (max {MAX_TRITON_LATENT})")
+    if R > 256:
+        _fail("q_rope", f"rope dim {R} is not supported by the Triton kernel (max 256)")
+    return True
 
 
 def mla_decode(
@@ -23,52 +50,74 @@ def mla_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    w_uv: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its cached latents.
 
     Args:
         q_lat: [N, H, L] query with W_uk absorbed; q_rope: [N, H, R].
-        kv_cache: [num_blocks, block_size, L + R] latents (c_kv then the rope key).
-        block_table: [N, max_blocks] int block ids; positions p of sequence n live at
-            kv_cache[block_table[n, p // block_size], p % block_size].
+        kv_cache: [num_blocks, block_size, L + R] latents (c_kv then the rope key); any strides
+            with the last dim contiguous.
+        block_table: [N, max_blocks] int block ids, in any order; positions p of sequence n live
+            at kv_cache[block_table[n, p // block_size], p % block_size].
         seq_lens: [N] tokens cached per sequence (>= 1, the current token included).
         scale: softmax scale (qk_head_dim ** -0.5).
+        w_uv: optional [H, Vd, L]; then o = W_uv ctx per head.
+        gate: optional [N, H, Vd] output-gate logits (needs w_uv); then o = sigmoid(gate) * o.
+        backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
     Returns:
-        ctx: [N, H, L] in q_lat's dtype.
+        ctx [N, H, L], or o [N, H, Vd] with w_uv; in q_lat's dtype (fp32 softmax and sums).
     """
-    if q_lat.dim() != 3:
-        _fail("q_lat", f"must be [N, H, L], got {tuple(q_lat.shape)}")
+    for name, x in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        if not isinstance(x, torch.Tensor):
+            _fail(name, f"must be a tensor, got {type(x).__name__}")
+    if q_lat.dim() != 3 or not q_lat.is_floating_point():
+        _fail("q_lat", f"must be a floating [N, H, L] tensor, got {tuple(q_lat.shape)} {q_lat.dtype}")
     N, H, L = q_lat.shape
-    if q_rope.dim() != 3 or q_rope.shape[:2] != (N, H):
-        _fail("q_rope", f"must be [N, H, R] = [{N}, {H}, R], got {tuple(q_rope.shape)}")
+    if q_rope.dim() != 3 or q_rope.shape[:2] != (N, H) or not q_rope.is_floating_point():
+        _fail("q_rope", f"must be a floating [N, H, R] = [{N}, {H}, R] tensor, got {tuple(q_rope.shape)}")
     R = q_rope.shape[2]
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != L + R:
-        _fail("kv_cache", f"must be [num_blocks, block_size, {L + R}], got {tuple(kv_cache.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != L + R or not kv_cache.is_floating_point():
+        _fail("kv_cache", f"must be a floating [num_blocks, block_size, {L + R}] tensor, got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(2) != 1:
+        _fail("kv_cache", f"must be contiguous in its last dim, got strides {kv_cache.stride()}")
     if block_table.dim() != 2 or block_table.shape[0] != N or block_table.dtype not in (torch.int32, torch.int64):
         _fail("block_table", f"must be an integer [N={N}, max_blocks] tensor, got {tuple(block_table.shape)} {block_table.dtype}")
-    if seq_lens.shape != (N,):
-        _fail("seq_lens", f"must be [N={N}], got {tuple(seq_lens.shape)}")
-    for name, x in (("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
-        if x.device != q_lat.device:
+    if seq_lens.shape != (N,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        _fail("seq_lens", f"must be an integer [N={N}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if w_uv is not None:
+        if not isinstance(w_uv, torch.Tensor) or w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != L:
+            _fail("w_uv", f"must be a [H={H}, Vd, L={L}] tensor, got {getattr(w_uv, 'shape', type(w_uv).__name__)}")
+    if gate is not None:
+        if w_uv is None:
+            _fail("gate", "is applied after W_uv; pass w_uv too")
+        if not isinstance(gate, torch.Tensor) or gate.shape != (N, H, w_uv.shape[1]):
+            _fail("gate", f"must be [N, H, Vd] = [{N}, {H}, {w_uv.shape[1]}], got {getattr(gate, 'shape', None)}")
+    for name, x in (("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("w_uv", w_uv), ("gate", gate)):
+        if x is not None and x.device != q_lat.device:
             _fail(name, f"is on {x.device} but q_lat is on {q_lat.device}")
     if N == 0:
-        return q_lat.new_zeros(N, H, L)
+        return q_lat.new_zeros(N, H, L if w_uv is None else w_uv.shape[1])
     bs = kv_cache.shape[1]
     lens = seq_lens.long()
-    if int(lens.min()) < 1:
-        _fail("seq_lens", f"must be >= 1, got min {int(lens.min())}")
-    if int(lens.max()) > block_table.shape[1] * bs:
-        _fail("seq_lens", f"max {int(lens.max())} exceeds block_table capacity {block_table.shape[1] * bs}")
-    T = int(lens.max())
-    n_blk = (T + bs - 1) // bs
+    lo, hi = (int(x) for x in torch.aminmax(lens))
+    if lo < 1:
+        _fail("seq_lens", f"must be >= 1, got min {lo}")
+    if hi > block_table.shape[1] * bs:
+        _fail("seq_lens", f"max {hi} exceeds block_table capacity {block_table.shape[1]} x {bs}")
+    n_blk = (hi + bs - 1) // bs
     used = block_table[:, :n_blk].long()
     valid_blocks = torch.arange(n_blk, device=lens.device)[None] * bs < lens[:, None]
     if bool(((used < 0) | (used >= kv_cache.shape[0]))[valid_blocks].any()):
-        _fail("block_table", f"holds a block id outside [0, {kv_cache.shape[0]})")
-    rows = kv_cache[used.clamp(0, kv_cache.shape[0] - 1)].reshape(N, n_blk * bs, L + R)[:, :T].float()
-    c, r = rows[..., :L], rows[..., L:]
-    score = (torch.einsum("nhl,ntl->nht", q_lat.float(), c) + torch.einsum("nhr,ntr->nht", q_rope.float(), r)) * scale
-    mask = torch.arange(T, device=lens.device)[None, :] < lens[:, None]
-    score = score.masked_fill(~mask[:, None, :], float("-inf"))
-    ctx = torch.einsum("nht,ntl->nhl", torch.softmax(score, dim=-1), c)
-    return ctx.to(q_lat.dtype)
+        _fail("block_table", f"holds a block id outside [0, {kv_cache.shape[0]}) for a cached position")
+    if _use_triton(q_lat, backend, L, R):
+        from .triton import mla_decode_triton
+
+        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale))
+        return finish(ctx, q_lat.dtype, w_uv, gate)
+    return mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), w_uv, gate)

@@ -1,32 +1,65 @@
 """SiTU-GLU activation (K3's expert activation) and SwiGLU, with shape checks.
 
-`situ_glu(gate, up)` computes in fp32 and returns the inputs' dtype. The readable reference
-with the same signature is `naive_situ_glu`.
+`situ_glu(gate, up)` computes in fp32 and returns the inputs' dtype; it is differentiable with a
+fused backward: Triton on CUDA (triton.py), a blocked torch path on CPU (cpu.py). The readable
+reference with the same signature is `naive_situ_glu`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .cpu import situ_glu_torch
 from .reference import naive_situ_glu, naive_swiglu
 
 __all__ = ["situ_glu", "swiglu", "naive_situ_glu", "naive_swiglu"]
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    for name, x in (("gate", gate), ("up", up)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"situ_glu: {name} must be a tensor, got {type(x).__name__}")
     if gate.shape != up.shape:
         raise ValueError(f"situ_glu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     if gate.device != up.device:
-        raise ValueError(f"situ_glu: gate is on {gate.device} but up is on {up.device}")
+        raise ValueError(f"situ_glu: up is on device {up.device} but gate is on {gate.device}")
     if not gate.is_floating_point() or gate.dtype != up.dtype:
         raise ValueError(f"situ_glu: gate and up must share a floating dtype, got {gate.dtype} and {up.dtype}")
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
-    """[..., I] x [..., I] -> [..., I]; fp32 math, output in the input dtype."""
+def _use_triton(x: torch.Tensor, backend: str | None) -> bool:
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"situ_glu: backend must be None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or (backend is None and not x.is_cuda):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if backend == "triton":
+            raise ValueError("situ_glu: backend 'triton' needs the triton package") from None
+        return False
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"situ_glu: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    return True
+
+
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0, *, backend: str | None = None
+) -> torch.Tensor:
+    """[..., I] x [..., I] -> [..., I]: [b1 tanh(gate/b1) sigmoid(gate)] * [b2 tanh(up/b2)].
+
+    fp32 math, output in the inputs' dtype (bf16, fp16 or fp32); differentiable.
+    backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
+    """
     _check(gate, up)
-    if b1 <= 0 or b2 <= 0:
+    if not (b1 > 0 and b2 > 0):
         raise ValueError(f"situ_glu: b1 and b2 must be positive, got b1={b1}, b2={b2}")
-    return naive_situ_glu(gate, up, b1, b2)
+    if _use_triton(gate, backend):
+        from .triton import situ_glu_triton
+
+        return situ_glu_triton(gate, up, b1, b2)
+    return situ_glu_torch(gate, up, b1, b2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

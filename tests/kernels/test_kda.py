@@ -1,129 +1,164 @@
-"""KDA ops: the chunkwise torch path and the slot-pool decode step against the recurrence."""
+"""KDA on CPU: the chunkwise torch path (forward and hand-written backward) and the slot-pool decode
+step against the per-token recurrence; bad input."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers import assert_close
+from kernel_cases import BF16_TOL, FWD_TOL, check_kda, kda_inputs, lower_bound_for, one_thread, packed_lengths_cu  # noqa: F401
 from k3.kernels.kda import chunk_kda, kda_step, naive_kda_step, naive_recurrent_kda
-
-FWD_TOL = 1e-5  # fp32 forward, chunkwise vs recurrent
-GRAD_TOL = 1e-4  # fp32 gradients
-
-
-def make_inputs(B, T, H, K, V, gate, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    v = torch.randn(B, T, H, V, generator=g)
-    z = torch.randn(B, T, H, K, generator=g) * 2
-    if gate == "bounded":
-        gg = -5.0 * torch.sigmoid(z)
-    elif gate == "unbounded":
-        gg = -F.softplus(z) * 3  # reaches far below -5 per token
-    else:
-        gg = -torch.rand(B, T, H, K, generator=g) * 1e-3  # near zero: long memory
-    beta = torch.rand(B, T, H, generator=g)
-    xs = [q, k, v, gg, beta]
-    if requires_grad:
-        xs = [x.clone().requires_grad_() for x in xs]
-    return xs
+from k3.kernels.kda.cpu import pair_products, unit_lower_inverse
 
 
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 100])
+@pytest.mark.parametrize("K", [32, 64])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_equals_recurrent(gate, T, with_state):
-    B, H, K, V = 2, 2, 32, 16
-    q, k, v, g, beta = make_inputs(B, T, H, K, V, gate, seed=T)
-    h0 = torch.randn(B, H, K, V) if with_state else None
-    lb = -5.0 if gate == "bounded" else None
-    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=lb)
-    assert_close("o", o, o_ref, FWD_TOL)
-    assert_close("final_state", s, s_ref, FWD_TOL)
+def test_forward_and_gradients_match_recurrence(gate, T, K, with_state):
+    xs = kda_inputs(2, T, 2, K, 32, gate, seed=T * 7 + K)
+    h0 = torch.randn(2, 2, K, 32, generator=torch.Generator().manual_seed(T)) if with_state else None
+    check_kda(chunk_kda, xs, h0, lower_bound=lower_bound_for(gate))
 
 
+@pytest.mark.parametrize("chunk_size", [16, 32, 48, 64, 12, 5])
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-@pytest.mark.parametrize("T", [17, 65])
-def test_chunk_gradients_match_recurrence(gate, T):
-    B, H, K, V = 1, 2, 16, 8
-    xs = make_inputs(B, T, H, K, V, gate, seed=1, requires_grad=True)
-    ys = [x.detach().clone().requires_grad_() for x in xs]
-    h0 = torch.randn(B, H, K, V, requires_grad=True)
-    h1 = h0.detach().clone().requires_grad_()
-    do, ds = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
-    o, s = chunk_kda(*xs, initial_state=h0, output_final_state=True, lower_bound=-5.0 if gate == "bounded" else None)
-    ((o * do).sum() + (s * ds).sum()).backward()
-    o2, s2 = naive_recurrent_kda(*ys, initial_state=h1, output_final_state=True)
-    ((o2 * do).sum() + (s2 * ds).sum()).backward()
-    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], xs, ys):
-        assert_close(name, a.grad, b.grad, GRAD_TOL)
-    assert_close("dh0", h0.grad, h1.grad, GRAD_TOL)
-
-
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_packed_sequences(chunk_size):
+def test_packed_sequences_and_chunk_sizes(chunk_size, gate):
     lengths = [17, 0, 64, 1, 130]
-    T = sum(lengths)
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    q, k, v, g, beta = make_inputs(1, T, 2, 16, 16, "bounded", seed=3)
+    cu = packed_lengths_cu(lengths)
+    xs = kda_inputs(1, sum(lengths), 2, 16, 16, gate, seed=3)
     h0 = torch.randn(len(lengths), 2, 16, 16)
-    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                     chunk_size=chunk_size, lower_bound=-5.0)
-    assert_close("o", o, o_ref, FWD_TOL)
-    assert_close("final_state", s, s_ref, FWD_TOL)
-    # and each sequence alone gives the same
+    check_kda(chunk_kda, xs, h0, cu_seqlens=cu, chunk_size=chunk_size, lower_bound=lower_bound_for(gate))
+
+
+def test_packed_equals_each_sequence_alone():
+    lengths = [17, 0, 64, 1, 130]
+    cu = packed_lengths_cu(lengths)
+    q, k, v, g, beta = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=4)
+    h0 = torch.randn(len(lengths), 2, 16, 16)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        if b > a:
-            oi, si = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
-                               output_final_state=True)
-            assert_close(f"seq{i}", oi, o[:, a:b], FWD_TOL)
-            assert_close(f"state{i}", si, s[i:i + 1], FWD_TOL)
+        oi, si = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
+                           output_final_state=True)
+        assert_close(f"o[seq {i}]", oi, o[:, a:b], FWD_TOL) if b > a else None
+        assert_close(f"state[seq {i}]", si, s[i:i + 1], FWD_TOL)
 
 
-def test_long_gate_stress_no_overflow():
-    # Gates pinned at the lower bound for thousands of steps, and near zero: finite and exact.
-    for gate_value in (-5.0 + 1e-6, -1e-7):
-        T = 3000
-        q, k, v, _, beta = make_inputs(1, T, 1, 16, 16, "bounded", seed=5)
-        g = torch.full((1, T, 1, 16), gate_value)
-        o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
-        o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=-5.0)
-        assert torch.isfinite(o).all() and torch.isfinite(s).all()
-        assert_close(f"o(g={gate_value})", o, o_ref, FWD_TOL)
+def test_bf16_inputs():
+    xs = kda_inputs(1, 100, 2, 32, 32, "bounded", seed=9, dtype=torch.bfloat16)
+    check_kda(chunk_kda, xs, torch.randn(1, 2, 32, 32), fwd_tol=BF16_TOL, grad_tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("gate", ["low", "zero"])
+def test_stress_long_gates_at_the_bound_and_near_zero(gate):
+    # Thousands of steps with every gate at -5 (the state forgets fast; sub-chunk factors reach
+    # their extremes) or at ~0 (the state never forgets): finite, and within tolerance.
+    xs = kda_inputs(1, 2500, 1, 16, 16, gate, seed=5)
+    check_kda(chunk_kda, xs, torch.randn(1, 1, 16, 16))
+
+
+def test_stress_unbounded_gate_far_below_the_bound():
+    q, k, v, g, beta = kda_inputs(1, 300, 1, 16, 16, "unbounded", seed=6)
+    g = g * 20  # per-token log-decays down to ~ -300: e^(G_i - G_j) spans far beyond fp32
+    check_kda(chunk_kda, [q, k, v, g, beta], torch.randn(1, 1, 16, 16), lower_bound=None)
+
+
+def test_non_contiguous_inputs_are_handled():
+    q, k, v, g, beta = kda_inputs(1, 40, 2, 16, 16, "bounded", seed=8)
+    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=-5.0)
+    t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    o2, s2 = chunk_kda(t(q), t(k), t(v), t(g), t(beta), output_final_state=True, lower_bound=-5.0)
+    assert not t(q).is_contiguous()
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+def test_building_blocks():
+    # (I + A)^-1 for power-of-two and other sizes; pair products against the [C, C, K] definition.
+    for C in (1, 5, 16, 48, 64):
+        A = torch.randn(3, C, C, dtype=torch.float64).tril(-1) * 0.3
+        want = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
+        assert_close(f"inverse C={C}", unit_lower_inverse(A), want, 1e-12)
+    gen = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(2, 64, 2, 8, generator=gen, dtype=torch.float64), torch.randn(2, 64, 1, 8, generator=gen, dtype=torch.float64)
+    G = -(torch.rand(2, 64, 1, 8, generator=gen, dtype=torch.float64) * 7).cumsum(1)
+    decay = (G[:, :, None, 0, :] - G[:, None, :, 0, :]).exp2()  # [2, i, j, K]
+    want = torch.einsum("bipk,bjk,bijk->bipj", X, Y[:, :, 0], decay) * torch.ones(64, 64).tril()[:, None, :]
+    for bounded in (False, True):  # log2 steps of <= 7 keep the bounded promise (g >= -4.9)
+        assert_close(f"pair products (bounded={bounded})", pair_products(X, Y, G, bounded), want, 1e-12)
 
 
 def test_step_over_slots_matches_reference_and_leaves_other_slots():
     N, P, H, K, V = 3, 6, 2, 16, 8
-    q, k, v, g, beta = (x[:, 0] for x in make_inputs(N, 1, H, K, V, "unbounded", seed=7))
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(N, 1, H, K, V, "unbounded", seed=7))
     pool = torch.randn(P, H, K, V)
     pool_ref = pool.clone()
-    slots = torch.tensor([4, 0, 2])
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
     untouched = pool[[1, 3, 5]].clone()
     o = kda_step(q, k, v, g, beta, pool, slots)
     o_ref = naive_kda_step(q, k, v, g, beta, pool_ref, slots)
     assert_close("o", o, o_ref, FWD_TOL)
     assert_close("pool", pool, pool_ref, FWD_TOL)
     assert torch.equal(pool[[1, 3, 5]], untouched), "slots outside slot_idx changed"
+    # and T decode steps equal one chunked pass
+    xs = kda_inputs(2, 9, H, K, V, "bounded", seed=8)
+    pool = torch.zeros(4, H, K, V)
+    outs = [kda_step(*(x[:, t] for x in xs), pool, torch.tensor([3, 1])) for t in range(9)]
+    o_chunk, s_chunk = chunk_kda(*xs, output_final_state=True)
+    assert_close("decode steps", torch.stack(outs, 1), o_chunk, FWD_TOL)
+    assert_close("decode state", pool[[3, 1]], s_chunk, FWD_TOL)
+
+
+def test_step_with_no_sequences():
+    pool = torch.randn(2, 1, 4, 4)
+    before = pool.clone()
+    o = kda_step(*(x[:0, 0] for x in kda_inputs(1, 1, 1, 4, 4)), pool, torch.zeros(0, dtype=torch.long))
+    assert o.shape == (0, 1, 4) and torch.equal(pool, before)
 
 
 def test_bad_inputs_name_the_argument():
-    q, k, v, g, beta = make_inputs(1, 8, 2, 16, 8, "bounded")
-    with pytest.raises(ValueError, match="v "):
-        chunk_kda(q, k, v[:, :, :1], g, beta)
-    with pytest.raises(ValueError, match="beta"):
-        chunk_kda(q, k, v, g, beta[..., :1])
-    with pytest.raises(ValueError, match="initial_state"):
-        chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 16, 8))
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3, 5]))
-    with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=40)
+    q, k, v, g, beta = kda_inputs(1, 8, 2, 16, 8, "bounded")
+    cases = [
+        ("v ", lambda: chunk_kda(q, k, v[:, :, :1], g, beta)),
+        ("q ", lambda: chunk_kda(q[..., :8], k, v, g, beta)),
+        ("beta", lambda: chunk_kda(q, k, v, g, beta[..., :1])),
+        ("initial_state", lambda: chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 16, 8))),
+        ("cu_seqlens", lambda: chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3, 5]))),
+        ("cu_seqlens", lambda: chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 8.0]))),
+        ("chunk_size", lambda: chunk_kda(q, k, v, g, beta, chunk_size=40)),
+        ("g ", lambda: chunk_kda(q, k, v, g.abs(), beta)),  # a log-decay above 0
+        ("g ", lambda: chunk_kda(q, k, v, g * 3, beta, lower_bound=-5.0)),  # a broken lower bound
+        ("k ", lambda: chunk_kda(q, k.to("meta"), v, g, beta)),  # wrong device
+        ("v ", lambda: chunk_kda(q, k, v.to("meta"), g, beta)),
+        ("backend", lambda: chunk_kda(q, k, v, g, beta, backend="cuda")),
+        ("q ", lambda: chunk_kda(q.long(), k, v, g, beta)),
+    ]
+    for match, call in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
     pool = torch.zeros(4, 2, 16, 8)
+    step = [x[:, 0] for x in (q, k, v, g, beta)]
     with pytest.raises(ValueError, match="slot_idx"):
-        kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool, torch.tensor([4]))
+        kda_step(*step, pool, torch.tensor([4]))  # out of range
+    with pytest.raises(ValueError, match="slot_idx"):
+        kda_step(*step, pool, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="slot_idx"):
+        kda_step(*step, pool, torch.tensor([0.0]))
     with pytest.raises(ValueError, match="state_pool"):
-        kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool.double(), torch.tensor([0]))
+        kda_step(*step, pool.double(), torch.tensor([0]))
+    with pytest.raises(ValueError, match="state_pool"):
+        kda_step(*step, pool.to("meta"), torch.tensor([0]))
+    with pytest.raises(ValueError, match="v "):
+        kda_step(step[0], step[1], step[2][:, :1], *step[3:], pool, torch.tensor([0]))
+
+
+def test_inference_path_equals_training_path():
+    # Without grad the forward keeps no per-chunk states; the numbers must not change.
+    lengths = [70, 5, 129]
+    xs = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=10)
+    cu = packed_lengths_cu(lengths)
+    h0 = torch.randn(3, 2, 16, 16)
+    with torch.no_grad():
+        o1, s1 = chunk_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
+    o2, s2 = chunk_kda(*[x.requires_grad_() for x in xs], initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                       lower_bound=-5.0)
+    assert torch.equal(o1, o2.detach()) and torch.equal(s1, s2.detach())

@@ -37,8 +37,8 @@ def ds_env():
 def run(ray_local, data_dir, tmp_path, name, **kw):
     from k3.platform.launch import fit
 
-    cfg = TrainConfig(data=str(data_dir), storage_path=str(tmp_path), name=name, num_workers=2, micro_batch=4,
-                      log_every=1, seed=0, **kw)
+    fields = {"num_workers": 2, "micro_batch": 4, "log_every": 1, "seed": 0, **kw}
+    cfg = TrainConfig(data=str(data_dir), storage_path=str(tmp_path), name=name, **fields)
     return fit(cfg)
 
 
@@ -127,12 +127,15 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env):
                 break
             assert time.time() < deadline, f"ray job server did not come up: {probe.stderr[-500:]}"
             time.sleep(2)
-        job = subprocess.run(
-            [f"{venv_bin}/ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-             "python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "12", "--micro-batch", "4",
-             "--log-every", "3", "--checkpoint-every", "12", "--storage-path", str(tmp_path), "--name", "submitted",
-             "--sample", "8", "--lr", "3e-3"],
-            env=env, capture_output=True, text=True, timeout=600)
+        cmd = [f"{venv_bin}/ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+               "python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "12", "--micro-batch", "4",
+               "--log-every", "3", "--checkpoint-every", "12", "--storage-path", str(tmp_path), "--name",
+               "submitted", "--sample", "8", "--lr", "3e-3"]
+        while True:  # the job server answers before the node's job agent is up: retry only that
+            job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in job.stdout + job.stderr or time.time() > deadline + 120:
+                break
+            time.sleep(3)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-3000:]
         assert "succeeded" in logs.lower()
@@ -147,11 +150,3 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
 
-
-def test_muon_with_loss_free_balancing_and_activation_checkpointing(ray_local, data_dir, tmp_path, ds_env):
-    s = run(ray_local, data_dir, tmp_path, "muon", num_workers=1, ep_size=1, steps=3, checkpoint_every=3,
-            optimizer="muon", balance={"method": "loss_free"}, activation_checkpointing=True)
-    assert s["loss_is_finite"] and s["steps"] == 3
-    model = load_checkpoint_model(s["checkpoint"])
-    biases = torch.stack([layer.mlp.gate.bias for layer in model.model.layers if layer.is_moe])
-    assert biases.abs().sum() > 0, "loss-free balancing never moved the bias"

@@ -1,0 +1,52 @@
+"""Absorbed MLA decode in batched torch: the CPU path.
+
+All sequences at once, the context in slices of CHUNK tokens with an online softmax (as the
+Triton kernel does with its tiles), so memory stays at one slice's fp32 copy of the latents
+whatever the context: 32K tokens of 576 values would otherwise be a 75 MB fp32 copy per step.
+Each slice is one page gather, one matmul for the scores against [q_lat | q_rope] (the latent
+and its rope key are adjacent in the cache row) and one matmul for the context.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK = 4096  # tokens per slice
+
+
+def mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, w_uv=None, gate=None):
+    """The contract of `k3.kernels.mla_decode.mla_decode` (inputs already checked)."""
+    N, H, L = q_lat.shape
+    bs = kv_cache.shape[1]
+    lens = seq_lens.long()
+    T = int(lens.max())
+    q = torch.cat([q_lat, q_rope], dim=-1).float()  # [N, H, L + R]
+    m = q.new_full((N, H, 1), float("-inf"))
+    s = q.new_zeros(N, H, 1)
+    acc = q.new_zeros(N, H, L)
+    step = max(bs, CHUNK // bs * bs)  # whole pages per slice
+    for t0 in range(0, T, step):
+        b0, b1 = t0 // bs, min((T + bs - 1) // bs, (t0 + step) // bs)
+        # Pages past a sequence's end may hold any id (they are masked); clamp so the gather is safe.
+        ids = block_table[:, b0:b1].long().clamp(0, kv_cache.shape[0] - 1)
+        rows = kv_cache[ids].reshape(N, (b1 - b0) * bs, -1).float()  # [N, tokens, L + R]
+        score = torch.matmul(q, rows.transpose(1, 2)).mul_(scale)  # [N, H, tokens]
+        pos = t0 + torch.arange(rows.shape[1], device=lens.device)
+        score.masked_fill_(~(pos[None, :] < lens[:, None])[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, score.amax(-1, keepdim=True))
+        # A slice wholly past a short sequence's end leaves its row at -inf: keep exp() finite.
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(score - m_safe)
+        alpha = torch.exp(m - m_safe)
+        s = s * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, rows[..., :L])
+        m = m_new
+    return finish(acc / s, q_lat.dtype, w_uv, gate)
+
+
+def finish(ctx: torch.Tensor, dtype: torch.dtype, w_uv, gate) -> torch.Tensor:
+    """ctx [N, H, L] fp32 -> W_uv, then the output gate (both optional), in `dtype`."""
+    if w_uv is not None:
+        ctx = torch.einsum("nhl,hvl->nhv", ctx, w_uv.float())
+        if gate is not None:
+            ctx = ctx * torch.sigmoid(gate.float())
+    return ctx.to(dtype)

@@ -1,0 +1,63 @@
+"""Absorbed MLA decode on CPU: the batched torch path against the per-sequence reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import BF16_TOL, check_mla, mla_case, one_thread  # noqa: F401
+from k3.kernels.mla_decode import mla_decode
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("L", [32, 64])
+@pytest.mark.parametrize("with_uv", [False, True])
+def test_matches_reference_out_of_order_pages(block_size, L, with_uv):
+    check_mla(mla_decode, mla_case([1, 17, 100, 64], L=L, block_size=block_size, seed=L + block_size), with_uv)
+
+
+def test_bf16_cache_and_queries():
+    check_mla(mla_decode, mla_case([5, 130], dtype=torch.bfloat16, seed=2), with_uv=True, tol=BF16_TOL)
+
+
+def test_strided_cache_view():
+    q_lat, q_rope, kv, table, lens = mla_case([9, 40], seed=3)
+    wide = torch.zeros(kv.shape[0], kv.shape[1], kv.shape[2] + 8)
+    wide[..., :kv.shape[2]] = kv  # a view into a wider buffer: rows strided, last dim contiguous
+    check_mla(mla_decode, (q_lat, q_rope, wide[..., :kv.shape[2]], table, lens))
+
+
+def test_bad_inputs_name_the_argument():
+    q_lat, q_rope, kv, table, lens = mla_case([3, 20])
+    w, gate = torch.zeros(3, 4, 32), torch.zeros(2, 3, 4)
+    cases = [
+        ("q_rope", lambda: mla_decode(q_lat, q_rope[:1], kv, table, lens, 0.1)),
+        ("kv_cache", lambda: mla_decode(q_lat, q_rope, kv[..., :-1], table, lens, 0.1)),
+        ("kv_cache", lambda: mla_decode(q_lat, q_rope, kv.transpose(0, 2).contiguous().transpose(0, 2), table, lens, 0.1)),
+        ("block_table", lambda: mla_decode(q_lat, q_rope, kv, table.float(), lens, 0.1)),
+        ("block_table", lambda: mla_decode(q_lat, q_rope, kv, table.clone().fill_(kv.shape[0]), lens, 0.1)),
+        ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens * 0, 0.1)),
+        ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens * 100, 0.1)),
+        ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens[:1], 0.1)),
+        ("w_uv", lambda: mla_decode(q_lat, q_rope, kv, table, lens, 0.1, w[:, :, :8])),
+        ("gate", lambda: mla_decode(q_lat, q_rope, kv, table, lens, 0.1, None, gate)),
+        ("gate", lambda: mla_decode(q_lat, q_rope, kv, table, lens, 0.1, w, gate[:, :, :2])),
+        ("kv_cache", lambda: mla_decode(q_lat, q_rope, kv.to("meta"), table, lens, 0.1)),
+        ("backend", lambda: mla_decode(q_lat, q_rope, kv, table, lens, 0.1, backend="cuda")),
+    ]
+    for match, call in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_no_sequences():
+    q_lat, q_rope, kv, table, lens = mla_case([3])
+    out = mla_decode(q_lat[:0], q_rope[:0], kv, table[:0], lens[:0], 0.1)
+    assert out.shape == (0, 3, 32)
+
+
+def test_context_slices(monkeypatch):
+    # Slices of 32 tokens over sequences of 1..200: slices wholly past a short sequence's end.
+    import k3.kernels.mla_decode.cpu as cpu_path
+
+    monkeypatch.setattr(cpu_path, "CHUNK", 32)
+    check_mla(mla_decode, mla_case([1, 200, 33, 64], block_size=16, seed=11), with_uv=True)

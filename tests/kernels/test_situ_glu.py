@@ -1,0 +1,56 @@
+"""SiTU-GLU on CPU: the blocked fp32 autograd.Function against the readable formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3.kernels.situ_glu.cpu as cpu_path
+from kernel_cases import BF16_TOL, check_situ, one_thread, situ_inputs  # noqa: F401
+from k3.kernels.situ_glu import naive_situ_glu, situ_glu
+
+
+@pytest.mark.parametrize("shape", [(1,), (15, 17), (2, 63, 100), (0, 8), ()])
+def test_fp32_forward_and_backward(shape):
+    check_situ(situ_glu, *situ_inputs(shape, seed=len(shape)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_in_and_out(dtype):
+    check_situ(situ_glu, *situ_inputs((33, 65), dtype, seed=2), fwd_tol=BF16_TOL, grad_tol=BF16_TOL)
+
+
+def test_many_blocks_non_contiguous_and_other_bounds(monkeypatch):
+    monkeypatch.setattr(cpu_path, "BLOCK", 100)  # ragged blocks
+    gate, up = situ_inputs((64, 37), seed=3)
+    check_situ(situ_glu, gate.t(), up.t())
+    check_situ(situ_glu, gate, up, b1=2.0, b2=7.0)
+
+
+def test_bounded_and_equal_to_swiglu_near_zero():
+    g = torch.linspace(-1e4, 1e4, 1001)
+    assert situ_glu(g, g.flip(0)).abs().max() <= 100.0
+    small = torch.randn(100) * 1e-3
+    torch.testing.assert_close(situ_glu(small, small), torch.nn.functional.silu(small) * small, rtol=1e-3, atol=1e-12)
+    torch.testing.assert_close(situ_glu(g, g), naive_situ_glu(g, g))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.ones(3), torch.ones(4)), "shape"),
+        ((torch.ones(3), torch.ones(3, dtype=torch.float64)), "dtype"),
+        ((torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)), "floating"),
+        ((torch.ones(3), torch.ones(3, device="meta")), "up is on device meta"),
+        ((torch.ones(3), [1.0, 2.0, 3.0]), "up must be a tensor"),
+    ],
+)
+def test_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        situ_glu(*args)
+
+
+def test_bad_bounds_and_backend():
+    with pytest.raises(ValueError, match="b1"):
+        situ_glu(torch.ones(2), torch.ones(2), b1=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        situ_glu(torch.ones(2), torch.ones(2), backend="gpu")
