@@ -3,9 +3,6 @@ resume, `ray job submit`, and configs rejected before any worker starts."""
 from __future__ import annotations
 
 import os
-import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +12,7 @@ import pytest
 import torch
 
 from k3.platform.data import prepare
+from k3.platform.local_ray import LocalRayHead
 from k3.platform.train import TrainConfig, load_checkpoint_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,45 +95,14 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
     assert time.time() - t < 60 and "ray" not in out.stdout.lower()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env):
-    venv_bin = str(Path(sys.executable).parent)
-    # Ray's clusters require token authentication by default: give head and client a fresh one.
-    token = tmp_path / "ray_token"
-    token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "PATH": venv_bin + os.pathsep + os.environ["PATH"], "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    env.pop("RAY_ADDRESS", None)
-    gcs, dash = _free_port(), _free_port()
-    head = subprocess.Popen(
-        [f"{venv_bin}/ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2", "--include-dashboard",
-         "true", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        address = f"http://127.0.0.1:{dash}"
-        deadline = time.time() + 120
-        while True:  # wait for the job server
-            probe = subprocess.run([f"{venv_bin}/ray", "job", "list", "--address", address], env=env,
-                                   capture_output=True, text=True)
-            if probe.returncode == 0:
-                break
-            assert time.time() < deadline, f"ray job server did not come up: {probe.stderr[-500:]}"
-            time.sleep(2)
-        cmd = [f"{venv_bin}/ray", "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-               "python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "12", "--micro-batch", "4",
-               "--log-every", "3", "--checkpoint-every", "12", "--storage-path", str(tmp_path), "--name",
-               "submitted", "--sample", "8", "--lr", "3e-3"]
-        while True:  # the job server answers before the node's job agent is up: retry only that
-            job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-            if "No available agent" not in job.stdout + job.stderr or time.time() > deadline + 120:
-                break
-            time.sleep(3)
+def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, ray_local):
+    # ray_local holds Ray's default ports (a test session's own Ray, as on a user's machine): the
+    # head must come up beside it and take jobs anyway.
+    with LocalRayHead(num_cpus=2, workdir=tmp_path / "ray") as head:
+        entry = ["python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "12", "--micro-batch", "4",
+                 "--log-every", "3", "--checkpoint-every", "12", "--storage-path", str(tmp_path), "--name",
+                 "submitted", "--sample", "8", "--lr", "3e-3"]
+        job = head.submit_job(entry, working_dir=REPO, echo=False)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-3000:]
         assert "succeeded" in logs.lower()
@@ -143,10 +110,4 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env):
         vals = [float(line.split("loss")[1].split()[0]) for line in steps]
         assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
         assert "summary " in logs and "sample:" in logs
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` tears down what it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
 
