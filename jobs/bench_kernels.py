@@ -6,8 +6,9 @@
 
 Every (implementation, shape, mode) runs in two processes of its own. One times it: the best of
 --repeats wall-clock runs after one warm-up (a run slower than --slow-s is timed once). The
-other measures its peak memory in one call after a warm-up call: the high-water RSS minus the
-RSS just before the call (inputs, imports and one-time initialisation not counted). glibc is
+other measures its peak memory in one call after a warm-up call (no warm-up for runs slower than
+--slow-s): the high-water RSS minus the RSS just before the call (inputs, imports and one-time
+initialisation not counted). glibc is
 told to return every block >= 128 KB to the OS on free (MALLOC_MMAP_THRESHOLD_) and the
 warm-up's smaller freed blocks are trimmed (malloc_trim), so RSS follows the live tensors
 instead of the allocator's cache. All implementations in a group get the same inputs (same
@@ -200,7 +201,7 @@ def run_worker(spec):
 
     import gc
 
-    if spec["measure"] == "memory":  # steady state: one-time costs (lazy init, BLAS buffers) excluded
+    if spec["measure"] == "memory" and spec.get("warm", True):  # steady state: one-time costs excluded
         once()
         gc.collect()
         # Hand the warm-up's freed heap pages back to the OS: small blocks (an autograd graph of
@@ -253,7 +254,8 @@ def run(spec: dict) -> dict | None:
         return None
     row = run_one({**spec, "measure": "time"})
     if "error" not in row:
-        mem = run_one({**spec, "measure": "memory"})
+        # A run slower than --slow-s is measured cold: its one-time costs are noise next to it.
+        mem = run_one({**spec, "measure": "memory", "warm": row["best_s"] < args.slow_s})
         if "error" in mem:
             row["memory_error"], row["memory_rss_seen_mb"] = mem["error"], mem.get("rss_seen_mb")
         else:
@@ -282,7 +284,7 @@ def run_one(spec: dict) -> dict:
             break
         time.sleep(0.05)
     out, err = proc.communicate()
-    row = {k: spec[k] for k in spec if k not in ("repeats", "slow_s", "group", "measure", "threads")}
+    row = {k: spec[k] for k in spec if k not in ("repeats", "slow_s", "group", "measure", "threads", "warm")}
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if killed or not lines:
         row["error"] = killed or (err.strip().splitlines() or ["no output"])[-1][:300]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from k3.model.moe import Experts, LatentMoE
 
@@ -61,12 +61,13 @@ class AllToAllDispatch:
         send, recv = send_counts.tolist(), recv_counts.tolist()
         recv_ids = flat.new_empty(sum(recv))
         dist.all_to_all_single(recv_ids, flat[order].contiguous(), recv, send, group=self.group)
-        recv_x = all_to_all_single(x.new_empty(sum(recv), x.shape[-1]), x[token].contiguous(), recv, send,
-                                   group=self.group)
+        # Differentiable all-to-all (its backward is the reverse exchange); waited on here so the
+        # timing below is the exchange's, not whoever touches the tensor first.
+        recv_x = wait_tensor(all_to_all_single_autograd(x[token].contiguous(), recv, send, self.group))
         t1 = time.perf_counter()
         y = experts.grouped(recv_x, recv_ids - experts.first)
         t2 = time.perf_counter()
-        back = all_to_all_single(y.new_empty(N * k, y.shape[-1]), y.contiguous(), send, recv, group=self.group)
+        back = wait_tensor(all_to_all_single_autograd(y.contiguous(), send, recv, self.group))
         self.last_a2a_seconds += (t1 - t0) + (time.perf_counter() - t2)
         back = back * weight.reshape(-1)[order, None].to(back.dtype)
         return x.new_zeros(N, x.shape[-1]).index_add(0, token, back.to(x.dtype))
