@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench bench-kernels clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,17 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python jobs/bench_model.py
+
+# The kernel benchmark's CPU peers (transformers is in the test extra already; fla goes into a
+# folder of its own, without its dependencies: with fla importable, transformers' Kimi Linear
+# routes to fla's Triton kernels, which cannot run on a CPU, so it stays out of .venv).
+FLA_DIR := .cache/fla-bench
+$(FLA_DIR)/.installed:
+	$(BIN)/python -m pip install -q --no-deps --target $(FLA_DIR) "flash-linear-attention==0.6.0" "fla-core==0.6.0"
+	touch $@
+
+bench-kernels: $(STAMP) $(FLA_DIR)/.installed
+	PYTHONPATH=$(FLA_DIR) $(BIN)/python jobs/bench_kernels.py
 
 clean:
 	rm -rf $(VENV) .cache

@@ -1,6 +1,8 @@
 """Kernel benchmarks on CPU, printed as JSON: KDA, SiTU-GLU, MLA decode, each side by side.
 
-    python jobs/bench_kernels.py                 # the full set (~15 min on 2 busy cores)
+    make bench-kernels                           # installs the peers (fla) aside, runs the full set
+    python jobs/bench_kernels.py                 # the full set (over an hour: each slow peer
+                                                 # takes minutes per process at T=16384 fwd+bwd)
     python jobs/bench_kernels.py --quick         # small shapes, a smoke run
     python jobs/bench_kernels.py --only kda --T 1024 4096
 

@@ -57,7 +57,10 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    optimizer: Literal["adamw", "muon"] = Field("adamw", description="AdamW, or Muon for matrices + AdamW for the rest.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="AdamW, or Muon for the dense matrices + AdamW for the rest (DeepSpeed's Muon; its "
+        "gradient clipping is off and grad_norm then reports the orthogonalised update's norm; Muon wants a larger "
+        "peak lr than AdamW, ~0.02).")
     activation_checkpointing: bool = Field(False, description="Recompute sub-layers in backward.")
     balance: BalanceConfig = Field(default_factory=BalanceConfig, description="Expert balancing method and knobs.")
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and at the end).")
@@ -202,6 +205,11 @@ def _ds_config(cfg: TrainConfig) -> dict:
     if cfg.use_gpu:
         c["bf16"] = {"enabled": True}
     if cfg.optimizer == "muon":
+        # DeepSpeed orthogonalises Muon's matrix gradients (Newton-Schulz) before it measures and
+        # clips the gradient norm, so its clip would shrink updates whose size Newton-Schulz has
+        # already set (a norm near sqrt(rows) per matrix, ~100 over k3-tiny); leave it off. The
+        # experts, outside DeepSpeed, are still clipped at grad_clip.
+        c["gradient_clipping"] = 0.0
         c["optimizer"] = {"type": "Muon", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
                                                      "momentum": 0.95, "betas": [0.9, 0.95]}}
     return c

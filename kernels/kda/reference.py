@@ -43,6 +43,9 @@ def naive_recurrent_kda(
     else:
         cu = cu_seqlens.tolist()
         bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    # Per-token views from one unbind per tensor: indexing x[b, t] inside the loop would give each
+    # token a backward that writes a whole [B, T, ...] gradient, O(T^2) for the sequence.
+    qs, ks, vs, gs, betas = ([xb.unbind(0) for xb in x.unbind(0)] for x in (q, k, v, g, beta))
     outs, finals = [], []  # bounds run through every token in order, so the outputs stack into o
     for n, (b, start, end) in enumerate(bounds):
         if initial_state is None:
@@ -50,11 +53,12 @@ def naive_recurrent_kda(
         else:
             S = initial_state[n].float()
         for t in range(start, end):
-            S = S * g[b, t].exp()[..., None]
-            memory = torch.einsum("hk,hkv->hv", k[b, t], S)
-            delta = beta[b, t][:, None] * (v[b, t] - memory)
-            S = S + k[b, t][..., None] * delta[:, None, :]
-            outs.append(torch.einsum("hk,hkv->hv", q[b, t] * scale, S))
+            k_t = ks[b][t]
+            S = S * gs[b][t].exp()[..., None]
+            memory = torch.einsum("hk,hkv->hv", k_t, S)
+            delta = betas[b][t][:, None] * (vs[b][t] - memory)
+            S = S + k_t[..., None] * delta[:, None, :]
+            outs.append(torch.einsum("hk,hkv->hv", qs[b][t] * scale, S))
         finals.append(S)
     o = torch.stack(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V, dtype=torch.float32)
     final = torch.stack(finals) if output_final_state else None

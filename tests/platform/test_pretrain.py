@@ -111,3 +111,17 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, 
         assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
         assert "summary " in logs and "sample:" in logs
 
+
+
+def test_muon_with_loss_free_balancing_and_activation_checkpointing(ray_local, data_dir, tmp_path, ds_env):
+    # Muon's orthogonalised updates have RMS ~ 1/sqrt(width) per unit lr, so it takes a larger
+    # peak lr than AdamW (0.02, as in Muon's reference setups); no long warmup in 8 steps.
+    s = run(ray_local, data_dir, tmp_path, "muon", num_workers=1, ep_size=1, steps=8, checkpoint_every=8,
+            optimizer="muon", lr=0.02, warmup_steps=1, balance={"method": "loss_free"},
+            activation_checkpointing=True)
+    lx = losses(s)
+    assert s["loss_is_finite"] and s["steps"] == 8
+    assert lx[-2:].mean() < lx[:2].mean() - 0.1, f"Muon's loss did not fall: {lx.tolist()}"
+    model = load_checkpoint_model(s["checkpoint"])
+    biases = torch.stack([layer.mlp.gate.bias for layer in model.model.layers if layer.is_moe])
+    assert biases.abs().sum() > 0, "loss-free balancing never moved the bias"
