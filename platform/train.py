@@ -207,7 +207,7 @@ def _ds_config(cfg: TrainConfig) -> dict:
     if cfg.optimizer == "muon":
         # DeepSpeed orthogonalises Muon's matrix gradients (Newton-Schulz) before it measures and
         # clips the gradient norm, so its clip would shrink updates whose size Newton-Schulz has
-        # already set (a norm near sqrt(rows) per matrix, ~100 over k3-tiny); leave it off. The
+        # already set (a norm near sqrt(min(rows, cols)) per matrix, ~100 over k3-tiny); leave it off. The
         # experts, outside DeepSpeed, are still clipped at grad_clip.
         c["gradient_clipping"] = 0.0
         c["optimizer"] = {"type": "Muon", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
