@@ -19,7 +19,6 @@ registers the checkpoint only once all are persisted, so a half-written one is n
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -227,8 +226,6 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
     from .metrics import TrainMetrics
     from .optim import param_groups
 
-    # Ray Train logs every report's whole metrics dict at INFO; the step lines below say it once.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
     cfg = TrainConfig(**loop_config["config"])
     splits = loop_config["splits"]
     ctx = ray.train.get_context()
