@@ -13,10 +13,11 @@ the same signatures.
 """
 from __future__ import annotations
 
-import os
+from typing import NoReturn
 
 import torch
 
+from .._dispatch import fail, use_triton
 from .cpu import chunk_kda_torch, kda_step_torch
 from .reference import naive_kda_step, naive_recurrent_kda
 
@@ -25,24 +26,14 @@ __all__ = ["chunk_kda", "kda_step", "naive_recurrent_kda", "naive_kda_step", "ch
 MAX_TRITON_HEAD_DIM = 256  # one [BT, K] block per program; fla has the same limit
 
 
-def _fail(name: str, msg: str) -> None:
-    raise ValueError(f"kda: {name} {msg}")
+def _fail(name: str, msg: str) -> NoReturn:
+    fail("kda", name, msg)
 
 
 def _pick_backend(x: torch.Tensor, backend: str | None, head_dims: dict[str, int]) -> str:
     """'triton' for CUDA tensors (or when forced), else 'torch'; checks what Triton needs."""
-    if backend not in (None, "torch", "triton"):
-        _fail("backend", f"must be None, 'torch' or 'triton', got {backend!r}")
-    if backend == "torch" or (backend is None and not x.is_cuda):
+    if not use_triton("kda", x, backend):
         return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if backend == "triton":
-            _fail("backend", "'triton' needs the triton package")
-        return "torch"
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        _fail("backend", f"'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     for name, d in head_dims.items():
         if not 1 <= d <= MAX_TRITON_HEAD_DIM:
             _fail(name, f"head dim {d} is not supported by the Triton kernel (1..{MAX_TRITON_HEAD_DIM})")

@@ -7,39 +7,31 @@ the output gate after that, so a layer can hand over everything between q_lat an
 """
 from __future__ import annotations
 
-import os
+from typing import NoReturn
 
 import torch
 
+from .._dispatch import fail, use_triton
 from .cpu import finish, mla_decode_torch
 from .reference import naive_mla_decode
 
 __all__ = ["mla_decode", "naive_mla_decode"]
 
-MAX_TRITON_LATENT = 1024  # L (and R <= 256) held as one block per program
+MAX_TRITON_LATENT = 1024  # L and R each held as one block per program
+MAX_TRITON_ROPE = 256
 
 
-def _fail(name: str, msg: str) -> None:
-    raise ValueError(f"mla_decode: {name} {msg}")
+def _fail(name: str, msg: str) -> NoReturn:
+    fail("mla_decode", name, msg)
 
 
 def _use_triton(x: torch.Tensor, backend: str | None, L: int, R: int) -> bool:
-    if backend not in (None, "torch", "triton"):
-        _fail("backend", f"must be None, 'torch' or 'triton', got {backend!r}")
-    if backend == "torch" or (backend is None and not x.is_cuda):
+    if not use_triton("mla_decode", x, backend):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if backend == "triton":
-            _fail("backend", "'triton' needs the triton package")
-        return False
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        _fail("backend", f"'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if L > MAX_TRITON_LATENT:
         _fail("q_lat", f"latent dim {L} is not supported by the Triton kernel (max {MAX_TRITON_LATENT})")
-    if R > 256:
-        _fail("q_rope", f"rope dim {R} is not supported by the Triton kernel (max 256)")
+    if R > MAX_TRITON_ROPE:
+        _fail("q_rope", f"rope dim {R} is not supported by the Triton kernel (max {MAX_TRITON_ROPE})")
     return True
 
 
@@ -118,6 +110,6 @@ def mla_decode(
     if _use_triton(q_lat, backend, L, R):
         from .triton import mla_decode_triton
 
-        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale))
+        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), max_len=hi)
         return finish(ctx, q_lat.dtype, w_uv, gate)
-    return mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), w_uv, gate)
+    return mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), w_uv, gate, max_len=hi)

@@ -13,12 +13,13 @@ import torch
 CHUNK = 4096  # tokens per slice
 
 
-def mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, w_uv=None, gate=None):
-    """The contract of `k3.kernels.mla_decode.mla_decode` (inputs already checked)."""
+def mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, w_uv=None, gate=None, max_len=None):
+    """The contract of `k3.kernels.mla_decode.mla_decode` (inputs already checked; max_len is
+    seq_lens' max when the caller already has it on the host)."""
     N, H, L = q_lat.shape
     bs = kv_cache.shape[1]
     lens = seq_lens.long()
-    T = int(lens.max())
+    T = int(lens.max()) if max_len is None else max_len
     q = torch.cat([q_lat, q_rope], dim=-1).float()  # [N, H, L + R]
     m = q.new_full((N, H, 1), float("-inf"))
     s = q.new_zeros(N, H, 1)

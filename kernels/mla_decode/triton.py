@@ -80,10 +80,12 @@ def mla_decode_merge_kernel(acc_in, ml_in, out, n_splits, H: tl.constexpr, L: tl
     tl.store(out + (i_n.to(tl.int64) * H + i_h) * L + o_l, b_acc / b_sum, mask=m_l)
 
 
-def mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, num_splits: int | None = None):
+def mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, num_splits: int | None = None,
+                      max_len: int | None = None):
     """ctx [N, H, L] fp32 (inputs already checked; kv_cache's last dim contiguous).
 
     num_splits: context splits per (sequence, head block); default fills ~2 waves of 132 SMs.
+    max_len: seq_lens' max, when the caller already has it on the host (saves a device sync).
     """
     N, H, L = q_lat.shape
     R = q_rope.shape[-1]
@@ -91,7 +93,9 @@ def mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, num
     q_lat, q_rope = q_lat.contiguous(), q_rope.contiguous()
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     n_hb = triton.cdiv(H, BH)
-    max_blocks = max(1, triton.cdiv(int(seq_lens.max()), BS)) if N else 1
+    if N and max_len is None:
+        max_len = int(seq_lens.max())
+    max_blocks = max(1, triton.cdiv(max_len, BS)) if N else 1
     if num_splits is None:
         num_splits = min(max_blocks, max(1, 264 // max(N * n_hb, 1)))
     acc = torch.empty(N, num_splits, H, L, dtype=torch.float32, device=q_lat.device)

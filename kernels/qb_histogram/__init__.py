@@ -7,10 +7,9 @@ tensors run the Triton kernel (triton.py), CPU tensors the torch path (cpu.py).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from .._dispatch import use_triton
 from .cpu import qb_histogram_torch
 from .reference import naive_qb_histogram
 
@@ -56,7 +55,7 @@ def qb_histogram(
         raise ValueError(f"qb_histogram: need hi > lo for every expert, expert {bad} has lo={float(lo_E[bad])}, hi={float(hi_E[bad])}")
     if margins.numel() and bool(torch.isnan(margins).any()):  # +-inf is fine: it clamps
         raise ValueError("qb_histogram: margins contain NaN")
-    if margins.is_cuda and importlib.util.find_spec("triton") is not None:
+    if use_triton("qb_histogram", margins, None):
         from .triton import qb_histogram_triton
 
         return qb_histogram_triton(margins, lo_E, hi_E, bins)

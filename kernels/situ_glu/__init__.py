@@ -6,10 +6,9 @@ reference with the same signature is `naive_situ_glu`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .._dispatch import use_triton
 from .cpu import situ_glu_torch
 from .reference import naive_situ_glu, naive_swiglu
 
@@ -28,22 +27,6 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"situ_glu: gate and up must share a floating dtype, got {gate.dtype} and {up.dtype}")
 
 
-def _use_triton(x: torch.Tensor, backend: str | None) -> bool:
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"situ_glu: backend must be None, 'torch' or 'triton', got {backend!r}")
-    if backend == "torch" or (backend is None and not x.is_cuda):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if backend == "triton":
-            raise ValueError("situ_glu: backend 'triton' needs the triton package") from None
-        return False
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"situ_glu: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
-    return True
-
-
 def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0, *, backend: str | None = None
 ) -> torch.Tensor:
@@ -55,7 +38,7 @@ def situ_glu(
     _check(gate, up)
     if not (b1 > 0 and b2 > 0):
         raise ValueError(f"situ_glu: b1 and b2 must be positive, got b1={b1}, b2={b2}")
-    if _use_triton(gate, backend):
+    if use_triton("situ_glu", gate, backend):
         from .triton import situ_glu_triton
 
         return situ_glu_triton(gate, up, b1, b2)

@@ -1,0 +1,31 @@
+"""What every op's public function shares: its ValueError, and the choice of Triton or torch."""
+from __future__ import annotations
+
+import os
+from typing import NoReturn
+
+import torch
+
+
+def fail(op: str, name: str, msg: str) -> NoReturn:
+    """Raise the ops' one error form: "<op>: <argument> <what is wrong>"."""
+    raise ValueError(f"{op}: {name} {msg}")
+
+
+def use_triton(op: str, x: torch.Tensor, backend: str | None) -> bool:
+    """True for CUDA tensors when triton is installed, or when `backend="triton"` forces it
+    (then on CPU only under TRITON_INTERPRET=1); False for `backend="torch"` and CPU tensors.
+    Op-specific limits (head dims, ...) are the caller's to check after this."""
+    if backend not in (None, "torch", "triton"):
+        fail(op, "backend", f"must be None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or (backend is None and not x.is_cuda):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if backend == "triton":
+            fail(op, "backend", "'triton' needs the triton package")
+        return False
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        fail(op, "backend", f"'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    return True
