@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
-from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a private local cluster, loopback only
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import ray
 
-import ray  # noqa: E402
-
-from k3.platform.data import prepare  # noqa: E402
-from k3.platform.launch import fit  # noqa: E402
-from k3.platform.train import TrainConfig  # noqa: E402
+from k3.platform.data import prepare
+from k3.platform.launch import fit
+from k3.platform.local_ray import init_local_ray
+from k3.platform.train import TrainConfig
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--steps", type=int, default=30)
@@ -34,7 +30,7 @@ p.add_argument("--data", default="data/bundled")
 args = p.parse_args()
 
 prepare("bundled", args.data, progress=False)
-ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+init_local_ray(num_cpus=2, log_to_driver=False)
 runs = {"1 worker, QB": dict(num_workers=1, ep_size=1, balance={"method": "quantile_hist"}),
         "2 workers ep2, QB": dict(num_workers=2, ep_size=2, balance={"method": "quantile_hist"}),
         "2 workers ep2, loss-free": dict(num_workers=2, ep_size=2, balance={"method": "loss_free"}),

@@ -18,14 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-if not os.environ.get("RAY_ADDRESS"):
-    # No cluster given: this job starts a private single-node Ray. Keep every address, torch's
-    # distributed rendezvous included, on loopback; Ray reads this before it is imported.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-import torch
-
-from k3.platform.balance import BalanceConfig
+from k3.platform.local_ray import init_local_ray
 from k3.platform.train import TrainConfig, load_checkpoint_model
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,8 +79,7 @@ from k3.platform.launch import fit  # noqa: E402
 if os.environ.get("RAY_ADDRESS"):
     ray.init()
 else:
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)  # never a stale `ray start` cluster
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
+    init_local_ray()  # a private one on loopback, never a stale `ray start` cluster
 
 # 3. Train: coordinator, Ray Data splits, TorchTrainer (k3.platform.launch.fit).
 try:

@@ -3,6 +3,8 @@
     with LocalRayHead(num_cpus=2) as head:
         rc = head.submit_job(["python", "jobs/pretrain.py", ...], working_dir=repo)
 
+    init_local_ray(num_cpus=2)   # in-process: a private `ray.init` on loopback
+
 Used by `make demo` and by the tests that exercise the CLI path a user takes (`ray job submit`
 against a cluster started with `ray start`). Three things make that path reliable on a shared
 machine, and this module does all three:
@@ -34,6 +36,20 @@ import time
 from pathlib import Path
 
 NO_AGENT = "No available agent"
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
+
+
+def init_local_ray(**kwargs):
+    """`ray.init` of a fresh private single-node Ray on 127.0.0.1 (never a `ray start` cluster found
+    on the machine), without the dashboard unless asked. Ray on Linux swaps 127.0.0.1 for the
+    machine's outward address (torch's rendezvous included) unless LOOPBACK_ENV is "0": it is set
+    here for raylet and workers, and in Ray's already-imported constants for this driver."""
+    os.environ[LOOPBACK_ENV] = "0"
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return ray.init(**{"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False, **kwargs})
 
 
 def free_port() -> int:
@@ -75,7 +91,7 @@ class LocalRayHead:
             "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
             "ray-client-server-port")}
         self.env = {**os.environ, **(env or {}), "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                    LOOPBACK_ENV: "0", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         self.env.pop("RAY_ADDRESS", None)
         self.proc: subprocess.Popen | None = None

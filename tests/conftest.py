@@ -5,7 +5,13 @@ otherwise exit 0, and CI would count it green).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated: set it before any test imports k3,
+# so the Triton tests run in the interpreter on a machine without a GPU (tests/kernel_cases.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _passed = 0
 
@@ -29,24 +35,13 @@ def ray_local():
     Never `ray stop`: it kills every Ray process on the machine, not only this session's.
     """
     ray = pytest.importorskip("ray")
-    import ray._private.ray_constants as ray_constants
+    from k3.platform.local_ray import init_local_ray
 
     if ray.is_initialized():  # someone else's session: use it as it is
         yield ray
         return
-    with pytest.MonkeyPatch.context() as mp:
-        # Ray on Linux swaps 127.0.0.1 for the machine's outward address; this switch (read by
-        # the driver now, and by raylet and workers from the environment) keeps it on loopback.
-        mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(
-            address="local",  # always a fresh instance, never a cluster found on the machine
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
+    init_local_ray(num_cpus=2, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -7,7 +7,7 @@ import torch
 
 from helpers import assert_close
 from kernel_cases import BF16_TOL, FWD_TOL, check_kda, kda_inputs, lower_bound_for, one_thread, packed_lengths_cu  # noqa: F401
-from k3.kernels.kda import chunk_kda, kda_step, naive_kda_step, naive_recurrent_kda
+from k3.kernels.kda import chunk_kda, kda_step, naive_kda_step
 from k3.kernels.kda.cpu import pair_products, unit_lower_inverse
 
 

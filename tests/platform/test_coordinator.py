@@ -5,6 +5,8 @@ import sys
 import time
 
 import pytest
+import ray
+import ray.cloudpickle
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
@@ -213,9 +215,6 @@ def test_state_dict_round_trip_and_get_bias():
 
 # ---------------------------------------------------------------------------------------------
 # Under Ray
-
-ray = pytest.importorskip("ray")
-import ray.cloudpickle  # noqa: E402
 
 from k3.platform.coordinator import BalanceClient, get_or_create_coordinator  # noqa: E402
 
