@@ -84,7 +84,8 @@ def _load_fla_naive():
     every Triton kernel and model, none of which a CPU needs."""
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("flash-linear-attention is not installed (pip install '.[kernels-bench]')")
+        raise ImportError("flash-linear-attention is not importable: run `make bench-kernels` (installs it into "
+                          ".cache/fla-bench, outside the test venv)")
     path = os.path.join(list(spec.submodule_search_locations)[0], "ops", "kda", "naive.py")
     mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
     mod = importlib.util.module_from_spec(mod_spec)

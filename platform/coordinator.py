@@ -441,8 +441,8 @@ class BalanceClient:
         """
         if step != self.update.step + 1:
             raise ValueError(f"{self.worker_id}: step {step} must follow the update in hand ({self.update.step})")
-        # per-worker counts fit int32 and halve the traffic
-        self._report = (step, hist.to(torch.int32), counts.long(), self.update.step)
+        # per-worker counts fit int32 and halve the traffic; on the host, for the CPU-only actor
+        self._report = (step, hist.to("cpu", torch.int32), counts.to("cpu", torch.long), self.update.step)
         return self._send()
 
     def _send(self) -> "ray.ObjectRef":

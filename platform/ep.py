@@ -5,10 +5,12 @@ range [rank * E / ep, (rank + 1) * E / ep), so a rank builds only its experts (c
 built on the meta device, then materialise). `apply_expert_parallel(model, group)` installs the
 all-to-all dispatcher: each (token, expert) pair travels to the rank owning the expert, is
 computed there in one grouped pass, and comes back to be weighted and summed by its token's
-rank. Gradients flow back through the same all-to-alls (torch.distributed.nn), so router
+rank. Gradients flow back through the same all-to-alls (torch's functional autograd collective), so router
 weights and everything before the experts train exactly as on one device.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,8 +49,6 @@ class AllToAllDispatch:
         self.last_a2a_seconds = 0.0
 
     def __call__(self, experts: Experts, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        import time
-
         N, k = idx.shape
         flat = idx.reshape(-1)
         dest = flat // self.per_rank

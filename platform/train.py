@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3.model import K3Config, K3ForCausalLM, get_preset
 from k3.model.config import PRESETS
 
-from .balance import BalanceConfig
+from .balance import BalanceConfig, Balancer, loss_free_update, switch_aux_loss
 from .data import read_manifest
 from .optim import cosine_lr
 
@@ -255,7 +255,6 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         ep_dispatch = apply_expert_parallel(model, ep_group, ep)
     elif world > 1:
         edp_group = dist.group.WORLD
-    dense = [p for p in model.parameters() if id(p) not in expert_ids]
     for n, p in model.named_parameters():
         p.use_muon = p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n and cfg.optimizer == "muon"
     groups_ = [{**g, "params": [p for p in g["params"] if id(p) not in expert_ids]}
@@ -269,7 +268,7 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
     with torch.no_grad():  # DeepSpeed broadcast every module parameter from rank 0; experts are per rank
         for p, v in zip(experts, own_experts):
             p.copy_(v)
-    del dense, own_experts
+    del own_experts
 
     # Resume: DeepSpeed state, data position, losses so far, the coordinator's state.
     start_step, history, coord_state = 0, [], None
@@ -285,19 +284,16 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             expert_opt.load_state_dict(ex["optimizer"])
             st = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
             start_step, history, coord_state = st["step"], st["history"], st.get("coordinator")
-    method = cfg.balance.method if "moe" in mcfg.mlp_types else "none"
+    gates = [layer.mlp.gate for layer in model.model.layers if layer.is_moe]  # the routers, in layer order
+    method = cfg.balance.method if gates else "none"
     coordinator = ray.get_actor(cfg.coordinator_name) if method == "quantile_hist" else None
     local_balancer = None
     if method == "quantile":  # one worker: the exact solve in-process
-        from .balance import Balancer
-        local_balancer = Balancer(cfg.balance, mcfg.mlp_types.count("moe"), mcfg.num_experts,
-                                  mcfg.num_experts_per_token)
+        local_balancer = Balancer(cfg.balance, len(gates), mcfg.num_experts, mcfg.num_experts_per_token)
     if coordinator is not None and rank == 0 and coord_state is not None:
         ray.get(coordinator.load_state_dict.remote(coord_state))  # back to the checkpoint's step
     dist.barrier()
     client = BalanceClient(coordinator, f"rank-{rank}") if coordinator is not None else None
-    if client is not None:
-        model.set_router_bias(client.update.bias.to(device))
 
     # Data: this worker's split, a fixed order per epoch, so a resumed run sees the same batches.
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -317,7 +313,6 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
     metrics = TrainMetrics(enabled=rank == 0)
     epoch, pos = divmod(start_step, per_epoch)
     data = batches(epoch, pos)
-    moe_layers = [i for i, t in enumerate(mcfg.mlp_types) if t == "moe"]
     t_last, tokens_since, compute_s, wait_s = time.perf_counter(), 0, 0.0, 0.0
     for step in range(start_step, cfg.steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
@@ -333,9 +328,8 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         for g in list(engine.optimizer.param_groups) + list(expert_opt.param_groups):
             g["lr"] = lr
         t0 = time.perf_counter()
-        if client is not None and step > start_step:
-            update = client.fetch()
-            model.set_router_bias(update.bias.to(device))
+        if client is not None:  # the bias solved from the previous step's reports (at the start: the one in hand)
+            model.set_router_bias(client.fetch().bias.to(device))
         t1 = time.perf_counter()
         t0_wait = t1 - t0
         wait_s += t0_wait
@@ -344,7 +338,6 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         out = engine(batch, labels=batch, collect_router=True)
         loss = out.loss
         if method == "aux_loss":
-            from .balance import switch_aux_loss
             loss = loss + sum(switch_aux_loss(r.scores, r.topk_idx, cfg.balance.aux_loss_coef) for r in out.router)
         counts = torch.stack([r.counts for r in out.router]) if out.router else torch.zeros(0)
         if client is not None:
@@ -358,38 +351,38 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
         compute_s += time.perf_counter() - t1
         a2a_s = sum(d.last_a2a_seconds for d in ep_dispatch)
         # Step metrics: mean loss over workers, global expert loads.
-        stats = torch.cat([out.loss.detach().reshape(1).float().cpu(), counts.float().reshape(-1).cpu()])
+        # Reduced where the process group can (NCCL takes only CUDA tensors), then read on the host.
+        stats = torch.cat([out.loss.detach().reshape(1).float(), counts.float().reshape(-1).to(device)])
         dist.all_reduce(stats)
+        stats = stats.cpu()
         mean_loss = float(stats[0]) / world
-        loads = stats[1:].reshape(len(moe_layers), -1) if moe_layers else None
+        loads = stats[1:].reshape(len(gates), -1) if gates else None
         maxvio = (loads.max(1).values / loads.mean(1) - 1).tolist() if loads is not None else []
         # Biases for the next step (never this one): loss-free from the global loads, the same on
         # every rank; exact QB from this process's margins.
         if method == "loss_free":
-            from .balance import loss_free_update
             with torch.no_grad():
-                for layer, l_loads in zip([l for l in model.model.layers if l.is_moe], loads):
-                    layer.mlp.gate.bias.copy_(loss_free_update(layer.mlp.gate.bias, l_loads.to(device),
-                                                               cfg.balance.loss_free_step))
+                for gate, l_loads in zip(gates, loads):
+                    gate.bias.copy_(loss_free_update(gate.bias, l_loads.to(device), cfg.balance.loss_free_step))
         elif local_balancer is not None:
             for i, r in enumerate(out.router):
                 local_balancer.observe(i, r.margins, r.counts)
             local_balancer.step()
             model.set_router_bias(local_balancer.bias().to(device))
-        t_step = time.perf_counter() - t1
-        history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio, "tokens": batch.numel() * world,
-                        "step_s": t0_wait + t_step, "wait_s": t0_wait, "all_to_all_s": a2a_s})
-        tokens_since += batch.numel() * world
+        tokens = batch.numel() * world
+        history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio, "tokens": tokens,
+                        "step_s": time.perf_counter() - t0, "wait_s": t0_wait, "all_to_all_s": a2a_s})
+        tokens_since += tokens
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.log_every == 0 or last or (step + 1) % cfg.checkpoint_every == 0:
             now = time.perf_counter()
             tps = tokens_since / (now - t_last)
             dense_norm = engine.get_global_grad_norm()
             gnorm = math.sqrt(float(dense_norm or 0.0) ** 2 + expert_norm ** 2)
-            bias = torch.stack([l.mlp.gate.bias for l in model.model.layers if l.is_moe]) if moe_layers else None
+            bias = torch.stack([gate.bias for gate in gates]) if gates else None
             spread = (bias.max(1).values - bias.min(1).values).tolist() if bias is not None else []
             report = {"step": step + 1, "loss": mean_loss, "lr": lr, "tokens_per_s": tps,
-                      "grad_norm": float(gnorm) if gnorm is not None else float("nan"),
+                      "grad_norm": gnorm,
                       "maxvio_mean": sum(maxvio) / len(maxvio) if maxvio else 0.0, "maxvio": maxvio,
                       "bias_spread": spread, "epoch": epoch, "compute_s": compute_s, "coordinator_wait_s": wait_s,
                       "all_to_all_s": a2a_s}
@@ -419,8 +412,6 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             ray.train.report(report, checkpoint=checkpoint)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-    if client is not None:
-        client.close() if hasattr(client, "close") else None
 
 
 def summarize(history: list[dict]) -> dict:
