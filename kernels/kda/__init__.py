@@ -131,15 +131,18 @@ def chunk_kda(
         chunk_size > 16 and chunk_size % 16
     ):
         _fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size!r}")
-    if lower_bound is not None and lower_bound * min(chunk_size, 16) < -80.0:
-        # e^(8 * |lb|) must stay far inside fp32 for the dense diagonal sub-chunks.
+    path = _pick_backend(k, backend, {"k": k.shape[-1], "v": v.shape[-1]})
+    # The dense diagonal sub-chunks are anchored mid-way, so e^(sub / 2 * |lb|) must stay far
+    # inside fp32; the torch path's sub-chunk is min(chunk_size, 16), Triton's always 16.
+    sub_chunk = 16 if path == "triton" else min(chunk_size, 16)
+    if lower_bound is not None and lower_bound * sub_chunk < -80.0:
         lower_bound = None
     _check_gate(g, lower_bound)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(k.device)
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, lower_bound)
-    if _pick_backend(k, backend, {"k": k.shape[-1], "v": v.shape[-1]}) == "triton":
+    if path == "triton":
         from .triton import chunk_kda_triton
 
         return chunk_kda_triton(*args)

@@ -51,6 +51,15 @@ def test_packed_sequences(chunk_size):
               chunk_size=chunk_size, lower_bound=None if chunk_size == 32 else -5.0)
 
 
+def test_a_bound_too_low_for_tritons_sub_chunks_is_dropped():
+    # lower_bound=-15 with chunk_size=4 is safe for the torch path's 4-token sub-chunks, but Triton
+    # always works in 16-token sub-chunks anchored mid-way, where e^(8 x 14) overflows fp32: the
+    # public function must take the unbounded path there instead of returning inf.
+    q, k, v, g, beta = kda_inputs(1, 40, 1, 16, 16, "bounded", seed=11)
+    check_kda(chunk_kda_triton, [q, k, v, torch.full_like(g, -14.0), beta], chunk_size=4, lower_bound=-15.0,
+              grads=False)
+
+
 def test_odd_head_dims_and_bf16():
     # K and V that are not powers of two (masked lanes), and bf16 inputs converted in the kernel.
     check_kda(chunk_kda_triton, kda_inputs(1, 20, 1, 24, 40, "bounded", seed=4), torch.randn(1, 1, 24, 40))
