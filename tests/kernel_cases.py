@@ -186,3 +186,37 @@ def check_mla(fn, case, with_uv=False, tol=FWD_TOL, **kw):
     want = naive_mla_decode(q_lat, q_rope, kv, table, lens, scale, *extra)
     assert got.dtype == q_lat.dtype
     assert_rel("o" if with_uv else "ctx", got, want, tol)
+
+
+def check_histogram(fn, n, e, bins, dtype):
+    """fn (qb_histogram's signature) against the reference bin for bin, on margins [n, e] with a
+    window per expert that some margins fall outside: int64 [e, bins], every token counted once."""
+    from k3.kernels.qb_histogram import naive_qb_histogram
+
+    g = torch.Generator().manual_seed(n * 31 + e)
+    margins = (torch.randn(n, e, generator=g) * 0.7).to(dtype)
+    lo = -torch.rand(e, generator=g) - 0.2
+    hi = torch.rand(e, generator=g) + 0.2
+    got = fn(margins, lo, hi, bins)
+    assert got.dtype == torch.int64 and got.shape == (e, bins)
+    assert torch.equal(got, naive_qb_histogram(margins, lo, hi, bins))
+    assert torch.equal(got.sum(1), torch.full((e,), n))  # clamped, so every token counts once
+
+
+def check_kda_step(backend, K, V, seed, slot_dtype=torch.int64):
+    """kda_step over a pool of 6 slots, 3 sequences in slots 4, 0, 2: output and updated slots
+    equal the reference's, and the other slots stay bit-identical."""
+    from helpers import assert_close
+    from k3.kernels.kda import kda_step, naive_kda_step
+
+    N, P, H = 3, 6, 2
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(N, 1, H, K, V, "unbounded", seed=seed))
+    pool = torch.randn(P, H, K, V)
+    pool_ref = pool.clone()
+    slots = torch.tensor([4, 0, 2], dtype=slot_dtype)
+    untouched = pool[[1, 3, 5]].clone()
+    o = kda_step(q, k, v, g, beta, pool, slots, backend=backend)
+    o_ref = naive_kda_step(q, k, v, g, beta, pool_ref, slots)
+    assert_close("o", o, o_ref, FWD_TOL)
+    assert_close("pool", pool, pool_ref, FWD_TOL)
+    assert torch.equal(pool[[1, 3, 5]], untouched), "slots outside slot_idx changed"

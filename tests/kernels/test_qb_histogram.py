@@ -6,31 +6,19 @@ import torch
 
 import k3.kernels.qb_histogram.cpu as cpu_path
 from k3.kernels.qb_histogram import naive_qb_histogram, qb_histogram
-
-
-def _bounds(lo, hi, e):
-    as_e = lambda v: v if isinstance(v, torch.Tensor) else torch.full((e,), float(v), dtype=torch.float64)
-    return as_e(lo), as_e(hi)
+from kernel_cases import check_histogram
 
 
 @pytest.mark.parametrize("n,e,bins", [(63, 5, 7), (1500, 17, 64), (1, 3, 2), (257, 1, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_matches_reference_on_odd_shapes(n, e, bins, dtype):
-    g = torch.Generator().manual_seed(n * 31 + e)
-    margins = (torch.randn(n, e, generator=g) * 0.7).to(dtype)
-    lo = -torch.rand(e, generator=g) - 0.2  # per-expert windows; some margins fall outside
-    hi = torch.rand(e, generator=g) + 0.2
-    got = qb_histogram(margins, lo, hi, bins)
-    want = naive_qb_histogram(margins, lo, hi, bins)
-    assert got.dtype == torch.int64 and got.shape == (e, bins)
-    assert torch.equal(got, want)
-    assert torch.equal(got.sum(1), torch.full((e,), n))  # clamped, so every token counts once
+    check_histogram(qb_histogram, n, e, bins, dtype)
 
 
 def test_chunked_path_matches(monkeypatch):
     monkeypatch.setattr(cpu_path, "CHUNK_ELEMENTS", 37)  # many ragged chunks
     margins = torch.randn(301, 9, generator=torch.Generator().manual_seed(1))
-    lo, hi = _bounds(-1.5, 1.5, 9)
+    lo, hi = torch.full((9,), -1.5, dtype=torch.float64), torch.full((9,), 1.5, dtype=torch.float64)
     assert torch.equal(qb_histogram(margins, -1.5, 1.5, 16), naive_qb_histogram(margins, lo, hi, 16))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_interpreted, interpreter_or_skip, one_thread  # noqa: F401
+from kernel_cases import assert_interpreted, check_histogram, interpreter_or_skip, one_thread  # noqa: F401
 
 interpreter_or_skip()
 
@@ -20,14 +20,7 @@ def setup_module():
 @pytest.mark.parametrize("n,e,bins", [(63, 5, 7), (1500, 17, 64), (1, 3, 2), (257, 70, 256), (0, 4, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_matches_reference_bin_for_bin(n, e, bins, dtype):
-    g = torch.Generator().manual_seed(n * 31 + e)
-    margins = (torch.randn(n, e, generator=g) * 0.7).to(dtype)
-    lo = -torch.rand(e, generator=g) - 0.2  # per-expert windows; some margins fall outside
-    hi = torch.rand(e, generator=g) + 0.2
-    got = qb_triton.qb_histogram_triton(margins, lo, hi, bins)
-    assert got.dtype == torch.int64 and got.shape == (e, bins)
-    assert torch.equal(got, naive_qb_histogram(margins, lo, hi, bins))
-    assert torch.equal(got.sum(1), torch.full((e,), n))
+    check_histogram(qb_triton.qb_histogram_triton, n, e, bins, dtype)
 
 
 def test_edges_infinities_and_strided_margins():
