@@ -98,6 +98,13 @@ def check_k(k: int, num_experts: int) -> None:
         raise ValueError(f"top-k must satisfy 1 <= k < experts, got k={k!r} with {num_experts} experts")
 
 
+def check_layers(num_layers: int, num_experts: int, k: int) -> None:
+    """What a balancer over `num_layers` MoE layers needs: at least one layer, 1 <= k < E."""
+    check_k(k, num_experts)
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+
+
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing as the model does it, plus QB margins.
 
@@ -391,9 +398,7 @@ class Balancer:
     """
 
     def __init__(self, config: BalanceConfig, num_layers: int, num_experts: int, k: int):
-        check_k(k, num_experts)
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        check_layers(num_layers, num_experts, k)
         self.config, self.num_layers, self.num_experts, self.k = config, num_layers, num_experts, k
         self.steps = 0
         self.hist_states = [HistLayerState.initial(config, num_experts) for _ in range(num_layers)]

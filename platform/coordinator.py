@@ -42,7 +42,7 @@ import ray
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance import BalanceConfig, HistLayerState, check_k, hist_step, max_violation, quantile_target
+from k3.platform.balance import BalanceConfig, HistLayerState, check_layers, hist_step, max_violation
 
 STATE_FORMAT = 1
 
@@ -68,6 +68,14 @@ def _to_config(config: BalanceConfig | dict[str, Any] | None) -> BalanceConfig:
     return config
 
 
+def _check_args(num_layers: int, num_experts: int, k: int, config, world_size: int | None) -> BalanceConfig:
+    """The coordinator's arguments, checked wherever they are first given; returns the config."""
+    check_layers(num_layers, num_experts, k)
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return _to_config(config)
+
+
 class CoordinatorCore:
     """The coordinator's state and rules, without Ray (the actor wraps it; tests drive it directly)."""
 
@@ -84,12 +92,7 @@ class CoordinatorCore:
         """world_size: no step is solved before this many workers are registered (so early
         reporters do not solve the first steps alone); None: whoever is registered.
         start_step: the first step workers will report (a resumed run that has no state)."""
-        check_k(k, num_experts)
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        if world_size is not None and world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.config = _to_config(config)
+        self.config = _check_args(num_layers, num_experts, k, config, world_size)
         self.num_layers, self.num_experts, self.k = num_layers, num_experts, k
         self.bins = self.config.bins
         self.world_size = world_size
@@ -187,7 +190,6 @@ class CoordinatorCore:
             return None
         hist = torch.stack([pending[w][0].long() for w in sorted(workers)]).sum(0)  # [L, E, bins]
         counts = torch.stack([pending[w][1] for w in sorted(workers)]).sum(0)  # [L, E]
-        quantile_target(int(hist[0, 0].sum()), self.k, self.num_experts)  # q in (0, N) or ValueError
         layers, metrics = [], []
         for layer in range(self.num_layers):
             state, info = hist_step(self.config, self.layers[layer], hist[layer], counts[layer], self.k)
@@ -402,8 +404,7 @@ def get_or_create_coordinator(
     max_restarts: int = 3,
 ) -> "ray.actor.ActorHandle":
     """The named coordinator, created on first call. Arguments are checked here, in the caller."""
-    check_k(k, num_experts)
-    cfg = _to_config(config)
+    cfg = _check_args(num_layers, num_experts, k, config, world_size)
     handle = BalanceCoordinator.options(
         name=name, namespace=namespace, get_if_exists=True, max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0
     ).remote(num_layers, num_experts, k, cfg.model_dump(), world_size, start_step, state_path)
