@@ -33,3 +33,39 @@ class TrainMetrics:
             elif k in self.layer_g and isinstance(v, list):
                 for i, x in enumerate(v):
                     self.layer_g[k].set(float(x), tags={"layer": str(i)})
+
+
+# Buckets in seconds and bytes, in the manner of vLLM's (latencies from 1 ms to 80 s).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0]
+E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+BYTES_BUCKETS = [float(4 ** i * 1024) for i in range(12)]  # 1 KiB .. 4 GiB
+
+# name: (kind, description, tag keys, buckets). Every serving metric k3 exports, in one table, so the
+# Serve deployments, the dashboards and the docs agree on one set of names. Prometheus sees each as
+# `ray_<name>` (histograms with _bucket/_sum/_count).
+SERVE_METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
+    "k3_serve_time_to_first_token_seconds": ("histogram", "seconds from request arrival to its first token",
+                                             ("model", "role"), TTFT_BUCKETS),
+    "k3_serve_inter_token_latency_seconds": ("histogram", "seconds between consecutive output tokens of a request",
+                                             ("model", "role"), ITL_BUCKETS),
+    "k3_serve_e2e_request_latency_seconds": ("histogram", "seconds from request arrival to its last token",
+                                             ("model", "role"), E2E_BUCKETS),
+    "k3_serve_prompt_tokens": ("counter", "prompt tokens processed", ("model", "role")),
+    "k3_serve_generation_tokens": ("counter", "tokens generated", ("model", "role")),
+    "k3_serve_requests_finished": ("counter", "requests finished, by finish reason (stop, length, abort, error)",
+                                   ("model", "role", "finish_reason")),
+    "k3_serve_num_requests_running": ("gauge", "requests in the engine's running batch", ("model", "role")),
+    "k3_serve_num_requests_waiting": ("gauge", "requests waiting for admission", ("model", "role")),
+    "k3_serve_prefix_cache_queries": ("counter", "prompt tokens looked up in the prefix cache",
+                                      ("model", "role", "source")),
+    "k3_serve_prefix_cache_hits": ("counter", "prompt tokens served from the prefix cache",
+                                   ("model", "role", "source")),
+    "k3_serve_cache_usage_ratio": ("gauge", "share of the engine's MLA pages held by running requests",
+                                   ("model", "role")),
+    "k3_serve_handoff_bytes": ("histogram", "bytes of hybrid cache state handed from prefill to decode",
+                               ("model",), BYTES_BUCKETS),
+    "k3_serve_handoff_seconds": ("histogram", "seconds to export, move and import one request's cache state",
+                                 ("model",), TTFT_BUCKETS),
+}
