@@ -34,7 +34,7 @@ p.add_argument("--input-len", type=int, default=64, help="words per prompt")
 p.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
 p.add_argument("--warmup-s", type=float, default=10.0, help="RSS samples before this are not judged")
 p.add_argument("--max-rss-growth", type=float, default=0.05, help="largest growth still called flat")
-p.add_argument("--ray-address", default=None, help="sample the Serve replicas of this Ray cluster ('auto' works)")
+p.add_argument("--ray-address", default=None, help="sample the Serve replicas of this Ray cluster (its GCS address)")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 args = p.parse_args()
 
@@ -44,7 +44,10 @@ def replica_rss() -> dict[str, int]:
     from ray.util.state import list_actors
 
     out = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False):
+    # the connected cluster's exact GCS address: without one the state API picks the newest Ray
+    # on the machine, which need not be this one
+    for a in list_actors(address=gcs_address, filters=[("state", "=", "ALIVE")], limit=10_000,
+                         raise_on_missing_output=False):
         if not a.class_name.startswith("ServeReplica") or not a.pid:
             continue
         try:
@@ -59,6 +62,7 @@ if args.ray_address is not None:
     import ray
 
     ray.init(address=args.ray_address, log_to_driver=False)
+    gcs_address = ray.get_runtime_context().gcs_address
     if not replica_rss():
         sys.exit(f"no live Serve replica on this machine in the Ray cluster at {args.ray_address}")
     sampler = replica_rss
