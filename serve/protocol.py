@@ -59,11 +59,14 @@ class _SamplingFields(_Request):
     top_k: int = Field(0, ge=-1, description="Extension (vLLM): keep the k most likely tokens; 0 or -1 keeps all.")
     min_tokens: int = Field(0, ge=0, description="Extension (vLLM): suppress stop tokens and EOS until "
                                                  "this many tokens exist.")
-    seed: int | None = Field(None, description="Sampling seed: the same seed and request give the same tokens.")
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1,
+                             description="Sampling seed (a signed 64-bit integer): the same seed and request "
+                                         "give the same tokens.")
     stop: str | list[str] | None = Field(None, description="Up to any number of strings that end generation; "
                                                            "the stop string is not returned.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extension (vLLM): token ids that end "
-                                                                        "generation.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
+                                                              description="Extension (vLLM): token ids that end "
+                                                                          "generation.")
     ignore_eos: bool = Field(False, description="Extension (vLLM): keep generating past EOS (benchmarks).")
     n: int = Field(1, ge=1, le=128, description="How many choices to generate for the prompt.")
     stream: bool = Field(False, description="Send the answer as server-sent events ending in `data: [DONE]`.")

@@ -115,6 +115,8 @@ def test_chat_message_text_and_media_keep_the_parts():
     (completion(frequency_penalty=-1), "frequency_penalty"),
     (completion(best_of=2), "best_of"),
     (completion(max_tokens="many"), "max_tokens"),
+    (completion(seed=2**63), "seed"),
+    (completion(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
     (completion(stream_options={"include_usage": True}), None),  # needs stream=true: a model-level rule
 ])
 def test_completion_request_refuses(body, param):
