@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -409,6 +410,50 @@ class ModelList(_Response):
 
     object: Literal["list"] = Field("list", description="Always 'list'.")
     data: list[ModelCard] = Field(description="The served models.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's logprobs in OpenAI's shapes
+
+TokenBytes = Callable[[int], bytes]  # token id -> its bytes (k3: Detokenizer(tok).table[id])
+
+
+def _token_text(token_bytes: TokenBytes, token_id: int) -> tuple[str, list[int]]:
+    # a byte-level token may hold part of a UTF-8 character: its text has U+FFFD, its bytes are exact
+    b = token_bytes(token_id)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(entries: Sequence[dict], token_bytes: TokenBytes) -> ChatLogprobs:
+    """The engine's per-token logprobs (RequestOutput.logprobs: {"token": id, "logprob": x,
+    "top": {id: x}}) in chat's shape: one entry per token, its alternatives in `top_logprobs`."""
+    content = []
+    for e in entries:
+        text, raw = _token_text(token_bytes, e["token"])
+        top = []
+        for tid, lp in (e.get("top") or {}).items():
+            t, b = _token_text(token_bytes, tid)
+            top.append(TopLogprob(token=t, logprob=lp, bytes=b))
+        content.append(ChatTokenLogprob(token=text, logprob=e["logprob"], bytes=raw, top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(entries: Sequence[dict], token_bytes: TokenBytes, text_offset: int = 0) -> CompletionLogprobs:
+    """The engine's per-token logprobs in completions' shape (parallel lists). Each token's
+    `top_logprobs` holds its alternatives and the chosen token (as vLLM and OpenAI do); `text_offset`
+    is where the first token starts in the choice's text (in a stream: the length sent before)."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for e in entries:
+        text, _ = _token_text(token_bytes, e["token"])
+        top = {_token_text(token_bytes, tid)[0]: lp for tid, lp in (e.get("top") or {}).items()}
+        top.setdefault(text, e["logprob"])
+        out.tokens.append(text)
+        out.token_logprobs.append(e["logprob"])
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from k3.serve.protocol import (
     TopLogprob,
     UsageInfo,
     VideoURLPart,
+    chat_logprobs,
+    completion_logprobs,
     sampling_kwargs,
     sse_error,
     sse_event,
@@ -375,3 +377,39 @@ def test_openapi_document_declares_bearer(client):
 def test_openai_error_status_checked(status):
     with pytest.raises(ValueError):
         OpenAIError("x", status=status)
+
+
+# ---- the engine's logprobs in OpenAI's shapes ----------------------------------------------------
+
+TOKEN_BYTES = {1: b"He", 2: b"llo", 3: b"\xc3", 4: b"\xa9", 5: b"!"}  # 3 + 4: "é" split over two tokens
+ENTRIES = [{"token": 1, "logprob": -0.1, "top": {1: -0.1, 5: -2.5}},
+           {"token": 2, "logprob": -0.2, "top": {2: -0.2, 1: -3.0}},
+           {"token": 3, "logprob": -0.3, "top": {3: -0.3, 5: -1.5}}]
+
+
+def test_chat_logprobs_from_engine_entries():
+    lp = chat_logprobs(ENTRIES, TOKEN_BYTES.__getitem__)
+    assert [c.token for c in lp.content] == ["He", "llo", "\ufffd"]
+    assert lp.content[2].bytes == [0xC3]  # the exact byte, though the text cannot show it
+    assert [(t.token, t.logprob) for t in lp.content[0].top_logprobs] == [("He", -0.1), ("!", -2.5)]
+    no_top = chat_logprobs([{"token": 5, "logprob": -0.5}], TOKEN_BYTES.__getitem__)
+    assert no_top.content[0].top_logprobs == [] and no_top.content[0].token == "!"
+
+
+def test_completion_logprobs_from_engine_entries():
+    lp = completion_logprobs(ENTRIES[:2], TOKEN_BYTES.__getitem__, text_offset=10)
+    assert lp.tokens == ["He", "llo"] and lp.token_logprobs == [-0.1, -0.2] and lp.text_offset == [10, 12]
+    assert lp.top_logprobs[0] == {"He": -0.1, "!": -2.5}
+    chosen_only = completion_logprobs([{"token": 5, "logprob": -0.5}], TOKEN_BYTES.__getitem__)
+    assert chosen_only.top_logprobs == [{"!": -0.5}]  # logprobs=0: the chosen token alone
+
+
+def test_logprobs_with_the_k3_tokenizer_table():
+    from k3.platform.tokenizer import train_bpe
+    from k3.serve.engine.detokenizer import Detokenizer
+
+    tok = train_bpe(["héllo wörld, def f(x): return x"] * 20, vocab_size=300)
+    table = Detokenizer(tok).table
+    ids = tok.encode("héllo wörld").ids
+    lp = chat_logprobs([{"token": i, "logprob": -1.0} for i in ids], table.__getitem__)
+    assert bytes(b for c in lp.content for b in c.bytes).decode() == "héllo wörld"
