@@ -105,7 +105,8 @@ def bench_config(fake, **kw) -> BenchConfig:
 def test_bench_measures_the_known_delays(fake, endpoint):
     fake.count, fake.fail = 0, {2}
     ticks = []
-    s = asyncio.run(run_benchmark(bench_config(fake, endpoint=endpoint, slo_ttft_ms=5000), progress=lambda: ticks.append(1)))
+    cfg = bench_config(fake, endpoint=endpoint, slo_ttft_ms=5000)
+    s = asyncio.run(run_benchmark(cfg, progress=lambda: ticks.append(1)))
     assert len(ticks) == 6
     assert (s["completed"], s["failed"]) == (5, 1)
     assert s["errors"] == {"HTTP 503: overloaded, try later": 1}

@@ -45,7 +45,8 @@ LOGPROBS = [-0.25, -0.5, -1.0]
 def chat_logprobs(tokens, logprobs, top):
     return ChatLogprobs(content=[ChatTokenLogprob(
         token=t, logprob=lp, bytes=list(t.encode()),
-        top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))] * top) for t, lp in zip(tokens, logprobs)])
+        top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))] * top)
+        for t, lp in zip(tokens, logprobs)])
 
 
 def make_app() -> FastAPI:
@@ -156,7 +157,8 @@ def test_chat_stream(client, include_usage):
     assert len({c.id for c in chunks}) == 1
     finish = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finish[-1] == "stop" and set(finish[:-1]) == {None}
-    assert [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content] == TOKENS
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == TOKENS
     if include_usage:
         assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 11
     else:

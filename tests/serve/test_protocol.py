@@ -334,7 +334,9 @@ def assert_openai_error(resp, status, type_=None, param=None, code=None):
     ("no_route", 404, "not_found_error", None, None),
 ])
 def test_errors_through_the_app(client, kind, status, type_, param, code):
-    post = lambda body, headers=AUTH, path="/v1/completions": client.post(path, json=body, headers=headers)  # noqa: E731
+    def post(body, headers=AUTH, path="/v1/completions"):
+        return client.post(path, json=body, headers=headers)
+
     resp = {
         "malformed_json": lambda: client.post("/v1/completions", content=b'{"model": "k3-tiny", "prompt": ',
                                               headers={**AUTH, "Content-Type": "application/json"}),

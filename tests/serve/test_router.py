@@ -46,7 +46,8 @@ def test_rendezvous_moves_only_the_keys_it_must(change):
 
 def test_full_ranking_is_every_replica_once():
     ranks = rank_replicas(KEYS[0], REPLICAS, {})
-    assert sorted(r for rank in ranks for r in rank) == REPLICAS and ranks[0] == [rendezvous_order(KEYS[0], REPLICAS)[0]]
+    assert sorted(r for rank in ranks for r in rank) == REPLICAS
+    assert ranks[0] == [rendezvous_order(KEYS[0], REPLICAS)[0]]
 
 
 @pytest.mark.parametrize("extra,moves", [(0, False), (4, False), (5, True)])
