@@ -25,6 +25,7 @@ from .errors import OpenAIError
 
 MAX_LOGPROBS = 20  # the engine's SamplingParams.logprobs bound
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SEED = 2**63 - 1  # torch's generator takes a 64-bit seed; the engine keeps it signed-positive
 
 
 def new_id(prefix: str) -> str:
@@ -55,14 +56,15 @@ class _SamplingFields(_Request):
     """Fields the two endpoints share."""
 
     model: str = Field(description="The served model's name (see GET /v1/models).")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Softmax temperature; 0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+                               description="Softmax temperature in [0, 2]; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=-1, description="Extension (vLLM): keep the k most likely tokens; 0 or -1 keeps all.")
     min_tokens: int = Field(0, ge=0, description="Extension (vLLM): suppress stop tokens and EOS until "
                                                  "this many tokens exist.")
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1,
-                             description="Sampling seed (a signed 64-bit integer): the same seed and request "
-                                         "give the same tokens.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Sampling seed in [0, 2**63 - 1]: the same seed and request give the "
+                                         "same tokens.")
     stop: str | list[str] | None = Field(None, description="Up to any number of strings that end generation; "
                                                            "the stop string is not returned.")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
@@ -210,8 +212,8 @@ def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model
     OpenAI's semantics: chat's `max_completion_tokens` wins over `max_tokens`, and without either
     a chat answer may run to the context length; completions default to 16 tokens. A prompt that
     leaves no room, or a max_tokens that does not fit beside the prompt, is a 400
-    `context_length_exceeded`. With n > 1 and a seed, choice i samples with seed + i, so the
-    choices differ and each stays reproducible.
+    `context_length_exceeded`. With n > 1 and a seed, choice i samples with seed + i (mod 2**63),
+    so the choices differ and each stays reproducible.
     """
     if max_model_len < 1 or prompt_len < 0:
         raise ValueError(f"max_model_len must be >= 1 and prompt_len >= 0, got {max_model_len}, {prompt_len}")
@@ -239,7 +241,7 @@ def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": max(req.top_k, 0),
-        "seed": None if req.seed is None else req.seed + choice_index,
+        "seed": None if req.seed is None else (req.seed + choice_index) % (MAX_SEED + 1),
         "stop": req.stop_list(),
         "stop_token_ids": list(req.stop_token_ids),
         "ignore_eos": req.ignore_eos,

@@ -2,7 +2,8 @@
 hold its prompt's prefix in cache, unless that replica is much busier than the others.
 
 The contract with callers: the first positional argument of the call has an attribute
-`route_key: str | None`, the hex chain hash of the prompt's first pages (`prefix_route_key`).
+`route_key: str | None`, the hex chain hash of the prompt's first pages (`prefix_route_key` of
+the prompt's page hashes, which the engine computes for its prefix cache).
 
 - Same key, same replica: rendezvous (highest-random-weight) hashing of the key against each
   replica id. When a replica joins or leaves, only the keys whose top replica changed move
@@ -27,19 +28,19 @@ from collections.abc import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from .engine.cache_manager import block_hashes
-
 DEFAULT_MAX_IMBALANCE = 4
 DEFAULT_ROUTE_PAGES = 4
 
 
-def prefix_route_key(token_ids: Sequence[int], block_size: int, num_pages: int = DEFAULT_ROUTE_PAGES) -> str | None:
-    """The routing key of a prompt: the hex chain hash of its first `num_pages` full pages (fewer if
-    the prompt is shorter; None without one full page). Prompts sharing those pages share the key."""
-    if block_size < 1 or num_pages < 1:
-        raise ValueError(f"block_size and num_pages must be >= 1, got {block_size}, {num_pages}")
-    hashes = block_hashes(list(token_ids[:block_size * num_pages]), block_size)
-    return hashes[-1].hex() if hashes else None
+def prefix_route_key(page_hashes: Sequence[bytes], num_pages: int = DEFAULT_ROUTE_PAGES) -> str | None:
+    """The routing key of a prompt from the chain hashes of its full pages (each hash covers every
+    page before it): the hex of the hash of page `num_pages` (of the last full page when the prompt
+    is shorter; None without a full page). Prompts sharing those first pages share the key."""
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    if not page_hashes:
+        return None
+    return bytes(page_hashes[min(num_pages, len(page_hashes)) - 1]).hex()
 
 
 def rendezvous_order(key: str, replica_ids: Sequence[str]) -> list[str]:

@@ -118,6 +118,7 @@ def test_chat_message_text_and_media_keep_the_parts():
     (completion(best_of=2), "best_of"),
     (completion(max_tokens="many"), "max_tokens"),
     (completion(seed=2**63), "seed"),
+    (completion(seed=-1), "seed"),
     (completion(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
     (completion(stream_options={"include_usage": True}), None),  # needs stream=true: a model-level rule
 ])
@@ -415,3 +416,11 @@ def test_logprobs_with_the_k3_tokenizer_table():
     ids = tok.encode("héllo wörld").ids
     lp = chat_logprobs([{"token": i, "logprob": -1.0} for i in ids], table.__getitem__)
     assert bytes(b for c in lp.content for b in c.bytes).decode() == "héllo wörld"
+
+
+def test_choice_seeds_stay_in_range():
+    req = CompletionRequest.model_validate(completion(seed=2**63 - 1, n=3))
+    seeds = [sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i)["seed"] for i in range(3)]
+    assert seeds == [2**63 - 1, 0, 1]
+    for i in range(3):
+        SamplingParams(**sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i))

@@ -1,12 +1,12 @@
 """Prefix-affinity routing: the pure policy, and a real 2-replica Serve deployment on local Ray."""
 from __future__ import annotations
 
+import hashlib
 import random
 from types import SimpleNamespace
 
 import pytest
 
-from k3.serve.engine.cache_manager import block_hashes
 from k3.serve.router import prefix_route_key, rank_replicas, rendezvous_order, route_key_of
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
@@ -97,18 +97,26 @@ def test_route_key_of(request_, key):
     assert route_key_of(request_) == key
 
 
+def chain(tokens, page_size=4):
+    """Chain hashes of full pages, as the engine's prefix cache makes them."""
+    out, parent = [], b""
+    for i in range(len(tokens) // page_size):
+        parent = hashlib.blake2b(parent + bytes(tokens[i * page_size:(i + 1) * page_size]), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
 def test_prefix_route_key_covers_the_first_pages_only():
-    bs = 4
     a = list(range(100))
     same_head = a[:16] + [7] * 40
     other_head = [1] + a[1:]
-    assert prefix_route_key(a, bs, num_pages=4) == block_hashes(a[:16], bs)[-1].hex()
-    assert prefix_route_key(a, bs, 4) == prefix_route_key(same_head, bs, 4)
-    assert prefix_route_key(a, bs, 4) != prefix_route_key(other_head, bs, 4)
-    assert prefix_route_key(a[:6], bs, 4) == block_hashes(a[:4], bs)[-1].hex()  # one full page
-    assert prefix_route_key(a[:3], bs, 4) is None
+    assert prefix_route_key(chain(a), num_pages=4) == chain(a)[3].hex()
+    assert prefix_route_key(chain(a)) == prefix_route_key(chain(same_head))
+    assert prefix_route_key(chain(a)) != prefix_route_key(chain(other_head))
+    assert prefix_route_key(chain(a[:6])) == chain(a)[0].hex()  # one full page
+    assert prefix_route_key(chain(a[:3])) is None
     with pytest.raises(ValueError):
-        prefix_route_key(a, 0)
+        prefix_route_key(chain(a), num_pages=0)
 
 
 # ---- on Ray Serve -------------------------------------------------------------------------------
