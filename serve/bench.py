@@ -252,6 +252,18 @@ async def run_benchmark(cfg: BenchConfig, progress: Callable[[], None] | None = 
     return summary
 
 
+async def run_side_by_side(cfg: BenchConfig, targets: dict[str, str],
+                            progress: Callable[[], None] | None = None) -> dict:
+    """The same workload (prompts, arrivals, SLOs) against each target {name: base_url}, one after
+    the other in the given order: {"runs": {name: summary}}."""
+    if not targets:
+        raise ValueError("targets must name at least one server")
+    runs = {}
+    for name, url in targets.items():
+        runs[name] = await run_benchmark(cfg.model_copy(update={"base_url": url}), progress)
+    return {"runs": runs}
+
+
 def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     """mean, p50, p90, p99 of seconds, in milliseconds (None without values)."""
     if not values_s:

@@ -15,7 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from k3.platform.local_ray import free_port
-from k3.serve.bench import BenchConfig, RequestResult, arrival_gaps, make_prompts, run_benchmark, summarize
+from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, run_benchmark, run_side_by_side,
+                            summarize)
 from k3.serve.errors import OpenAIError, install_error_handlers
 from k3.serve.protocol import (
     SSE_DONE,
@@ -130,6 +131,19 @@ def test_bench_poisson_rate_spreads_the_requests(fake):
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["goodput"]["good_requests"] == 0  # a 1 ms TTFT is out of reach
     assert s["config"]["request_rate"] == 10.0
+
+
+def test_side_by_side_runs_the_same_workload_on_each_target(fake):
+    fake.count, fake.fail = 0, set()
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = asyncio.run(run_side_by_side(bench_config(fake, model="fake", timeout_s=5),
+                                       {"up": fake.url, "down": dead}))
+    assert list(out["runs"]) == ["up", "down"]
+    up, down = out["runs"]["up"], out["runs"]["down"]
+    assert (up["completed"], down["failed"]) == (6, 6)
+    assert (up["config"]["base_url"], down["config"]["base_url"]) == (fake.url, dead)
+    with pytest.raises(ValueError):
+        asyncio.run(run_side_by_side(bench_config(fake), {}))
 
 
 def test_connection_refused_is_counted_not_raised():
