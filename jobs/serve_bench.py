@@ -47,6 +47,10 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
 p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
 p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+p.add_argument("--metrics-url", dest="metrics_urls", action="append", default=[], metavar="URL",
+               help="a Prometheus endpoint of the servers (Ray's per-node metrics export; repeat per node): "
+                    "the k3_serve_* deltas and the handoff's share of TTFT join the JSON")
+p.add_argument("--metrics-settle-s", type=float, default=12.0, help="wait before the last scrape")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 p.add_argument("--no-progress", action="store_true", help="no progress bar")
 args = p.parse_args()

@@ -58,6 +58,10 @@ class BenchConfig(BaseModel):
     slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput: a request's TTFT must be at most this.")
     slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput: a request's TPOT must be at most this.")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    metrics_urls: list[str] = Field(default_factory=list, description="Prometheus endpoints (Ray's per-node "
+                                    "metrics export) scraped before and after the run for the k3_serve_* deltas.")
+    metrics_settle_s: float = Field(12.0, ge=0, description="Wait before the last scrape: Ray reports metrics "
+                                                            "every few seconds.")
 
     @model_validator(mode="after")
     def _check(self):
@@ -238,6 +242,7 @@ async def run_benchmark(cfg: BenchConfig, progress: Callable[[], None] | None = 
                 progress()
             return r
 
+        before = await scrape_metrics(client, cfg.metrics_urls) if cfg.metrics_urls else None
         start = time.perf_counter()
         tasks = []
         for prompt, gap in zip(prompts, gaps):
@@ -246,7 +251,13 @@ async def run_benchmark(cfg: BenchConfig, progress: Callable[[], None] | None = 
             tasks.append(asyncio.create_task(one(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        after = None
+        if before is not None:
+            await asyncio.sleep(cfg.metrics_settle_s)
+            after = await scrape_metrics(client, cfg.metrics_urls)
     summary = summarize(results, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+    if after is not None:
+        summary["server_metrics"] = server_metric_deltas(before, after, summary["ttft_ms"]["mean"])
     summary["config"] = {**cfg.model_dump(exclude={"api_key"}), "model": model,
                          "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate}
     return summary
@@ -262,6 +273,62 @@ async def run_side_by_side(cfg: BenchConfig, targets: dict[str, str],
     for name, url in targets.items():
         runs[name] = await run_benchmark(cfg.model_copy(update={"base_url": url}), progress)
     return {"runs": runs}
+
+
+def parse_prometheus(text: str, skip_gauges: bool = False) -> dict[str, float]:
+    """Prometheus text exposition -> {sample name: value summed over its label sets}; gauges
+    (by their `# TYPE` line) left out when asked."""
+    out: dict[str, float] = {}
+    gauges = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 4 and parts[3] == "gauge":
+                gauges.add(parts[2])
+            continue
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, rest = line.rpartition("}") if "}" in line else line.partition(" ")
+        name = name_labels.split("{", 1)[0].strip()
+        fields = rest.split()
+        if not name or not fields or (skip_gauges and name in gauges):
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(fields[0])
+        except ValueError:
+            continue
+    return out
+
+
+async def scrape_metrics(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float]:
+    """The k3_serve_* counter and histogram samples of every endpoint, summed (one endpoint per Ray
+    node); gauges are left out, a difference of two gauge readings means nothing."""
+    total: dict[str, float] = {}
+    for url in urls:
+        resp = await client.get(url)
+        resp.raise_for_status()
+        for k, v in parse_prometheus(resp.text, skip_gauges=True).items():
+            if "k3_serve_" in k:
+                total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def server_metric_deltas(before: dict[str, float], after: dict[str, float], ttft_mean_ms: float | None) -> dict:
+    """What the run added to the servers' k3_serve_* metrics: histograms as {count, mean}, counters
+    as their increase; and the handoff's mean seconds as a share of the client-measured mean TTFT."""
+    out: dict[str, dict | float] = {}
+    for name in sorted(after):
+        delta = after[name] - before.get(name, 0.0)
+        if name.endswith("_count") and name[:-6] + "_sum" in after:
+            base = name[:-6]
+            d_sum = after[base + "_sum"] - before.get(base + "_sum", 0.0)
+            out[base] = {"count": delta, "mean": d_sum / delta if delta else None}
+        elif not name.endswith(("_sum", "_bucket", "_count")):
+            out[name] = delta
+    handoff = next((v for k, v in out.items() if k.endswith("k3_serve_handoff_seconds")), None)
+    if isinstance(handoff, dict) and handoff["mean"] is not None and ttft_mean_ms:
+        out["handoff_share_of_ttft"] = round(handoff["mean"] / (ttft_mean_ms / 1e3), 4)
+    return out
 
 
 def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:

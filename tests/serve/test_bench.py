@@ -12,11 +12,11 @@ import psutil
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from k3.platform.local_ray import free_port
-from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, run_benchmark, run_side_by_side,
-                            summarize)
+from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_prometheus, run_benchmark,
+                            run_side_by_side, summarize)
 from k3.serve.errors import OpenAIError, install_error_handlers
 from k3.serve.protocol import (
     SSE_DONE,
@@ -36,6 +36,7 @@ TTFT_S = 0.25     # the server's delay before the first token
 ITL_S = 0.08      # and between tokens
 TOKENS = 4        # tokens per answer
 SLACK_S = 0.12    # scheduling on a loaded 2-core machine
+HANDOFF_S = 0.025  # what the fake's /metrics reports per answer
 
 
 class FakeServer:
@@ -45,9 +46,11 @@ class FakeServer:
     def __init__(self) -> None:
         self.fail: set[int] = set()
         self.count = 0
+        self.served = 0  # answers streamed to the end: each "hands off" HANDOFF_S, as /metrics says
         self.app = FastAPI()
         install_error_handlers(self.app)
         self.app.get("/v1/models")(lambda: ModelList(data=[ModelCard(id="fake")]))
+        self.app.get("/metrics")(self.metrics)
         self.app.post("/v1/completions")(self.handle)
         self.app.post("/v1/chat/completions")(self.handle)
 
@@ -76,9 +79,27 @@ class FakeServer:
                     await asyncio.sleep(ITL_S)
                 yield chunk(f" t{i}", "length" if i == TOKENS - 1 else None)
             yield chunk(None, usage=UsageInfo.of(7, TOKENS))
+            self.served += 1
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+    def metrics(self):
+        n = self.served
+        text = (
+            "# HELP ray_k3_serve_handoff_seconds seconds to move one request's cache state\n"
+            "# TYPE ray_k3_serve_handoff_seconds histogram\n"
+            f'ray_k3_serve_handoff_seconds_bucket{{le="0.05",model="fake"}} {n}\n'
+            f'ray_k3_serve_handoff_seconds_sum{{model="fake"}} {n * HANDOFF_S}\n'
+            f'ray_k3_serve_handoff_seconds_count{{model="fake"}} {n}\n'
+            "# TYPE ray_k3_serve_generation_tokens_total counter\n"
+            f'ray_k3_serve_generation_tokens_total{{model="fake",role="decode"}} {n * TOKENS}\n'
+            "# TYPE ray_k3_serve_num_requests_running gauge\n"
+            f'ray_k3_serve_num_requests_running{{model="fake"}} {n % 3}\n'
+            "# TYPE ray_other_metric counter\n"
+            "ray_other_metric 5\n")
+        return PlainTextResponse(text)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +152,24 @@ def test_bench_poisson_rate_spreads_the_requests(fake):
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["goodput"]["good_requests"] == 0  # a 1 ms TTFT is out of reach
     assert s["config"]["request_rate"] == 10.0
+
+
+def test_server_metrics_deltas_and_handoff_share(fake):
+    fake.count, fake.fail = 0, {1}
+    s = asyncio.run(run_benchmark(bench_config(fake, metrics_urls=[f"{fake.url}/metrics"], metrics_settle_s=0)))
+    m = s["server_metrics"]
+    assert m["ray_k3_serve_handoff_seconds"]["count"] == 5
+    assert m["ray_k3_serve_handoff_seconds"]["mean"] == pytest.approx(HANDOFF_S)
+    assert m["ray_k3_serve_generation_tokens_total"] == 5 * TOKENS
+    assert "ray_k3_serve_num_requests_running" not in m and "ray_other_metric" not in m  # gauge; not k3_serve
+    assert m["handoff_share_of_ttft"] == pytest.approx(HANDOFF_S / (s["ttft_ms"]["mean"] / 1e3), rel=1e-3)
+
+
+def test_parse_prometheus():
+    text = ('# HELP x_total a counter\n# TYPE x_total counter\nx_total{a="1"} 2\nx_total{a="}"} 3.5 1700000000\n'
+            '# TYPE g gauge\ng 7\nplain 1e3\nbroken{a="1"}\n')
+    assert parse_prometheus(text) == {"x_total": 5.5, "g": 7.0, "plain": 1000.0}
+    assert parse_prometheus(text, skip_gauges=True) == {"x_total": 5.5, "plain": 1000.0}
 
 
 def test_side_by_side_runs_the_same_workload_on_each_target(fake):
