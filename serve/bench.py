@@ -315,7 +315,10 @@ async def scrape_metrics(client: httpx.AsyncClient, urls: Sequence[str]) -> dict
 
 def server_metric_deltas(before: dict[str, float], after: dict[str, float], ttft_mean_ms: float | None) -> dict:
     """What the run added to the servers' k3_serve_* metrics: histograms as {count, mean}, counters
-    as their increase; and the handoff's mean seconds as a share of the client-measured mean TTFT."""
+    as their increase; and the handoff's mean seconds as a share of the client-measured mean TTFT.
+
+    Ray 2.60 exports a histogram's _sum as if every observation sat at its bucket's midpoint, so
+    `mean` is exact only to the bucket's width; counts and counters are exact."""
     out: dict[str, dict | float] = {}
     for name in sorted(after):
         delta = after[name] - before.get(name, 0.0)
