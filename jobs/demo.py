@@ -6,7 +6,10 @@ Top to bottom: start a local Ray cluster on 127.0.0.1 (`ray start --head`, token
 Ray clusters are by default), prepare the bundled corpus (the Python standard library's source;
 nothing is downloaded), submit the pretraining job with `ray job submit` (k3-tiny, 2 workers,
 expert parallelism 2, Quantile Balancing through the coordinator actor), which prints its
-summary and a sample from the final checkpoint, then stop the cluster it started.
+summary and a sample from the final checkpoint; then serve that checkpoint on the same cluster,
+disaggregated (1 prefill + 1 decode replica, the cache handed over through the object store),
+stream an answer to a chat request made with the official `openai` client, shut Serve down, and
+stop the cluster it started.
 """
 from __future__ import annotations
 
@@ -21,6 +24,41 @@ from k3.platform.local_ray import LocalRayHead
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def serve_demo(head: LocalRayHead, run_dir: Path) -> int:
+    """5. Serve the trained checkpoint disaggregated and stream one chat answer through `openai`."""
+    import openai
+    import ray
+    from ray import serve
+
+    from k3.platform.export import export_model, latest_checkpoint
+    from k3.platform.local_ray import free_port
+    from k3.serve.builder import build_pd_app
+
+    model_dir = export_model(latest_checkpoint(run_dir), run_dir / "model")
+    print(f"demo: exported {model_dir} (k3 model directory: config, weights, tokenizer, chat template)", flush=True)
+    ray.init(address=head.gcs_address, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        small = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}
+        app = build_pd_app({"model_id": "k3-demo", "model": {"path": str(model_dir)}, "prefill": small,
+                            "decode": small, "ingress": {"ray_actor_options": {"num_cpus": 0.1}}})
+        serve.run(app, name="k3", route_prefix="/")
+        print(f"demo: serving on http://127.0.0.1:{port}/v1 (PrefillServer + DecodeServer + Ingress)", flush=True)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        print("demo: chat> write a python function\ndemo: k3> ", end="", flush=True)
+        stream = client.chat.completions.create(model="k3-demo", stream=True, max_tokens=60, temperature=0,
+                                                messages=[{"role": "user", "content": "write a python function"}])
+        for event in stream:
+            for choice in event.choices:
+                print(choice.delta.content or "", end="", flush=True)
+        print("\ndemo: streamed through Ingress -> DecodeServer <- PrefillServer (object store handoff)", flush=True)
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--steps", type=int, default=200, help="training steps (about 1 s each on 2 cores)")
 p.add_argument("--micro-batch", type=int, default=8, help="sequences per worker per step")
@@ -28,6 +66,7 @@ p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
 p.add_argument("--data", default=str(REPO / "data" / "bundled"), help="prepared data directory")
 p.add_argument("--runs", default=str(REPO / "runs"), help="checkpoint storage")
 p.add_argument("--name", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
+p.add_argument("--no-serve", action="store_true", help="skip serving the trained checkpoint")
 args = p.parse_args()
 
 
@@ -51,6 +90,8 @@ try:
              "--storage-path", args.runs, "--name", args.name, "--sample", "120"]
     print(f"demo: ray job submit --address {head.address} --working-dir {REPO} -- " + " ".join(entry), flush=True)
     rc = head.submit_job(entry, working_dir=REPO).returncode
+    if rc == 0 and not args.no_serve:
+        rc = serve_demo(head, Path(args.runs) / args.name)
 finally:
     # 4. Stop the cluster this script started (and only it).
     head.stop()

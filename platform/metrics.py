@@ -45,7 +45,7 @@ BYTES_BUCKETS = [float(4 ** i * 1024) for i in range(12)]  # 1 KiB .. 4 GiB
 # name: (kind, description, tag keys, buckets). Every serving metric k3 exports, in one table, so the
 # Serve deployments, the dashboards and the docs agree on one set of names. Prometheus sees each as
 # `ray_<name>` (histograms with _bucket/_sum/_count).
-SERVE_METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
+SERVE_METRICS: dict[str, tuple] = {  # (kind, description, tag keys[, histogram buckets])
     "k3_serve_time_to_first_token_seconds": ("histogram", "seconds from request arrival to its first token",
                                              ("model", "role"), TTFT_BUCKETS),
     "k3_serve_inter_token_latency_seconds": ("histogram", "seconds between consecutive output tokens of a request",
@@ -69,3 +69,42 @@ SERVE_METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] =
     "k3_serve_handoff_seconds": ("histogram", "seconds to export, move and import one request's cache state",
                                  ("model",), TTFT_BUCKETS),
 }
+
+
+class ServeMetrics:
+    """The SERVE_METRICS of one replica (tags `model` and `role` fixed), through ray.util.metrics.
+    Outside a Ray worker (unit tests, the bare engine) nothing is recorded."""
+
+    def __init__(self, model: str, role: str) -> None:
+        self.base = {"model": model, "role": role}
+        self.m: dict = {}
+        try:
+            import ray
+            from ray.util.metrics import Counter, Gauge, Histogram
+        except ImportError:
+            return
+        if not ray.is_initialized():
+            return
+        for name, (kind, desc, keys, *buckets) in SERVE_METRICS.items():
+            if kind == "histogram":
+                self.m[name] = Histogram(name, desc, boundaries=buckets[0], tag_keys=keys)
+            elif kind == "counter":
+                self.m[name] = Counter(name, desc, tag_keys=keys)
+            else:
+                self.m[name] = Gauge(name, desc, tag_keys=keys)
+
+    def _tags(self, name: str, extra: dict) -> dict:
+        keys = SERVE_METRICS[name][2]
+        return {k: v for k, v in {**self.base, **extra}.items() if k in keys}
+
+    def observe(self, name: str, value: float, **tags) -> None:
+        if name in self.m:
+            self.m[name].observe(float(value), tags=self._tags(name, tags))
+
+    def inc(self, name: str, value: float = 1.0, **tags) -> None:
+        if name in self.m and value > 0:
+            self.m[name].inc(float(value), tags=self._tags(name, tags))
+
+    def set(self, name: str, value: float, **tags) -> None:
+        if name in self.m:
+            self.m[name].set(float(value), tags=self._tags(name, tags))

@@ -20,3 +20,19 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tokenizer():
     return train_bpe(stdlib_corpus(3_000_000).texts(), vocab_size=4096)
+
+
+@pytest.fixture(scope="session")
+def serve_session(ray_local):
+    """One Ray Serve instance per test session on 127.0.0.1 (a free port); its base URL.
+    Tests deploy their applications under their own names and delete them."""
+    from ray import serve
+
+    from k3.platform.local_ray import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()

@@ -122,11 +122,9 @@ def test_prefix_route_key_covers_the_first_pages_only():
 # ---- on Ray Serve -------------------------------------------------------------------------------
 
 @pytest.mark.ray
-def test_same_key_requests_land_on_the_same_replica(ray_local):
+def test_same_key_requests_land_on_the_same_replica(serve_session):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-
-    from k3.platform.local_ray import free_port
 
     # max_ongoing_requests above the 40 requests in flight: a full replica would (rightly) pass
     # requests on to the next rank
@@ -138,7 +136,6 @@ def test_same_key_requests_land_on_the_same_replica(ray_local):
         async def __call__(self, req) -> str:
             return serve.get_replica_context().replica_id.unique_id
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     try:
         handle = serve.run(WhoAmI.bind(), name="router_test", route_prefix=None)
         # the handle learns of the replicas asynchronously: wait until unkeyed requests reach both
@@ -158,4 +155,4 @@ def test_same_key_requests_land_on_the_same_replica(ray_local):
         for k, v in landed.items():
             assert v == {rendezvous_order(k, sorted(unkeyed))[0]}
     finally:
-        serve.shutdown()
+        serve.delete("router_test")

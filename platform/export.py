@@ -1,0 +1,43 @@
+"""From a training run to something servable: the newest checkpoint of a run, exported as a k3
+model directory (config.json, model.safetensors, tokenizer.json, and tokenizer_config.json with
+the chat template), which the Serve config's `model.path` points at."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from k3.model import save_pretrained
+
+from tokenizers import Tokenizer
+
+from .tokenizer import load_chat_template, save_chat_template, special_ids
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    """The newest `checkpoint_*` directory of a Ray Train run directory."""
+    root = Path(run_dir)
+    found = sorted(p for p in root.glob("checkpoint_*") if p.is_dir())
+    if not found:
+        raise ValueError(f"{root}: no checkpoint_* directory (is this a Ray Train run directory?)")
+    return found[-1]
+
+
+def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
+    """Write the checkpoint's model (all experts, one process) as a k3 model directory."""
+    from .train import load_checkpoint_model
+
+    ckpt = Path(checkpoint)
+    k3dir = ckpt / "k3" if (ckpt / "k3").is_dir() else ckpt
+    tok = k3dir / "tokenizer.json"
+    if not tok.is_file():
+        raise ValueError(f"{ckpt}: no tokenizer.json beside the weights; a served model needs its tokenizer")
+    model = load_checkpoint_model(ckpt)
+    ids = special_ids(Tokenizer.from_file(str(tok)))
+    # The served config names the tokenizer's special tokens, so generation stops at <|eos|>.
+    model.cfg = model.cfg.replace(eos_token_id=ids["eos"], bos_token_id=ids["bos"], pad_token_id=ids["pad"])
+    dest = save_pretrained(model, out)
+    shutil.copy(tok, dest / "tokenizer.json")
+    template = chat_template or load_chat_template(k3dir)
+    if template is not None:
+        save_chat_template(dest, template)
+    return dest

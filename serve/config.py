@@ -1,0 +1,76 @@
+"""The Serve application's configuration: one validated pydantic model, loadable from the `args`
+of serve/config.yaml (`serve run` / `serve deploy`), turned into bound deployments by the pure
+builders in serve/builder.py. Every field is documented; unknown keys are refused."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from k3.serve.engine import EngineConfig
+
+
+class DeploymentSpec(BaseModel):
+    """Ray Serve options of one deployment (passed to `.options(...)`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | None = Field(1, ge=1, description="Fixed replica count; ignored when autoscaling_config is set.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling (min_replicas, max_replicas, target_ongoing_requests, ...).")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica works on at once.")
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1},
+                                              description="Resources of each replica (num_cpus, num_gpus, ...).")
+
+    def options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
+                                "ray_actor_options": dict(self.ray_actor_options)}
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            opts["num_replicas"] = self.num_replicas
+        return opts
+
+
+class ModelSource(BaseModel):
+    """Where the weights come from: a k3 model directory, or random weights of a preset (tests,
+    load generators)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="A k3 model directory (config.json, model.safetensors, "
+                                               "tokenizer.json, optional tokenizer_config.json with the chat template).")
+    preset: str | None = Field(None, description="A k3 preset name for random weights (no path).")
+    seed: int = Field(0, ge=0, description="Seed of the random weights (with preset).")
+    tokenizer_path: str | None = Field(None, description="tokenizer.json when not inside `path`.")
+
+    @model_validator(mode="after")
+    def _one(self) -> "ModelSource":
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("model: give exactly one of `path` or `preset`")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"model.path {self.path!r} is not a directory")
+        return self
+
+
+class LLMServingConfig(BaseModel):
+    """One served model: engine, deployments, API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field("k3", min_length=1, description="The name clients pass as `model`.")
+    model: ModelSource = Field(..., description="The weights and tokenizer.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine of every replica.")
+    disaggregated: bool = Field(True, description="Separate prefill and decode deployments (False: one LLMServer).")
+    prefill: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The PrefillServer deployment.")
+    decode: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The DecodeServer deployment.")
+    llm: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The aggregated LLMServer deployment.")
+    ingress: DeploymentSpec = Field(default_factory=lambda: DeploymentSpec(ray_actor_options={"num_cpus": 0.1}),
+                                    description="The OpenAI ingress deployment.")
+    api_key_env: str | None = Field(None, description="Name of an environment variable holding the API key; when it "
+                                                      "is set, requests need `Authorization: Bearer <key>`.")
+    handoff_attempts: int = Field(3, ge=1, le=10, description="Prefill attempts per request when a prefill replica "
+                                                              "dies or its state is lost in transit.")
+    handoff_timeout_s: float = Field(120.0, gt=0, description="Seconds a decode replica waits for one prefill.")
+    torch_threads: int = Field(1, ge=1, description="torch threads per replica (1 on a shared CPU host).")

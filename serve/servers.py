@@ -1,0 +1,191 @@
+"""The Ray Serve deployments around the engine, in Ray Serve LLM's shape (each server owns one
+engine; configs are pydantic; builder.py binds them).
+
+- `LLMServer`: the aggregated setup, prompt and decode on one engine.
+- `PrefillServer`: runs a prompt to its first token and exports the hybrid cache state
+  (`HybridCacheState`), which it `ray.put`s and returns as an ObjectRef nested in the reply
+  (Serve resolves only top-level refs). The replica owns what it put.
+- `DecodeServer`: takes each request, asks a prefill replica (through the prefix-affinity
+  router) for its state, imports it and decodes. A prefill replica that dies or is scaled down
+  before the state arrives (`OwnerDiedError`, a dead actor) is retried on another replica, up to
+  `handoff_attempts`, then the request fails cleanly; it never hangs (a timeout bounds the wait).
+
+Every server streams `RequestOutput`s (async generators: call with `handle.options(stream=True)`);
+a caller that goes away cancels the generator, which aborts the request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.model import K3ForCausalLM, get_preset, load_pretrained
+from k3.platform.metrics import ServeMetrics
+from k3.serve.config import LLMServingConfig, ModelSource
+from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from k3.serve.engine.cache_manager import page_hashes
+from k3.serve.router import prefix_route_key
+
+
+@dataclass
+class GenerateRequest:
+    """What the ingress sends a server: token ids and sampling (the servers never see text)."""
+
+    prompt_token_ids: list[int]
+    sampling: dict  # SamplingParams fields
+    request_id: str | None = None
+    route_key: str | None = None  # prefix-affinity key of the prompt's first pages (serve/router.py)
+    arrival: float = field(default_factory=time.time)
+
+
+class HandoffFailed(RuntimeError):
+    """No prefill replica delivered the request's cache state within handoff_attempts."""
+
+
+def load_model(src: ModelSource) -> K3ForCausalLM:
+    if src.path is not None:
+        return load_pretrained(src.path)
+    torch.manual_seed(src.seed)  # every replica builds the same random weights from the same seed
+    return K3ForCausalLM(get_preset(src.preset)).eval()
+
+
+def load_tokenizer(src: ModelSource):
+    from tokenizers import Tokenizer
+
+    path = src.tokenizer_path or (str(Path(src.path) / "tokenizer.json") if src.path else None)
+    if path is None or not Path(path).is_file():
+        return None
+    return Tokenizer.from_file(path)
+
+
+class EngineHost:
+    """One engine in a replica, and the replica's engine gauges reported every second."""
+
+    role = "llm"
+
+    def __init__(self, config: LLMServingConfig | dict) -> None:
+        self.config = LLMServingConfig.model_validate(config)
+        torch.set_num_threads(self.config.torch_threads)
+        model = load_model(self.config.model)
+        engine = LLMEngine(model, self.config.engine, load_tokenizer(self.config.model))
+        self.engine = AsyncEngine(engine)
+        self.metrics = ServeMetrics(self.config.model_id, self.role)
+        self._reporter: asyncio.Task | None = None
+        self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
+
+    def _start_reporting(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report())
+
+    async def _report(self) -> None:
+        while True:
+            s = self.engine.stats()
+            self.metrics.set("k3_serve_num_requests_running", s["running"])
+            self.metrics.set("k3_serve_num_requests_waiting", s["waiting"])
+            self.metrics.set("k3_serve_cache_usage_ratio", s["pages_in_use"] / max(1, s["pages_total"]))
+            q = s["prefix_query_tokens"] - self._seen["prefix_query_tokens"]
+            h = s["prefix_hit_tokens"] - self._seen["prefix_hit_tokens"]
+            if q:
+                self.metrics.inc("k3_serve_prefix_cache_queries", q, source="local")
+            if h:
+                self.metrics.inc("k3_serve_prefix_cache_hits", h, source="local")
+            self._seen = {"prefix_query_tokens": s["prefix_query_tokens"], "prefix_hit_tokens": s["prefix_hit_tokens"]}
+            await asyncio.sleep(1.0)
+
+    def check_health(self) -> None:
+        """Serve's health probe: the engine loop must not have died."""
+        task = self.engine._task  # noqa: SLF001 - read-only look at the loop the AsyncEngine owns
+        if task is not None and task.done() and task.exception() is not None:
+            raise RuntimeError(f"engine loop died: {task.exception()!r}")
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "pid": os.getpid(), "role": self.role}
+
+    async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self._start_reporting()
+        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling)):
+            yield out
+
+
+class LLMServer(EngineHost):
+    """Aggregated: one engine does prompt and decode."""
+
+    role = "llm"
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream(req):
+            yield out
+
+
+class PrefillServer(EngineHost):
+    role = "prefill"
+
+    async def prefill(self, req: GenerateRequest) -> dict:
+        """Run the prompt to its first token. Returns {"output": RequestOutput without state,
+        "state": [ObjectRef of the HybridCacheState] or None when the first token ended the
+        request, "export_s", "nbytes"}."""
+        import ray
+
+        self._start_reporting()
+        final = None
+        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
+                                              prefill_only=True):
+            final = out
+        state, final.cache_state = final.cache_state, None
+        if state is None:
+            return {"output": final, "state": None, "nbytes": 0}
+        # Nested in a list: Serve resolves only top-level refs, and the decode side must fetch it
+        # itself (so the bytes go object store to object store, and an owner death is visible).
+        return {"output": final, "state": [ray.put(state)], "nbytes": state.nbytes}
+
+
+class DecodeServer(EngineHost):
+    role = "decode"
+
+    def __init__(self, config: LLMServingConfig | dict, prefill) -> None:
+        super().__init__(config)
+        self.prefill = prefill  # DeploymentHandle of the PrefillServer deployment
+
+    async def _handoff(self, req: GenerateRequest):
+        """(first output or None, state or None) from a prefill replica, retrying on failures that
+        lose the state (its owner died, the replica died), never waiting without a bound."""
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
+
+        lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
+        last: Exception | None = None
+        t0 = time.perf_counter()
+        for attempt in range(self.config.handoff_attempts):
+            try:
+                reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
+                if reply["state"] is None:
+                    return reply["output"], None
+                t_fetch = time.perf_counter()
+                state = await asyncio.wait_for(reply["state"][0], self.config.handoff_timeout_s)
+                self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
+                self.metrics.observe("k3_serve_handoff_seconds", time.perf_counter() - t_fetch)
+                return reply["output"], state
+            except lost as e:
+                last = e
+                await asyncio.sleep(min(0.5 * 2 ** attempt, 4.0))  # let Serve notice and replace the replica
+            except asyncio.TimeoutError as e:
+                last = e
+        raise HandoffFailed(f"no prefill replica delivered the cache state in {self.config.handoff_attempts} "
+                            f"attempts ({time.perf_counter() - t0:.1f} s); last error: {type(last).__name__}: {last}")
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self._start_reporting()
+        if req.route_key is None:
+            req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids, self.config.engine.page_size))
+        first, state = await self._handoff(req)
+        if state is None:  # the first token ended it
+            yield first
+            return
+        params = SamplingParams(**req.sampling)
+        async for out in self.engine.resume(req.prompt_token_ids, state, params):
+            yield out

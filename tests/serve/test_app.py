@@ -1,0 +1,233 @@
+"""The Serve application end to end on a local Ray: the disaggregated app (Ingress -> DecodeServer
+-> PrefillServer, the hybrid cache handed over through the object store) and the aggregated app
+answer the official `openai` client, token for token as the bare engine does; bad input gets
+OpenAI-style 4xx bodies and the server keeps serving."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from k3.model import K3ForCausalLM, get_preset
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.ray
+
+KEY = "sk-test-k3"
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512, page_size=8, snapshot_interval=2,
+              cache_memory_bytes=32 * 2**20)
+
+
+def app_config(tok_path, disaggregated):
+    small = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
+    # the key reaches the ingress replica as users pass secrets to Serve: its runtime_env
+    ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1,
+                                                        "runtime_env": {"env_vars": {"K3_TEST_API_KEY": KEY}}}}
+    return {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok_path},
+            "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": small, "llm": small,
+            "ingress": ingress, "api_key_env": "K3_TEST_API_KEY"}
+
+
+@pytest.fixture(scope="module")
+def apps(serve_session, tokenizer, tmp_path_factory):
+    """{"pd": base URL, "agg": base URL}; both apps share one Serve instance."""
+    from ray import serve
+
+    from k3.serve.builder import build_app, build_pd_app
+
+    d = tmp_path_factory.mktemp("tok")
+    tokenizer.save(str(d / "tokenizer.json"))
+    serve.run(build_pd_app(app_config(str(d / "tokenizer.json"), True)), name="pd", route_prefix="/pd")
+    serve.run(build_app(app_config(str(d / "tokenizer.json"), False)), name="agg", route_prefix="/agg")
+    try:
+        yield {"pd": f"{serve_session}/pd", "agg": f"{serve_session}/agg"}
+    finally:
+        serve.delete("pd")
+        serve.delete("agg")
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    torch.manual_seed(0)  # the replicas' random weights, built the same way
+    return K3ForCausalLM(get_preset("k3-tiny")).eval()
+
+
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def rand(n, seed):
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
+    c = client(apps["pd"])
+    assert [m.id for m in c.models.list().data] == ["k3-tiny"]
+    r = c.completions.create(model="k3-tiny", prompt="def main():", max_tokens=6, temperature=0, logprobs=2)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    assert len(r.choices[0].logprobs.token_logprobs) == r.usage.completion_tokens
+    chat = c.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "hello"}],
+                                     max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    assert chat.choices[0].logprobs.content and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+    pieces, usage = [], None
+    for ev in c.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "hello"}],
+                                        max_tokens=5, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}):
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            pieces.append(ch.delta.content or "")
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens // 2
+
+
+@pytest.mark.parametrize("n", [5, 8, 21, 32])  # 8 and 32 end on a page; 32 on a snapshot page too
+def test_disaggregated_equals_aggregated_equals_the_engine(apps, engine_model, tokenizer, n):
+    prompt = rand(n, seed=n)
+    eng = LLMEngine(engine_model, EngineConfig(**ENGINE), tokenizer)
+    rid = eng.add_request(None, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    want_text, want_lp = outs[-1].text, [e["logprob"] for o in outs for e in o.logprobs]
+    for name in ("pd", "agg"):
+        for attempt in ("miss", "local hit"):  # the second time the prefix is cached on the replica
+            r = httpx.post(f"{apps[name]}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                           json={"model": "k3-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                 "ignore_eos": True, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == want_text, f"{name}, {attempt}, prompt {n}"
+            got_lp = choice["logprobs"]["token_logprobs"]
+            assert len(got_lp) == 8 and max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4, (name, attempt)
+
+
+def test_seeded_sampling_is_the_same_both_ways(apps):
+    body = {"model": "k3-tiny", "prompt": rand(19, 3), "max_tokens": 8, "temperature": 0.9, "top_p": 0.9,
+            "seed": 77, "ignore_eos": True}
+    texts = [httpx.post(f"{apps[a]}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=120).json()["choices"][0]["text"] for a in ("pd", "agg", "pd")]
+    assert texts[0] == texts[1] == texts[2]
+
+
+@pytest.mark.parametrize("case,status,param", [
+    ("malformed json", 400, None), ("missing model", 400, "model"), ("wrong type", 400, "max_tokens"),
+    ("unknown model", 404, None), ("max_tokens 0", 400, "max_tokens"), ("negative temperature", 400, "temperature"),
+    ("top_p 0", 400, "top_p"), ("top_p 1.5", 400, "top_p"), ("too long", 400, None), ("no key", 401, None),
+    ("wrong key", 401, None), ("token id out of range", 400, None),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(apps, case, status, param):
+    good = {"model": "k3-tiny", "prompt": "hi", "max_tokens": 2}
+    body, headers, raw = dict(good), {"Authorization": f"Bearer {KEY}"}, None
+    if case == "malformed json":
+        raw = b'{"model": "k3-tiny", "prompt": '
+    elif case == "missing model":
+        body.pop("model")
+    elif case == "wrong type":
+        body["max_tokens"] = "many"
+    elif case == "unknown model":
+        body["model"] = "gpt-9"
+    elif case == "max_tokens 0":
+        body["max_tokens"] = 0
+    elif case == "negative temperature":
+        body["temperature"] = -1
+    elif case == "top_p 0":
+        body["top_p"] = 0
+    elif case == "top_p 1.5":
+        body["top_p"] = 1.5
+    elif case == "too long":
+        body["prompt"] = [5] * 70000
+    elif case == "no key":
+        headers = {}
+    elif case == "wrong key":
+        headers = {"Authorization": "Bearer nope"}
+    elif case == "token id out of range":
+        body["prompt"] = [1, 99999]
+    url = f"{apps['pd']}/v1/completions"
+    r = httpx.post(url, content=raw, headers={**headers, "content-type": "application/json"}, timeout=60) \
+        if raw is not None else httpx.post(url, json=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(url, json=good, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_streaming_sse_ends_with_done(apps):
+    with httpx.stream("POST", f"{apps['pd']}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True},
+                      timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _replica_actor(app: str, deployment: str):
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+    assert names, f"no {deployment} replica in app {app}"
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def test_a_prefill_replica_killed_mid_request_gives_a_retry_or_a_clean_error(apps):
+    import concurrent.futures
+    import time
+
+    import ray
+
+    url = f"{apps['pd']}/v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "k3-tiny", "prompt": rand(3000, 11), "max_tokens": 4, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, url, json=body, headers=headers, timeout=300)
+        time.sleep(1.5)  # the prompt is in prefill by now (a 3000-token prompt takes seconds here)
+        ray.kill(_replica_actor("pd", "PrefillServer"), no_restart=True)
+        r = fut.result(timeout=300)  # never a hang
+    assert r.status_code == 200 or (r.status_code >= 500 and r.json()["error"]["message"]), r.text
+    deadline = time.time() + 240  # Serve replaces the replica; then requests succeed again
+    while True:
+        ok = httpx.post(url, json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 2}, headers=headers,
+                        timeout=120)
+        if ok.status_code == 200 or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert ok.status_code == 200, ok.text
+
+
+def test_schemathesis_finds_no_server_error(apps):
+    """Requests generated from the app's own OpenAPI document: none may get a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{apps['agg']}/openapi.json")
+    failures = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.method.upper() != "POST":
+            continue
+
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy())
+        def run(case):
+            if isinstance(case.body, dict):  # keep valid generations short on a CPU
+                for k in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(k), int) and not isinstance(case.body[k], bool) and case.body[k] > 4:
+                        case.body[k] = 4
+                if isinstance(case.body.get("n"), int) and not isinstance(case.body["n"], bool) and case.body["n"] > 2:
+                    case.body["n"] = 2
+            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+            r = case.call(base_url=apps["agg"], timeout=120)
+            if r.status_code >= 500:
+                failures.append((op.path, case.body, r.status_code, r.text[:300]))
+
+        run()
+    assert not failures, failures[:3]
