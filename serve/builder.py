@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from k3.serve.config import LLMServingConfig
 from k3.serve.ingress import Ingress
-from k3.serve.servers import DecodeServer, LLMServer, PrefillServer
+from k3.serve.servers import DecodeServer, LLMServer, PrefillServer, PrefixPoolServer
 
 
 def _deployment(cls, name: str, spec, **extra) -> Any:
@@ -31,12 +31,17 @@ def build_app(config: LLMServingConfig | dict):
 
 def build_pd_app(config: LLMServingConfig | dict):
     """The disaggregated application: Ingress -> DecodeServer -> PrefillServer (prefix-affinity
-    routed), the prompt's hybrid cache state handed over through the object store."""
+    routed, sharing a PrefixPool), the prompt's hybrid cache state handed over through the object
+    store."""
     cfg = LLMServingConfig.model_validate(config)
     dump = cfg.model_dump()
     router = RequestRouterConfig(request_router_class="k3.serve.router.PrefixAffinityRouter",
                                  request_router_kwargs={"max_imbalance": 4})
-    prefill = _deployment(PrefillServer, "PrefillServer", cfg.prefill, request_router_config=router).bind(dump)
+    pool = None
+    if cfg.prefix_pool_bytes and cfg.engine.enable_prefix_caching:
+        pool = serve.deployment(PrefixPoolServer, name="PrefixPool").options(
+            num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(cfg.prefix_pool_bytes)
+    prefill = _deployment(PrefillServer, "PrefillServer", cfg.prefill, request_router_config=router).bind(dump, pool)
     decode = _deployment(DecodeServer, "DecodeServer", cfg.decode).bind(dump, prefill)
     return _deployment(Ingress, "Ingress", cfg.ingress).bind(dump, decode)
 

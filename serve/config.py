@@ -70,6 +70,8 @@ class LLMServingConfig(BaseModel):
                                     description="The OpenAI ingress deployment.")
     api_key_env: str | None = Field(None, description="Name of an environment variable holding the API key; when it "
                                                       "is set, requests need `Authorization: Bearer <key>`.")
+    prefix_pool_bytes: int = Field(256 * 2**20, ge=0, description="Byte budget of the prefix pool shared by the "
+                                                                 "prefill replicas (0: no pool).")
     handoff_attempts: int = Field(3, ge=1, le=10, description="Prefill attempts per request when a prefill replica "
                                                               "dies or its state is lost in transit.")
     handoff_timeout_s: float = Field(120.0, gt=0, description="Seconds a decode replica waits for one prefill.")

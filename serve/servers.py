@@ -29,6 +29,7 @@ from k3.platform.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
+from k3.serve.prefix_pool import PrefixPool
 from k3.serve.router import prefix_route_key
 
 
@@ -99,9 +100,7 @@ class EngineHost:
 
     def check_health(self) -> None:
         """Serve's health probe: the engine loop must not have died."""
-        task = self.engine._task  # noqa: SLF001 - read-only look at the loop the AsyncEngine owns
-        if task is not None and task.done() and task.exception() is not None:
-            raise RuntimeError(f"engine loop died: {task.exception()!r}")
+        self.engine.check_health()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "pid": os.getpid(), "role": self.role}
@@ -122,21 +121,89 @@ class LLMServer(EngineHost):
             yield out
 
 
+class PrefixPoolServer:
+    """The prefix pool as a Serve deployment (one replica: a named actor whose lifetime Serve
+    manages with the application's)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.pool = PrefixPool(budget_bytes)
+
+    def missing(self, hashes: list[bytes]) -> list[bytes]:
+        return self.pool.missing(hashes)
+
+    def publish(self, pages: list) -> int:
+        return self.pool.publish(pages)
+
+    def lookup(self, hashes: list[bytes]) -> int:
+        return self.pool.lookup(hashes)
+
+    def fetch(self, hashes: list[bytes]) -> list:
+        return self.pool.fetch(hashes)
+
+    def stats(self) -> dict:
+        return self.pool.stats()
+
+
 class PrefillServer(EngineHost):
     role = "prefill"
+
+    def __init__(self, config: LLMServingConfig | dict, pool=None) -> None:
+        super().__init__(config)
+        self.pool = pool if self.config.engine.enable_prefix_caching else None  # PrefixPoolServer handle
+        self.pool_hit_tokens = 0
+        self._publishing: set[asyncio.Task] = set()
+
+    async def _from_pool(self, prompt: list[int]) -> None:
+        """Load the prompt's prefix from the pool when it holds more than this replica does."""
+        eng = self.engine.engine
+        hashes = page_hashes(prompt, self.config.engine.page_size)
+        local = await self.engine.call(lambda: eng.local_resume_tokens(prompt))
+        depth = await self.pool.lookup.remote(hashes)
+        self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
+        if depth * self.config.engine.page_size <= local:
+            return
+        pages = await self.pool.fetch.remote(hashes[:depth])
+        got = await self.engine.call(lambda: eng.adopt_prefix(prompt, pages))
+        if got > local:
+            self.pool_hit_tokens += got - local
+            self.metrics.inc("k3_serve_prefix_cache_hits", got - local, source="pool")
+
+    async def _publish(self, prompt: list[int]) -> None:
+        eng = self.engine.engine
+        pages = await self.engine.call(lambda: eng.prefix_pages(prompt))
+        if not pages:
+            return
+        missing = set(await self.pool.missing.remote([p.hash for p in pages]))
+        # new pages, and pages the pool holds without the snapshot this replica has
+        await self.pool.publish.remote([p for p in pages if p.hash in missing or p.snapshot is not None])
+
+    async def drop_local_prefix_cache(self) -> int:
+        """Forget every idle cached page of this replica (memory pressure; the hook tests use to
+        make a prompt hit only the pool). Returns the pages dropped."""
+        eng = self.engine.engine
+        return await self.engine.call(lambda: eng.cache.evict_idle())
+
+    def pool_stats(self) -> dict:
+        return {"pool_hit_tokens": self.pool_hit_tokens}
 
     async def prefill(self, req: GenerateRequest) -> dict:
         """Run the prompt to its first token. Returns {"output": RequestOutput without state,
         "state": [ObjectRef of the HybridCacheState] or None when the first token ended the
-        request, "export_s", "nbytes"}."""
+        request, "nbytes"}."""
         import ray
 
         self._start_reporting()
+        if self.pool is not None:
+            await self._from_pool(req.prompt_token_ids)
         final = None
         async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
                                               prefill_only=True):
             final = out
         state, final.cache_state = final.cache_state, None
+        if self.pool is not None:  # after the reply is on its way; a failed publish loses only sharing
+            task = asyncio.get_running_loop().create_task(self._publish(req.prompt_token_ids))
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
         if state is None:
             return {"output": final, "state": None, "nbytes": 0}
         # Nested in a list: Serve resolves only top-level refs, and the decode side must fetch it

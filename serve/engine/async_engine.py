@@ -85,10 +85,21 @@ class AsyncEngine:
         """Stream a request whose prompt another engine prefilled (`LLMEngine.import_request`)."""
         return self._stream(request_id, lambda rid: self.engine.import_request(rid, prompt_token_ids, state, params))
 
+    async def call(self, fn):
+        """fn() run in the engine's step thread between steps (LLMEngine.call); its result."""
+        fut = self.engine.call(fn)
+        self._ensure_loop()
+        return await asyncio.wrap_future(fut)
+
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         if self._wake is not None:
             self._wake.set()
+
+    def check_health(self) -> None:
+        """Raises when the step loop died of an error (a replica's health probe)."""
+        if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
+            raise RuntimeError(f"engine loop died: {self._task.exception()!r}")
 
     def stats(self) -> dict:
         return self.engine.stats()

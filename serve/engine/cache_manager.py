@@ -197,12 +197,13 @@ class CacheManager:
                 best = blk
         return chain, best
 
-    def register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int) -> bool:
-        """Make a full, computed page shareable. False if that content is cached already."""
+    def register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int, ref: int = 1) -> bool:
+        """Make a full, computed page shareable (held by `ref` running sequences: 1 for the one
+        that computed it, 0 for a page loaded from elsewhere). False if that content is cached."""
         if h in self.entries or page in self.page_entry:
             return False
         self.clock += 1
-        blk = CachedPage(h, tokens, depth, page, ref=1, last_used=self.clock)
+        blk = CachedPage(h, tokens, depth, page, ref=ref, last_used=self.clock)
         self.entries[h] = blk
         self.page_entry[page] = blk
         return True
@@ -210,6 +211,18 @@ class CacheManager:
     def cached(self, h: bytes, tokens: tuple[int, ...]) -> CachedPage | None:
         blk = self.entries.get(h)
         return blk if blk is not None and blk.tokens == tokens else None
+
+    def resume_depth(self, tokens: list[int], hashes: list[bytes]) -> int:
+        """The deepest page a prompt could resume from here (contiguous cached pages ending on a
+        valid snapshot), without touching LRU order: what a pool lookup must beat."""
+        best, ps = 0, self.page_size
+        for j, h in enumerate(hashes):
+            blk = self.cached(h, tuple(tokens[j * ps:(j + 1) * ps]))
+            if blk is None:
+                break
+            if blk.snapshot_slot is not None and blk.snapshot_hash == h and blk.snapshot_tokens == (j + 1) * ps:
+                best = j + 1
+        return best
 
     def hold(self, blk: CachedPage) -> None:
         blk.ref += 1

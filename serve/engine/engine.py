@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import threading
 import time
+from concurrent.futures import Future
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from k3.model import K3ForCausalLM
 
 from .cache_manager import CacheManager, page_hashes
 from .detokenizer import Detokenizer, StopMatcher
-from .handoff import STATE_VERSION, HybridCacheState, to_numpy, to_torch
+from .handoff import STATE_VERSION, HybridCacheState, PoolPage, to_numpy, to_torch
 from .params import EngineConfig, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
@@ -160,6 +161,14 @@ class LLMEngine:
             seq.generator.set_state(torch.from_numpy(state.generator_state.copy()))
         return self._enqueue("import", seq)
 
+    def call(self, fn) -> Future:
+        """Run fn() in the step thread between two steps, where the cache may be read and changed
+        safely (the prefix pool's export and import); the Future holds its result."""
+        fut: Future = Future()
+        with self._lock:
+            self._pending.append(("call", None, (fn, fut)))
+        return fut
+
     def abort_request(self, request_id: str) -> None:
         with self._lock:
             self._pending.append(("abort", request_id, None))
@@ -177,6 +186,13 @@ class LLMEngine:
         with self._lock:
             items, self._pending = list(self._pending), deque()
         for kind, rid, seq in items:
+            if kind == "call":
+                fn, fut = seq
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - the caller gets it through the Future
+                    fut.set_exception(e)
+                continue
             if kind == "abort":
                 seq = self.seqs.get(rid)
                 if seq is not None:
@@ -394,6 +410,61 @@ class LLMEngine:
                        f"{(len(ids), s.latent_dim)} {np.dtype(np_conv)}")
             latents[s.layer_idx] = to_torch(lat, cdt, self.device)
         return latents, kda
+
+    # -- the shared prefix pool (run these through call()) -----------------------------------------
+    def prefix_pages(self, prompt: list[int]) -> list[PoolPage]:
+        """The prompt's cached pages here, up to the deepest one with a snapshot, as pool pages."""
+        cm, ps = self.cache, self.cache.page_size
+        hashes = page_hashes(prompt, ps)
+        depth = cm.resume_depth(prompt, hashes)
+        out = []
+        for j in range(depth):
+            blk = cm.cached(hashes[j], tuple(prompt[j * ps:(j + 1) * ps]))
+            snap = None
+            if blk.snapshot_slot is not None and blk.snapshot_hash == hashes[j]:
+                snap = {l: (to_numpy(c), to_numpy(r)) for l, (c, r) in cm.read_slot(blk.snapshot_slot).items()}
+            out.append(PoolPage(hashes[j], j + 1, blk.tokens,
+                                {l: to_numpy(t[blk.page]) for l, t in cm.mla_pages.items()}, snap))
+        return out
+
+    def local_resume_tokens(self, prompt: list[int]) -> int:
+        return self.cache.resume_depth(prompt, page_hashes(prompt, self.cache.page_size)) * self.cache.page_size
+
+    def adopt_prefix(self, prompt: list[int], pages: list[PoolPage]) -> int:
+        """Load pool pages for this prompt into the local prefix cache (pages it lacks, and the
+        snapshots); returns the prompt tokens now resumable here. Pages that do not belong to the
+        prompt (hash or tokens) or do not fit this model's shapes are refused with a ValueError."""
+        cm, ps = self.cache, self.cache.page_size
+        hashes = page_hashes(prompt, ps)
+        np_dtype = np.int16 if cm.dtype == torch.bfloat16 else np.float32
+        for j, p in enumerate(pages):
+            if j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
+                    tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
+                raise ValueError(f"pool page {j + 1} does not belong to this prompt")
+            if sorted(p.latents) != [s.layer_idx for s in cm.mla_specs] or any(
+                    a.shape != (ps, s.latent_dim) or a.dtype != np_dtype
+                    for s, a in ((s, p.latents[s.layer_idx]) for s in cm.mla_specs)):
+                raise ValueError(f"pool page {j + 1}: latents do not fit this engine's pages")
+            if p.snapshot is not None and (sorted(p.snapshot) != [s.layer_idx for s in cm.kda_specs] or any(
+                    p.snapshot[s.layer_idx][1].shape != s.state_shape or p.snapshot[s.layer_idx][0].shape != s.conv_shape
+                    for s in cm.kda_specs)):
+                raise ValueError(f"pool page {j + 1}: snapshot does not fit this engine's KDA layers")
+        resumable = 0
+        for j, p in enumerate(pages):
+            blk = cm.cached(p.hash, tuple(p.tokens))
+            if blk is None:
+                page = cm.alloc_page()
+                if page is None:
+                    break
+                cm.write_latents([page], 0, {l: to_torch(a, cm.dtype, self.device) for l, a in p.latents.items()})
+                cm.register(p.hash, tuple(p.tokens), j + 1, page, ref=0)
+                blk = cm.entries[p.hash]
+            if p.snapshot is not None:
+                if blk.snapshot_slot is None:
+                    cm.store_snapshot(blk, {l: (to_torch(c, cm.dtype, self.device), to_torch(r, torch.float32, self.device))
+                                            for l, (c, r) in p.snapshot.items()})
+                resumable = (j + 1) * ps
+        return resumable
 
     # -- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -83,3 +83,21 @@ class HybridCacheState:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for _, a in self.arrays())
+
+
+@dataclass
+class PoolPage:
+    """One prompt page as the shared prefix pool holds it (serve/prefix_pool.py)."""
+
+    hash: bytes  # the page's chain hash (covers every token before it)
+    depth: int  # 1-based position of the page in its prompt
+    tokens: tuple[int, ...]  # the page's own tokens (checked on load, as local hits are)
+    latents: dict[int, np.ndarray]  # MLA layer -> [page_size, latent]
+    snapshot: dict[int, tuple[np.ndarray, np.ndarray]] | None  # KDA layer -> (conv, recurrent) after the page
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(a.nbytes for a in self.latents.values())
+        if self.snapshot is not None:
+            n += sum(c.nbytes + r.nbytes for c, r in self.snapshot.values())
+        return n

@@ -26,8 +26,12 @@ def app_config(tok_path, disaggregated):
     # the key reaches the ingress replica as users pass secrets to Serve: its runtime_env
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1,
                                                         "runtime_env": {"env_vars": {"K3_TEST_API_KEY": KEY}}}}
+    # decode autoscales from 1 replica: a burst of requests beyond 2 in flight adds one
+    decode = {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 8, "autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+        "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 1}}
     return {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok_path},
-            "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": small, "llm": small,
+            "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": decode, "llm": small,
             "ingress": ingress, "api_key_env": "K3_TEST_API_KEY"}
 
 
@@ -104,6 +108,28 @@ def test_disaggregated_equals_aggregated_equals_the_engine(apps, engine_model, t
             assert choice["text"] == want_text, f"{name}, {attempt}, prompt {n}"
             got_lp = choice["logprobs"]["token_logprobs"]
             assert len(got_lp) == 8 and max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4, (name, attempt)
+
+
+def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
+    import time
+
+    from ray import serve
+
+    prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
+    prompt = rand(40, seed=99)  # 5 pages of 8: snapshots at pages 2 and 4
+    body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    post = lambda: httpx.post(f"{apps['pd']}/v1/completions", json=body, timeout=120,  # noqa: E731
+                              headers={"Authorization": f"Bearer {KEY}"}).json()["choices"][0]
+    first = post()
+    time.sleep(1.0)  # the replica publishes to the pool after replying
+    before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
+    assert prefill.drop_local_prefix_cache.remote().result() > 0
+    again = post()
+    assert prefill.pool_stats.remote().result()["pool_hit_tokens"] - before == 32  # resumed at page 4 from the pool
+    assert again["text"] == first["text"]
+    assert max(abs(a - b) for a, b in zip(again["logprobs"]["token_logprobs"],
+                                          first["logprobs"]["token_logprobs"])) < 1e-4
 
 
 def test_seeded_sampling_is_the_same_both_ways(apps):
@@ -231,3 +257,38 @@ def test_schemathesis_finds_no_server_error(apps):
 
         run()
     assert not failures, failures[:3]
+
+
+def _running_replicas(app: str, deployment: str) -> int:
+    from ray import serve
+
+    st = serve.status().applications[app].deployments[deployment]
+    return st.replica_states.get("RUNNING", 0)
+
+
+def test_decode_scales_up_under_a_burst_and_back_down(apps):
+    import concurrent.futures
+    import time
+
+    assert _running_replicas("pd", "DecodeServer") == 1
+    body = {"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    post = lambda: httpx.post(f"{apps['pd']}/v1/completions", json=body, timeout=300,  # noqa: E731
+                              headers={"Authorization": f"Bearer {KEY}"}).status_code
+    peak, codes = 1, []
+    deadline = time.time() + 240  # a bounded burst: 8 requests kept in flight until a replica is added
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(post) for _ in range(8)]
+        while time.time() < deadline and peak < 2:
+            peak = max(peak, _running_replicas("pd", "DecodeServer"))
+            for i, f in enumerate(futs):
+                if f.done():
+                    codes.append(f.result())
+                    futs[i] = pool.submit(post)
+            time.sleep(0.5)
+        codes += [f.result(timeout=300) for f in futs]
+    assert set(codes) == {200}
+    assert peak == 2, "the decode deployment never scaled up"
+    deadline = time.time() + 120
+    while time.time() < deadline and _running_replicas("pd", "DecodeServer") > 1:
+        time.sleep(1)
+    assert _running_replicas("pd", "DecodeServer") == 1, "the decode deployment never scaled back down"

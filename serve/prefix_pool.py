@@ -1,0 +1,83 @@
+"""A prefix cache shared by the prefill replicas: pages of prompt latents and the KDA snapshots at
+page boundaries, published under their chain hashes, indexed and held by one named actor with a
+byte budget and LRU eviction.
+
+A prefill replica that misses locally but finds a longer resumable prefix in the pool loads those
+pages (and the snapshot at the last one) into its own cache instead of recomputing them. Resuming
+needs every page from the first to a page with a snapshot, so `lookup` answers the deepest such
+page. The pool holds the arrays itself (they were sent to it): a publisher that dies takes nothing
+with it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from k3.serve.engine.handoff import PoolPage
+
+
+class PrefixPool:
+    """The index and store (run as a named Ray actor; plain methods, so tests call it directly)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.pages: OrderedDict[bytes, PoolPage] = OrderedDict()  # least recently used first
+        self.bytes = 0
+        self.counts = {"published": 0, "evicted": 0, "fetched": 0, "lookups": 0}
+
+    def missing(self, hashes: list[bytes]) -> list[bytes]:
+        """The hashes the pool does not hold (publishers send only these)."""
+        return [h for h in hashes if h not in self.pages]
+
+    def publish(self, pages: list[PoolPage]) -> int:
+        """Store pages (a page already held keeps its data but may gain a snapshot); evict the
+        least recently used past the budget. Returns how many were stored or updated."""
+        stored = 0
+        for p in pages:
+            have = self.pages.get(p.hash)
+            if have is not None:
+                if have.snapshot is None and p.snapshot is not None:
+                    self.bytes += p.nbytes - have.nbytes
+                    self.pages[p.hash] = p
+                    stored += 1
+                self.pages.move_to_end(p.hash)
+                continue
+            if p.nbytes > self.budget:
+                continue
+            self.pages[p.hash] = p
+            self.bytes += p.nbytes
+            stored += 1
+        self.counts["published"] += stored
+        while self.bytes > self.budget:
+            _, old = self.pages.popitem(last=False)
+            self.bytes -= old.nbytes
+            self.counts["evicted"] += 1
+        return stored
+
+    def lookup(self, hashes: list[bytes]) -> int:
+        """The deepest d such that pages 1..d are all held and page d has a snapshot (0: none)."""
+        self.counts["lookups"] += 1
+        best = 0
+        for d, h in enumerate(hashes, start=1):
+            p = self.pages.get(h)
+            if p is None:
+                break
+            if p.snapshot is not None:
+                best = d
+        return best
+
+    def fetch(self, hashes: list[bytes]) -> list[PoolPage]:
+        """The pages for these hashes, in order, up to the first one the pool no longer holds."""
+        out = []
+        for h in hashes:
+            p = self.pages.get(h)
+            if p is None:
+                break
+            self.pages.move_to_end(h)
+            out.append(p)
+        self.counts["fetched"] += len(out)
+        return out
+
+    def stats(self) -> dict:
+        return {"pages": len(self.pages), "bytes": self.bytes, "budget_bytes": self.budget, **self.counts}

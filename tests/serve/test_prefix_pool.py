@@ -1,0 +1,77 @@
+"""The prefix pool shared by prefill engines: pages and KDA snapshots published by one engine
+load into another, which then resumes the prompt there exactly as if it had computed it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from k3.serve.prefix_pool import PrefixPool
+
+CFG = EngineConfig(page_size=8, snapshot_interval=2)
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def rand(n, seed):
+    return torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def through(eng, fn):
+    """Run fn in the engine's step thread, as the Serve replica does."""
+    fut = eng.call(fn)
+    eng.step()
+    return fut.result(timeout=0)
+
+
+def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
+    prefix = rand(48, 1)
+    a, b = LLMEngine(tiny_model, CFG), LLMEngine(tiny_model, CFG)
+    a.generate([prefix + [7]], GREEDY)
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    pages = through(a, lambda: a.prefix_pages(prefix + [9, 9, 9]))
+    assert [p.depth for p in pages] == list(range(1, 7)) and pages[-1].snapshot is not None
+    assert pool.publish(pages) == 6 and pool.missing([p.hash for p in pages]) == []
+    prompt = prefix + [9, 9, 9]
+    from k3.serve.engine.cache_manager import page_hashes
+
+    depth = pool.lookup(page_hashes(prompt, 8))
+    assert depth == 6  # 6 pages, snapshots at 2, 4 and 6
+    assert through(b, lambda: b.local_resume_tokens(prompt)) == 0
+    got = through(b, lambda: b.adopt_prefix(prompt, pool.fetch(page_hashes(prompt, 8)[:depth])))
+    assert got == 48
+    out = b.generate([prompt], GREEDY)[0]
+    cold = LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 48 and out.token_ids == cold.token_ids
+    assert b.stats()["pages_in_use"] == 0
+
+
+def test_pages_of_another_prompt_are_refused(tiny_model):
+    a = LLMEngine(tiny_model, CFG)
+    p1, p2 = rand(32, 2), rand(32, 3)
+    a.generate([p1 + [1]], GREEDY)
+    pages = through(a, lambda: a.prefix_pages(p1 + [1]))
+    b = LLMEngine(tiny_model, CFG)
+    before = b.stats()
+    with pytest.raises(ValueError, match="does not belong"):
+        through(b, lambda: b.adopt_prefix(p2 + [1], pages))
+    assert b.stats() == {**before, "steps": b.stats()["steps"]}
+
+
+def test_budget_and_lru(tiny_model):
+    a = LLMEngine(tiny_model, CFG)
+    prompts = [rand(32, 10 + i) for i in range(3)]
+    pages = []
+    for p in prompts:
+        a.generate([p + [1]], GREEDY)
+        pages.append(through(a, lambda p=p: a.prefix_pages(p + [1])))
+    one = sum(pg.nbytes for pg in pages[0])
+    pool = PrefixPool(budget_bytes=2 * one)
+    pool.publish(pages[0])
+    pool.publish(pages[1])
+    pool.fetch([pg.hash for pg in pages[0]])  # prompt 0 is used again: prompt 1 is now the oldest
+    pool.publish(pages[2])
+    s = pool.stats()
+    assert s["bytes"] <= 2 * one and s["evicted"] == len(pages[1])
+    assert pool.lookup([pg.hash for pg in pages[0]]) == 4 and pool.lookup([pg.hash for pg in pages[1]]) == 0
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixPool(0)
