@@ -14,7 +14,7 @@ import torch
 from release_reference import (load_release_files, reference_logits, release_tensors, tiny_release_config,
                                write_release_checkpoint)
 
-from k3.model import K3ForCausalLM, get_preset
+from k3.model import K3ForCausalLM, SamplingConfig, generate, get_preset
 from k3.model.hf_k3 import CheckpointReader, load_k3, load_pretrained, save_k3
 from k3.model.hf_k3_config import config_from_release, config_to_release, mlp_schedule
 from k3.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -93,6 +93,15 @@ def test_logits_match_independent_reference(release):
         ours = model(ids).logits
     ref = reference_logits(release, ids)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_cached_greedy_decode_follows_the_reference(release):
+    """The cache path (KDA state slots, MLA pages) the engine runs, on the loaded release weights."""
+    model = load_k3(release, dtype=torch.float32).eval()
+    prompt = [5, 17, 3, 99, 42, 7, 250]
+    got = generate(model, [prompt], SamplingConfig(max_new_tokens=5))[0]
+    ref = reference_logits(release, torch.tensor([prompt + got]))[0]
+    assert got == ref[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
 def test_default_dtypes_follow_the_checkpoint(release):
