@@ -117,9 +117,10 @@ def config_from_release(d: dict) -> K3Config:
         qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
         v_head_dim=get("v_head_dim"), mla_output_gate=bool(get("mla_use_output_gate", False)),
         mla_norm_eps=MLA_NORM_EPS,
-        num_experts=get("num_experts", 1), num_experts_per_token=get("num_experts_per_token", 1) if get("num_experts")
-        else 1, num_shared_experts=get("num_shared_experts", 0),
-        moe_intermediate_size=get("moe_intermediate_size", 1), moe_latent_size=latent,
+        # A config without experts (all dense) still fills the MoE fields validly; they are unused.
+        num_experts=get("num_experts", 2), num_experts_per_token=get("num_experts_per_token", 1),
+        num_shared_experts=get("num_shared_experts", 0), moe_intermediate_size=get("moe_intermediate_size", 1),
+        moe_latent_size=latent,
         routed_scaling=float(get("routed_scaling_factor", 1.0)), moe_renormalize=bool(get("moe_renormalize", True)),
         attn_res_block_size=get("attn_res_block_size"), bos_token_id=get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=get("pad_token_id"),

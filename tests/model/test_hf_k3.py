@@ -138,8 +138,7 @@ def test_export_keeps_the_release_tensors(release, tmp_path):
     for n, t in back.items():
         if n.endswith("_res_proj.weight"):
             norm = n.replace("_proj.weight", "_norm.weight")
-            assert torch.equal(t.float() * back[norm].float(), orig[n].float() * orig[norm].float()) or \
-                torch.equal(t, (orig[n].float() * orig[norm].float()).to(torch.bfloat16)), n
+            assert torch.equal(t, (orig[n].float() * orig[norm].float()).to(torch.bfloat16).reshape(1, -1)), n
         elif n.endswith("_res_norm.weight"):
             assert torch.equal(t, torch.ones_like(t)), n
         elif n.endswith(".A_log"):
@@ -179,7 +178,7 @@ def test_ep_rank_reads_only_its_experts(release, ep_rank):
     reader = CheckpointReader(release)
     part = load_k3(release, ep_rank=ep_rank, ep_size=2, reader=reader)
     full = load_k3(release)
-    E, n = 8, 4
+    n = 4  # 8 experts over 2 ranks
     mine = range(ep_rank * n, (ep_rank + 1) * n)
     expert_reads = [k for k in reader.reads if ".experts." in k]
     assert expert_reads and all(int(k.split(".experts.")[1].split(".")[0]) in mine for k in expert_reads)
@@ -192,7 +191,7 @@ def test_ep_rank_reads_only_its_experts(release, ep_rank):
     for k, v in pp.items():
         want = fp[k][mine.start:mine.stop] if ".experts." in k else fp[k]
         assert torch.equal(v, want), k
-    assert part.model.layers[1].mlp.experts.first == mine.start and E // 2 == n
+    assert part.model.layers[1].mlp.experts.first == mine.start
 
 
 _PEAK = r"""
