@@ -12,6 +12,7 @@ import torch
 
 from .config import K3Config
 from .model import K3ForCausalLM
+from .vision import MoonViT, PatchMergerV2
 
 
 @dataclass
@@ -43,3 +44,24 @@ def count_parameters(cfg: K3Config) -> ParamCount:
     active_routed = routed * cfg.num_experts_per_token // cfg.num_experts
     active = total - embedding - routed + active_routed
     return ParamCount(total=total, active=active, embedding=embedding, routed_experts=routed, attention=attention)
+
+
+@dataclass
+class VisionParamCount:
+    tower: int  # MoonViT-V2: patch embedding, position table, blocks, final norm
+    projector: int  # PatchMergerV2
+    total: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_vision_parameters(cfg: K3Config) -> VisionParamCount | None:
+    """Tower and projector sizes of a multimodal config (None for a text-only one)."""
+    if cfg.vision_config is None:
+        return None
+    with torch.device("meta"):
+        tower, projector = MoonViT(cfg.vision_config), PatchMergerV2(cfg.vision_config)
+    t = sum(p.numel() for p in tower.parameters())
+    j = sum(p.numel() for p in projector.parameters())
+    return VisionParamCount(tower=t, projector=j, total=t + j)

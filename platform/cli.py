@@ -11,7 +11,7 @@ import json
 import sys
 
 from k3.model.config import PRESETS, get_preset
-from k3.model.params import count_parameters
+from k3.model.params import count_parameters, count_vision_parameters
 
 
 def _human(n: int) -> str:
@@ -24,8 +24,10 @@ def _human(n: int) -> str:
 def cmd_params(args: argparse.Namespace) -> int:
     cfg = get_preset(args.preset)
     c = count_parameters(cfg)
+    v = count_vision_parameters(cfg)
     if args.json:
-        print(json.dumps({"preset": args.preset, **c.as_dict()}, indent=2))
+        extra = {} if v is None else {"vision": v.as_dict()}
+        print(json.dumps({"preset": args.preset, **c.as_dict(), **extra}, indent=2))
         return 0
     print(f"preset          {args.preset}")
     print(f"total           {c.total:>20,}  ({_human(c.total)})")
@@ -33,7 +35,10 @@ def cmd_params(args: argparse.Namespace) -> int:
     print(f"  embedding     {c.embedding:>20,}  (input embedding, not counted as active)")
     print(f"  routed experts{c.routed_experts:>20,}  ({cfg.num_experts_per_token} of {cfg.num_experts} active per MoE layer)")
     print(f"  attention     {c.attention:>20,}")
-    print(f"note: {c.note}")
+    if v is not None:
+        print(f"vision tower    {v.tower:>20,}  ({_human(v.tower)}, MoonViT-V2)")
+        print(f"mm projector    {v.projector:>20,}  ({_human(v.projector)}, PatchMergerV2)")
+    print(f"note: {c.note}" + ("; the totals above are the language model, vision is listed apart" if v else ""))
     return 0
 
 
