@@ -17,7 +17,9 @@ sharded safetensors with `model.safetensors.index.json`. Text tensors carry the 
       routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj,
       experts.N.{w1 (gate), w3 (up), w2 (down)}.{weight_packed, weight_scale}  (MXFP4, model/mxfp4.py)
 
-plus model.embed_tokens, model.norm, model.output_attn_res_{norm,proj} and lm_head.
+plus model.embed_tokens, model.norm, model.output_attn_res_{norm,proj} and lm_head. The vision
+tower and projector (`vision_tower.*`, `mm_projector.*`, bf16) carry k3's own module names
+(model/vision.py follows the release), so they map one to one.
 
 Block AttnRes: the release mixes with softmax(proj . (norm_w * rms(v))) = softmax((proj * norm_w)
 . rms(v)), so k3 holds the product as one pseudo-query per mix (BlockAttnRes.queries). Loading
@@ -43,9 +45,12 @@ from .config import K3Config
 from .hf_k3_config import check_quantization, config_from_release, config_to_release
 from .model import K3ForCausalLM
 from .moe import Experts
+from .multimodal import K3ForConditionalGeneration
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .vision import MoonViT, PatchMergerV2
 
 PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # named as k3's modules, no language_model. prefix
 INDEX = "model.safetensors.index.json"
 # k3 tensors kept in fp32 whatever dtype is asked for (routing and recurrent-gate arithmetic).
 _FP32 = ("conv_weight", "A_log", "dt_bias", "o_norm_weight", "mlp.gate.weight", "mlp.gate.bias")
@@ -177,17 +182,48 @@ def keep_rank_experts(model: K3ForCausalLM, ep_rank: int, ep_size: int) -> None:
 
 
 def load_k3(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-            ep_rank: int = 0, ep_size: int = 1, reader: CheckpointReader | None = None) -> K3ForCausalLM:
+            ep_rank: int = 0, ep_size: int = 1, reader: CheckpointReader | None = None,
+            vision: bool = False) -> K3ForCausalLM | K3ForConditionalGeneration:
     """A K3ForCausalLM from a K3 release checkpoint directory, streamed tensor by tensor.
 
     The model is built on the meta device and each parameter is filled from the checkpoint as it
     is read, so peak memory is the loaded model plus one tensor. With ep_size > 1 the model holds
     only rank ep_rank's routed experts and no other expert's tensors are read (nor their shards
     opened). dtype: None keeps the checkpoint's dtypes (bf16; dequantised experts in bf16, which
-    is exact); routing and KDA-gate tensors stay fp32 either way. Vision tensors are not read.
+    is exact); routing and KDA-gate tensors stay fp32 either way. Vision tensors are read only
+    with vision=True, which returns a K3ForConditionalGeneration (tower and projector on every rank).
     """
     _, cfg = read_config(path)
     r = reader or CheckpointReader(path)
+    if vision and cfg.vision_config is None:
+        raise ValueError(f"{path}: vision=True but config.json has no vision_config")
+    text = _load_text(r, cfg, dtype, device, ep_rank, ep_size)
+    if not vision:
+        return text
+    with torch.device("meta"):
+        model = K3ForConditionalGeneration(cfg)
+    model.language_model = text
+    # Built for real (not on meta): their fixed tables (rotary frequencies, the sin-cos time rows)
+    # are non-persistent buffers computed at construction; the weights are replaced below.
+    with torch.device(device):
+        model.vision_tower, model.mm_projector = MoonViT(cfg.vision_config), PatchMergerV2(cfg.vision_config)
+    for prefix, module in (("vision_tower.", model.vision_tower), ("mm_projector.", model.mm_projector)):
+        state = {}
+        for name, p in module.named_parameters():
+            t = r.get(prefix + name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint tensor {prefix + name}: shape {tuple(t.shape)} != expected "
+                                 f"{tuple(p.shape)} (check vision_config)")
+            state[name] = t.to(device=device, dtype=dtype or t.dtype)
+        module.load_state_dict(state, strict=True, assign=True)
+    unknown = sorted(n for n in r.keys() if n.startswith(VISION_PREFIXES) and n not in r.reads)
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} vision tensors k3 does not map, e.g. {unknown[:3]}")
+    return model
+
+
+def _load_text(r: CheckpointReader, cfg: K3Config, dtype: torch.dtype | None, device, ep_rank: int,
+               ep_size: int) -> K3ForCausalLM:
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     if ep_size > 1:
@@ -273,10 +309,19 @@ def _release_dtype(name: str) -> torch.dtype:
     return torch.float32 if name.endswith(_RELEASE_FP32) else torch.bfloat16
 
 
-def release_tensors(model: K3ForCausalLM, quantize_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(release name, tensor) for every text tensor, layer by layer (routed experts one at a time).
+def release_tensors(model: K3ForCausalLM | K3ForConditionalGeneration,
+                    quantize_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(release name, tensor) for every tensor, layer by layer (routed experts one at a time), then
+    the vision tower's and projector's (bf16) for a K3ForConditionalGeneration.
 
     Works on a meta-device model too (shapes only), which is how the release layout is counted."""
+    if isinstance(model, K3ForConditionalGeneration):
+        yield from release_tensors(model.language_model, quantize_experts)
+        for prefix, module in (("vision_tower.", model.vision_tower), ("mm_projector.", model.mm_projector)):
+            for name, p in module.named_parameters():
+                yield prefix + name, p.detach().to(device="meta" if p.is_meta else "cpu",
+                                                   dtype=torch.bfloat16).contiguous()
+        return
     cfg = model.cfg
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
@@ -328,14 +373,13 @@ def _res_tensors(cfg: K3Config, l: int, query: torch.Tensor) -> Iterator[tuple[s
     yield proj, query.detach().to(device=dev, dtype=torch.bfloat16).reshape(1, -1).contiguous()
 
 
-def save_k3(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int = 4 << 30, quantize_experts: bool = True,
-            extra_tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
-            vision_config: dict | None = None) -> None:
+def save_k3(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path, max_shard_bytes: int = 4 << 30,
+            quantize_experts: bool = True) -> None:
     """Write config.json + sharded safetensors + model.safetensors.index.json in the release layout.
 
     Tensors are produced layer by layer and a shard is written as soon as it is full, so memory
-    stays at the model plus one shard. extra_tensors (e.g. the vision tower's, already named as
-    released) are appended after the text tensors."""
+    stays at the model plus one shard. A K3ForConditionalGeneration also writes its vision tower,
+    projector and vision_config; a K3ForCausalLM writes a text-only checkpoint."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     path = Path(path)
@@ -353,12 +397,7 @@ def save_k3(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int = 4 << 
             shards.append(list(buf))
             buf, size = {}, 0
 
-    def tensors():
-        yield from release_tensors(model, quantize_experts)
-        if extra_tensors is not None:
-            yield from extra_tensors
-
-    for name, t in tensors():
+    for name, t in release_tensors(model, quantize_experts):
         nbytes = t.numel() * t.element_size()
         if size and size + nbytes > max_shard_bytes:
             flush()
@@ -373,7 +412,8 @@ def save_k3(model: K3ForCausalLM, path: str | Path, max_shard_bytes: int = 4 << 
         weight_map.update({n: final for n in names})
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
                               + "\n")
-    cfg = config_to_release(model.cfg, vision_config, quantized_experts=quantize_experts)
+    cfg = config_to_release(model.cfg, with_vision=isinstance(model, K3ForConditionalGeneration),
+                            quantized_experts=quantize_experts)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -392,8 +432,9 @@ def pretrained_config(path: str | Path) -> K3Config:
 
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     ep_rank: int = 0, ep_size: int = 1) -> K3ForCausalLM:
-    """A K3ForCausalLM from a released checkpoint (K3 release layout, or Kimi Linear's), the
-    `--init-from` of training and serving. Kimi Linear checkpoints load whole (ep_size 1 only)."""
+    """The language model (K3ForCausalLM) of a released checkpoint (K3 release layout, or Kimi
+    Linear's): the `--init-from` of training and serving. Kimi Linear checkpoints load whole
+    (ep_size 1 only); for the vision tower too, call load_k3(path, vision=True)."""
     d = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").exists() else {}
     if d.get("model_type") == "kimi_k3" or "text_config" in d:
         return load_k3(path, dtype=dtype, device=device, ep_rank=ep_rank, ep_size=ep_size)

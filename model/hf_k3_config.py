@@ -21,13 +21,19 @@ without its norm, ...) raise a ValueError naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .config import K3Config
+from .vision_config import K3VisionConfig
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
 MODEL_TYPE = "kimi_k3"
 MLA_NORM_EPS = 1e-6  # the release's MLA latent RMSNorms (their default eps; see the module docstring)
+# Keys transformers writes into every sub-config; they say nothing about the tower.
+_VISION_BOILERPLATE = {"_attn_implementation", "_name_or_path", "architectures", "dtype", "torch_dtype", "model_type",
+                       "id2label", "label2id", "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions",
+                       "output_hidden_states", "problem_type", "return_dict", "transformers_version"}
 
 
 def mlp_schedule(num_layers: int, first_k_dense: int, moe_layer_freq: int) -> list[str]:
@@ -49,6 +55,18 @@ def schedule_params(mlp_types: list[str]) -> tuple[int, int]:
 
 def _refuse(field: str, value: Any, why: str) -> None:
     raise ValueError(f"config.json text_config.{field}={value!r}: {why}")
+
+
+def vision_from_release(v: dict) -> K3VisionConfig:
+    """K3VisionConfig for a release `vision_config` block (k3 keeps the released field names)."""
+    if v.get("mlp_type", "mlp2") != "mlp2":
+        raise ValueError(f"config.json vision_config.mlp_type={v['mlp_type']!r}: the tower's MLP is 'mlp2' "
+                         f"(fc0 -> gelu-tanh -> fc1)")
+    fields = {f.name for f in dataclasses.fields(K3VisionConfig)}
+    unknown = sorted(set(v) - fields - _VISION_BOILERPLATE - {"mlp_type"})
+    if unknown:
+        raise ValueError(f"config.json vision_config: field(s) k3 does not know: {unknown}")
+    return K3VisionConfig.from_dict({k: val for k, val in v.items() if k in fields})
 
 
 def config_from_release(d: dict) -> K3Config:
@@ -104,6 +122,7 @@ def config_from_release(d: dict) -> K3Config:
         _refuse("latent_moe_use_norm", tc.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
     bound = lin.get("gate_lower_bound")
     eos = get("eos_token_id")
+    vision = vision_from_release(d["vision_config"]) if d.get("vision_config") and tc is not d else None
     return K3Config(
         vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=L, layer_types=layer_types,
         mlp_types=mlp_types, intermediate_size=get("intermediate_size"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
@@ -124,11 +143,14 @@ def config_from_release(d: dict) -> K3Config:
         routed_scaling=float(get("routed_scaling_factor", 1.0)), moe_renormalize=bool(get("moe_renormalize", True)),
         attn_res_block_size=get("attn_res_block_size"), bos_token_id=get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=get("pad_token_id"),
+        vision_config=vision, media_placeholder_token_id=d.get("media_placeholder_token_id"),
     )
 
 
-def config_to_release(cfg: K3Config, vision_config: dict | None = None, quantized_experts: bool = True) -> dict:
-    """The release config.json for a K3Config (plus the vision_config dict, if there is a tower)."""
+def config_to_release(cfg: K3Config, with_vision: bool = False, quantized_experts: bool = True) -> dict:
+    """The release config.json for a K3Config; with_vision adds its vision_config (the tower's weights
+    are in the checkpoint). k3's own vision fields (e.g. vt_rms_norm_eps) are written too, so the
+    config reads back unchanged."""
     if cfg.mla_norm_eps != MLA_NORM_EPS and "mla" in cfg.layer_types:
         raise ValueError(f"mla_norm_eps={cfg.mla_norm_eps}: the release layout fixes the MLA latent norm eps at "
                          f"{MLA_NORM_EPS}")
@@ -182,8 +204,12 @@ def config_to_release(cfg: K3Config, vision_config: dict | None = None, quantize
     out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": text,
            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
            "tie_word_embeddings": cfg.tie_word_embeddings}
-    if vision_config is not None:
-        out["vision_config"] = vision_config
+    if cfg.media_placeholder_token_id is not None:
+        out["media_placeholder_token_id"] = cfg.media_placeholder_token_id
+    if with_vision:
+        if cfg.vision_config is None:
+            raise ValueError("config has no vision_config to write")
+        out["vision_config"] = {**cfg.vision_config.to_dict(), "mlp_type": "mlp2"}
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .config import K3Config
 from .model import K3ForCausalLM
+from .vision import MoonViT, PatchMergerV2
 
 
 @dataclass
@@ -46,6 +47,16 @@ def count_parameters(cfg: K3Config) -> ParamCount:
 
 
 @dataclass
+class VisionParamCount:
+    tower: int  # MoonViT-V2: patch embedding, position table, blocks, final norm
+    projector: int  # PatchMergerV2
+    total: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class ReleaseCount:
     """Weights in the K3 release layout against k3's own count of the same model.
 
@@ -54,8 +65,9 @@ class ReleaseCount:
     has (2L + 1) x D more numbers. KDA's A_log is stored [max(H, K)] with one rate per head in the
     first H entries: (max(H, K) - H) more per KDA layer. The router's correction bias
     (`e_score_correction_bias`, E per MoE layer) is a stored tensor in the release and a buffer in
-    k3 (set by balancing, never trained), so k3's parameter count leaves it out. MXFP4 experts count one weight per
-    element (a packed byte holds two); their E8M0 scales are listed apart, not as weights."""
+    k3 (set by balancing, never trained), so k3's parameter count leaves it out. MXFP4 experts
+    count one weight per element (a packed byte holds two); their E8M0 scales are listed apart.
+    `tensors` is the number of stored text tensors (packed weight and scale counted apart)."""
 
     total: int
     k3_total: int
@@ -63,6 +75,7 @@ class ReleaseCount:
     a_log_padding: int
     router_bias: int
     mxfp4_scales: int
+    tensors: int
 
     @property
     def explained(self) -> int:
@@ -73,14 +86,26 @@ class ReleaseCount:
         return asdict(self)
 
 
+def count_vision_parameters(cfg: K3Config) -> VisionParamCount | None:
+    """Tower and projector sizes of a multimodal config (None for a text-only one)."""
+    if cfg.vision_config is None:
+        return None
+    with torch.device("meta"):
+        tower, projector = MoonViT(cfg.vision_config), PatchMergerV2(cfg.vision_config)
+    t = sum(p.numel() for p in tower.parameters())
+    j = sum(p.numel() for p in projector.parameters())
+    return VisionParamCount(tower=t, projector=j, total=t + j)
+
+
 def count_release_parameters(cfg: K3Config) -> ReleaseCount:
     """Count the release layout of `cfg` tensor by tensor, over a meta-device model (no memory)."""
     from .hf_k3 import release_tensors
 
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
-    total = scales = 0
+    total = scales = tensors = 0
     for name, t in release_tensors(model):
+        tensors += 1
         if name.endswith(".weight_scale"):
             scales += t.numel()
         else:
@@ -91,4 +116,4 @@ def count_release_parameters(cfg: K3Config) -> ReleaseCount:
     bias = cfg.mlp_types.count("moe") * cfg.num_experts
     k3_total = sum(p.numel() for p in model.parameters())
     return ReleaseCount(total=total, k3_total=k3_total, attn_res_norms=norms, a_log_padding=pad, router_bias=bias,
-                        mxfp4_scales=scales)
+                        mxfp4_scales=scales, tensors=tensors)

@@ -12,7 +12,7 @@ import json
 import sys
 
 from k3.model.config import PRESETS, get_preset
-from k3.model.params import count_parameters, count_release_parameters
+from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
 
 
 def _human(n: int) -> str:
@@ -25,9 +25,10 @@ def _human(n: int) -> str:
 def cmd_params(args: argparse.Namespace) -> int:
     cfg = get_preset(args.preset)
     c = count_parameters(cfg)
+    v = count_vision_parameters(cfg)
     r = count_release_parameters(cfg) if args.release_layout else None
     if args.json:
-        extra = {"release_layout": r.as_dict()} if r is not None else {}
+        extra = ({} if v is None else {"vision": v.as_dict()}) | ({} if r is None else {"release_layout": r.as_dict()})
         print(json.dumps({"preset": args.preset, **c.as_dict(), **extra}, indent=2))
         return 0
     print(f"preset          {args.preset}")
@@ -36,9 +37,12 @@ def cmd_params(args: argparse.Namespace) -> int:
     print(f"  embedding     {c.embedding:>20,}  (input embedding, not counted as active)")
     print(f"  routed experts{c.routed_experts:>20,}  ({cfg.num_experts_per_token} of {cfg.num_experts} active per MoE layer)")
     print(f"  attention     {c.attention:>20,}")
-    print(f"note: {c.note}")
+    if v is not None:
+        print(f"vision tower    {v.tower:>20,}  ({_human(v.tower)}, MoonViT-V2)")
+        print(f"mm projector    {v.projector:>20,}  ({_human(v.projector)}, PatchMergerV2)")
+    print(f"note: {c.note}" + ("; the totals above are the language model, vision is listed apart" if v else ""))
     if r is not None:
-        print(f"release layout  {r.total:>20,}  ({_human(r.total)}; MXFP4 experts counted unpacked)")
+        print(f"release layout  {r.total:>20,}  ({_human(r.total)}; language model, MXFP4 experts counted unpacked)")
         print(f"  difference    {r.total - r.k3_total:>20,}  = AttnRes norm weights {r.attn_res_norms:,} (k3 folds "
               f"each into its pseudo-query) + A_log padding {r.a_log_padding:,} + router correction bias "
               f"{r.router_bias:,} (a buffer in k3)")

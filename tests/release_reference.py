@@ -41,9 +41,18 @@ def tiny_release_config(**text_overrides) -> dict:
                                                               "weights": {"num_bits": 4, "group_size": 32}}}},
     }
     text.update(text_overrides)
+    vision = {  # the released vision_config fields, at CPU size
+        "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
+        "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "linear_bias": False,
+        "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 32,
+        "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
+        "patch_size": 14, "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "qkv_hidden_size": 48,
+        "text_hidden_size": text["hidden_size"], "vt_hidden_size": 32, "vt_intermediate_size": 64,
+        "vt_num_attention_heads": 2, "vt_num_hidden_layers": 2,
+    }
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-            "vision_config": {"patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 1},
-            "media_placeholder_token_id": 200, "pad_token_id": 0}
+            "vision_config": vision, "media_placeholder_token_id": 200, "pad_token_id": 0}
 
 
 def release_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -115,6 +124,22 @@ def release_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
                                                                             dtype=torch.uint8)
                 out[f"{m}.experts.{e}.{src}.weight_scale"] = torch.randint(121, 125, (rows, cols // 32), generator=g,
                                                                            dtype=torch.uint8)
+    v = cfg.get("vision_config")
+    if v:  # the tower and projector, named and shaped as in the release's tensor listing
+        Dv, q, p, Iv = v["vt_hidden_size"], v["qkv_hidden_size"], v["patch_size"], v["vt_intermediate_size"]
+        w("vision_tower.patch_embed.proj.weight", Dv, 3, p, p)
+        w("vision_tower.patch_embed.pos_emb.weight", v["init_pos_emb_height"], v["init_pos_emb_width"], Dv)
+        for b in range(v["vt_num_hidden_layers"]):
+            blk = f"vision_tower.encoder.blocks.{b}"
+            for n, shape in (("norm0", (Dv,)), ("norm1", (Dv,))):
+                w(f"{blk}.{n}.weight", *shape, std=0.1, mean=1.0)
+            for n, shape in (("wqkv", (3 * q, Dv)), ("wo", (Dv, q)), ("mlp.fc0", (Iv, Dv)), ("mlp.fc1", (Dv, Iv))):
+                w(f"{blk}.{n}.weight", *shape)
+        w("vision_tower.encoder.final_layernorm.weight", Dv, std=0.1, mean=1.0)
+        m = v["mm_hidden_size"] * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+        w("mm_projector.proj.0.weight", m, m)
+        w("mm_projector.proj.2.weight", D, m)
+        w("mm_projector.post_norm.weight", D, std=0.1, mean=1.0)
     return out
 
 

@@ -16,24 +16,22 @@ from release_reference import (load_release_files, reference_logits, release_ten
 
 from k3.model import K3ForCausalLM, SamplingConfig, generate, get_preset
 from k3.model.hf_k3 import CheckpointReader, load_k3, load_pretrained, save_k3
-from k3.model.hf_k3_config import config_from_release, config_to_release, mlp_schedule
+from k3.model.hf_k3_config import config_from_release, config_to_release, mlp_schedule, vision_from_release
+from k3.model.multimodal import K3ForConditionalGeneration
 from k3.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from k3.model.params import count_parameters, count_release_parameters
+from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED = REPO / "model" / "data" / "k3_release_config.json"
-VISION_NAMES = ("vision_tower.patch_embed.proj.weight", "mm_projector.proj.0.weight")
+VISION = ("vision_tower.", "mm_projector.")
 
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _write(path: Path, cfg: dict, seed: int = 0, with_vision: bool = True) -> Path:
-    tensors = release_tensors(cfg, seed)
-    if with_vision:  # tensors a text load must never read
-        tensors.update({n: torch.randn(8, 8).to(torch.bfloat16) for n in VISION_NAMES})
-    write_release_checkpoint(path, cfg, tensors)
+def _write(path: Path, cfg: dict, seed: int = 0) -> Path:
+    write_release_checkpoint(path, cfg, release_tensors(cfg, seed))
     return path
 
 
@@ -116,24 +114,27 @@ def test_default_dtypes_follow_the_checkpoint(release):
 
 
 # -- save: round trips -----------------------------------------------------------------------------
-def test_export_import_export_is_bit_identical(release, tmp_path):
-    save_k3(load_k3(release), tmp_path / "a", max_shard_bytes=96 << 10)
-    save_k3(load_k3(tmp_path / "a"), tmp_path / "b", max_shard_bytes=96 << 10)
+@pytest.mark.parametrize("vision", [False, True])
+def test_export_import_export_is_bit_identical(release, tmp_path, vision):
+    save_k3(load_k3(release, vision=vision), tmp_path / "a", max_shard_bytes=96 << 10)
+    save_k3(load_k3(tmp_path / "a", vision=vision), tmp_path / "b", max_shard_bytes=96 << 10)
     ia, ib = (json.loads((tmp_path / d / "model.safetensors.index.json").read_text()) for d in "ab")
     assert ia == ib and len(set(ia["weight_map"].values())) > 1
     assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
     ta, tb = load_release_files(tmp_path / "a"), load_release_files(tmp_path / "b")
-    assert ta.keys() == tb.keys()
+    assert ta.keys() == tb.keys() and any(n.startswith(VISION) for n in ta) == vision
     for n in ta:
         assert ta[n].dtype == tb[n].dtype and _bytes(ta[n]) == _bytes(tb[n]), n
 
 
-def test_export_keeps_the_release_tensors(release, tmp_path):
+@pytest.mark.parametrize("vision", [False, True])
+def test_export_keeps_the_release_tensors(release, tmp_path, vision):
     """Release -> k3 -> release: every tensor comes back bit for bit, except the folded AttnRes pairs
-    (same product), A_log's unused padding (zeros) and re-packed experts (same dequantised values)."""
-    save_k3(load_k3(release), tmp_path / "out")
+    (same product), A_log's unused padding (zeros) and re-packed experts (same dequantised values);
+    a text-only load writes a text-only checkpoint."""
+    save_k3(load_k3(release, vision=vision), tmp_path / "out")
     orig, back = load_release_files(release), load_release_files(tmp_path / "out")
-    assert set(back) == set(orig) - set(VISION_NAMES)
+    assert set(back) == {n for n in orig if vision or not n.startswith(VISION)}
     cfg = config_from_release(json.loads((release / "config.json").read_text()))
     for n, t in back.items():
         if n.endswith("_res_proj.weight"):
@@ -151,7 +152,7 @@ def test_export_keeps_the_release_tensors(release, tmp_path):
         elif not n.endswith(".weight_scale"):
             assert t.dtype == orig[n].dtype and _bytes(t) == _bytes(orig[n]), n
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config_from_release(out_cfg) == cfg
+    assert config_from_release(out_cfg) == (cfg if vision else cfg.replace(vision_config=None))
     assert out_cfg["architectures"] == ["KimiK3ForConditionalGeneration"] and out_cfg["model_type"] == "kimi_k3"
 
 
@@ -184,7 +185,7 @@ def test_ep_rank_reads_only_its_experts(release, ep_rank):
     assert expert_reads and all(int(k.split(".experts.")[1].split(".")[0]) in mine for k in expert_reads)
     assert len(expert_reads) == 3 * 3 * n * 2  # 3 MoE layers x (w1, w3, w2) x own experts x (packed, scale)
     assert all(c == 1 for c in reader.reads.values())
-    assert not any(v in reader.reads for v in VISION_NAMES)
+    assert not any(k.startswith(VISION) for k in reader.reads)  # a text load never reads the tower
     assert sorted(reader.opened) == ["model-00001-of-00003.safetensors", f"model-{ep_rank + 2:05d}-of-00003.safetensors"]
     fp, pp = dict(full.named_parameters()), dict(part.named_parameters())
     assert fp.keys() == pp.keys()
@@ -221,7 +222,8 @@ def test_ep_load_peak_memory_below_full_model(release, tmp_path):
                               routed_expert_hidden_size=256, linear_attn_config={
                                   "kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 32,
                                   "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True})
-    path = _write(tmp_path / "big", cfg, with_vision=False)
+    cfg.pop("vision_config")
+    path = _write(tmp_path / "big", cfg)
     out = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(release)], capture_output=True, text=True,
                          check=True, cwd=REPO)
     r = json.loads(out.stdout)
@@ -233,7 +235,7 @@ def test_ep_load_peak_memory_below_full_model(release, tmp_path):
 def test_published_config_is_the_k3_preset():
     cfg = config_from_release(json.loads(PUBLISHED.read_text()))
     assert cfg == get_preset("k3", bos_token_id=163584, eos_token_id=163586, pad_token_id=163839)
-    assert config_from_release(config_to_release(cfg)) == cfg
+    assert config_from_release(config_to_release(cfg, with_vision=True)) == cfg
 
 
 def test_release_layout_count_agrees_with_k3():
@@ -242,6 +244,12 @@ def test_release_layout_count_agrees_with_k3():
     assert r.k3_total == count_parameters(get_preset("k3")).total
     assert r.total - r.k3_total == r.explained == 187 * 7168 + 69 * (128 - 96) + 92 * 896
     assert abs(r.total / 2.779e12 - 1) < 0.005 and r.mxfp4_scales * 32 == count_parameters(cfg).routed_experts
+    # A public per-tensor listing of the release counts 497,220 tensors: text plus tower and projector.
+    vision = count_vision_parameters(cfg)
+    with torch.device("meta"):
+        vl = K3ForConditionalGeneration(cfg)
+    n_vision = sum(1 for n, _ in vl.named_parameters() if not n.startswith("language_model."))
+    assert r.tensors + n_vision == 497_220 and vision.tower + vision.projector == vision.total
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -269,6 +277,41 @@ def test_config_values_k3_cannot_honour_are_refused(release, tmp_path, field, va
         load_k3(bad)
 
 
+def test_vision_tower_loads_as_released(release):
+    model = load_k3(release, dtype=torch.float32, vision=True).eval()
+    files = load_release_files(release)
+    assert isinstance(model, K3ForConditionalGeneration)
+    names = [n for n, _ in model.named_parameters() if n.startswith(VISION)]
+    assert sorted(names) == sorted(n for n in files if n.startswith(VISION))
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], files[n].float()) for n in names)
+    text = load_k3(release, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.language_model.state_dict().values(),
+                                                 text.state_dict().values()))
+    grid = [(1, 4, 4)]  # one image of 4 x 4 patches -> 2 x 2 merged tokens
+    pixels = torch.randn(16, 3, 14, 14, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[1, 2] + [200] * 4 + [3]])
+    with torch.no_grad():
+        rows = model.encode_media(pixels, grid)[0]
+        logits = model.language_model(ids, inputs_embeds=model.splice(ids, rows)).logits
+    assert rows.shape == (4, 64) and torch.isfinite(logits).all()
+    assert not torch.allclose(logits, text(ids).logits)  # the image rows replaced the placeholders
+
+
+def test_vision_reads_with_expert_parallelism(release):
+    reader = CheckpointReader(release)
+    part = load_k3(release, ep_rank=1, ep_size=2, reader=reader, vision=True)
+    assert part.language_model.model.layers[1].mlp.experts.first == 4
+    assert sum(k.startswith(VISION) for k in reader.reads) == sum(k.startswith(VISION) for k in reader.keys())
+    assert all(int(k.split(".experts.")[1].split(".")[0]) >= 4 for k in reader.reads if ".experts." in k)
+
+
+@pytest.mark.parametrize("change,match", [({"mlp_type": "swiglu"}, "mlp_type"), ({"vt_dropout": 0.1}, "vt_dropout")])
+def test_vision_config_k3_cannot_honour_is_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        vision_from_release({**tiny_release_config()["vision_config"], **change})
+
+
 def test_moe_layer_freq_is_honoured():
     cfg = config_from_release(tiny_release_config(num_hidden_layers=6, moe_layer_freq=2, linear_attn_config={
         "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4, 6], "num_heads": 4, "head_dim": 32,
@@ -294,6 +337,9 @@ def test_bad_checkpoints_get_clear_errors(release, tmp_path):
     write_release_checkpoint(tmp_path / "shape", tiny_release_config(), tensors)
     with pytest.raises(ValueError, match="q_proj.*shape"):
         load_k3(tmp_path / "shape")
+    save_k3(load_k3(release), tmp_path / "text-only")
+    with pytest.raises(ValueError, match="no vision_config"):
+        load_k3(tmp_path / "text-only", vision=True)
     with pytest.raises(ValueError, match="ep_rank"):
         load_k3(release, ep_rank=2, ep_size=2)
     with pytest.raises(ValueError, match="ep_size=3"):
