@@ -204,8 +204,9 @@ def load_k3(path: str | Path, dtype: torch.dtype | None = None, device: str | to
         model = K3ForConditionalGeneration(cfg)
     model.language_model = text
     # Built for real (not on meta): their fixed tables (rotary frequencies, the sin-cos time rows)
-    # are non-persistent buffers computed at construction; the weights are replaced below.
-    with torch.device(device):
+    # are non-persistent buffers computed at construction; the weights are replaced below, and the
+    # throwaway init draws from a forked RNG so loading leaves the caller's random stream alone.
+    with torch.device(device), torch.random.fork_rng(devices=[]):
         model.vision_tower, model.mm_projector = MoonViT(cfg.vision_config), PatchMergerV2(cfg.vision_config)
     for prefix, module in (("vision_tower.", model.vision_tower), ("mm_projector.", model.mm_projector)):
         state = {}
