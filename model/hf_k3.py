@@ -353,12 +353,19 @@ def release_tensors(model: K3ForCausalLM | K3ForConditionalGeneration,
             if experts.count != cfg.num_experts:
                 raise ValueError(f"layer {i} holds experts [{experts.first}, {experts.first + experts.count}) of "
                                  f"{cfg.num_experts}: save a model with every expert")
+            # On the meta device (counting) every expert has the same shapes: build them once.
+            shapes = {dst: quantize_mxfp4(getattr(experts, dst)[0]) if quantize_experts else
+                      (cast(".weight", getattr(experts, dst)[0]),) for dst in _EXPERT_SRC} if experts.w_gate.is_meta \
+                else None
             for e in range(cfg.num_experts):
                 for dst, src in _EXPERT_SRC.items():
-                    w = getattr(experts, dst)[e].detach()
                     names = _expert_name(cfg, i, e, src, quantize_experts)
+                    if shapes is not None:
+                        yield from zip(names, shapes[dst])
+                        continue
+                    w = getattr(experts, dst)[e].detach()
                     if quantize_experts:
-                        packed, scale = quantize_mxfp4(w.cpu() if not w.is_meta else w)
+                        packed, scale = quantize_mxfp4(w.cpu())
                         yield names[0], packed
                         yield names[1], scale
                     else:

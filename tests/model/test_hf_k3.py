@@ -157,17 +157,17 @@ def test_export_keeps_the_release_tensors(release, tmp_path, vision):
 
 
 def test_k3_model_round_trip_keeps_logits(tmp_path):
-    """A k3-built model (fp32, random) exported once (bf16 weights, MXFP4 experts) and imported
-    runs the forward of the exported weights; importing and exporting again changes nothing."""
+    """A k3-built model (fp32, random) exported (bf16 weights, MXFP4 experts) and imported gives
+    back the exported values and nearly the same logits."""
     torch.manual_seed(0)
-    cfg = get_preset("k3-tiny", vocab_size=512, num_layers=4, layer_types=["kda", "mla", "kda", "mla"],
-                     mlp_types=["dense", "moe", "moe", "moe"], num_experts=8)
+    cfg = get_preset("k3-tiny", vocab_size=512, num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"],
+                     num_experts=8, attn_res_block_size=1)
     model = K3ForCausalLM(cfg).eval()
     save_k3(model, tmp_path / "t")
     again = load_k3(tmp_path / "t", dtype=torch.float32).eval()
-    save_k3(again, tmp_path / "t2")
-    third = load_k3(tmp_path / "t2", dtype=torch.float32).eval()
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), third.state_dict().values()))
+    w, back = model.model.layers[1].mlp.experts.w_up, again.model.layers[1].mlp.experts.w_up
+    assert torch.equal(back[3], dequantize_mxfp4(*quantize_mxfp4(w[3]), torch.float32))
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
     ids = torch.randint(0, 512, (1, 9))
     with torch.no_grad():
         assert (again(ids).logits - model(ids).logits).abs().max() < 0.5  # bf16 + MXFP4 rounding, not garbage
@@ -202,7 +202,7 @@ from k3.model.hf_k3 import load_k3
 from k3.model.params import count_parameters
 from k3.model.hf_k3 import read_config
 path, warm = sys.argv[1], sys.argv[2]
-load_k3(warm)  # lazy imports and allocator warm-up on a small checkpoint
+load_k3(warm)  # torch's lazy imports (dynamo, ~100 MB) and allocator warm-up, outside the measurement
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
