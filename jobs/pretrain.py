@@ -52,7 +52,8 @@ args = p.parse_args()
 
 # 1. Config, validated before anything starts.
 fields = json.loads(Path(args.config).read_text()) if args.config else {}
-for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"), ("ep_size", "ep_size"),
+for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"),
+                  ("ep_size", "ep_size"),
                   ("zero_stage", "zero_stage"), ("micro_batch", "micro_batch"), ("steps", "steps"), ("lr", "lr"),
                   ("optimizer", "optimizer"), ("activation_checkpointing", "activation_checkpointing"),
                   ("checkpoint_every", "checkpoint_every"), ("log_every", "log_every"),
@@ -68,7 +69,8 @@ try:
     data_info = cfg.check()
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration: {e}")
-print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, ZeRO-{cfg.zero_stage}, "
+print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, "
+      f"ZeRO-{cfg.zero_stage}, "
       f"balance {cfg.balance.method}, {cfg.steps} steps x {cfg.micro_batch * cfg.num_workers} sequences of "
       f"{data_info['seq_len']} tokens", flush=True)
 
