@@ -24,6 +24,8 @@ from k3.platform.train import TrainConfig, load_checkpoint_model
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
 p.add_argument("--preset", help="model preset (default k3-tiny)")
+p.add_argument("--init-from", help="start from a released checkpoint directory (K3 release or Kimi Linear layout; "
+               "each expert-parallel rank reads only its own experts)")
 p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py)")
 p.add_argument("--num-workers", type=int, help="Ray Train workers")
 p.add_argument("--ep-size", type=int, help="expert-parallel size")
@@ -50,7 +52,8 @@ args = p.parse_args()
 
 # 1. Config, validated before anything starts.
 fields = json.loads(Path(args.config).read_text()) if args.config else {}
-for flag, key in [("preset", "preset"), ("data", "data"), ("num_workers", "num_workers"), ("ep_size", "ep_size"),
+for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"),
+                  ("ep_size", "ep_size"),
                   ("zero_stage", "zero_stage"), ("micro_batch", "micro_batch"), ("steps", "steps"), ("lr", "lr"),
                   ("optimizer", "optimizer"), ("activation_checkpointing", "activation_checkpointing"),
                   ("checkpoint_every", "checkpoint_every"), ("log_every", "log_every"),
@@ -66,7 +69,8 @@ try:
     data_info = cfg.check()
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration: {e}")
-print(f"pretrain: {cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, ZeRO-{cfg.zero_stage}, "
+print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, "
+      f"ZeRO-{cfg.zero_stage}, "
       f"balance {cfg.balance.method}, {cfg.steps} steps x {cfg.micro_batch * cfg.num_workers} sequences of "
       f"{data_info['seq_len']} tokens", flush=True)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .vision_config import K3VisionConfig, k3_vision, tiny_vision
+
 LAYER_KINDS = ("kda", "mla")
 MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("situ_glu", "swiglu")
@@ -88,7 +90,14 @@ class K3Config:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
 
+    # Vision (MoonViT-V2, model/vision.py): None for a text-only model. Its features replace the
+    # media placeholder tokens one to one (K3ForConditionalGeneration).
+    vision_config: K3VisionConfig | None = None
+    media_placeholder_token_id: int | None = None  # the `<|media_pad|>` id of the tokenizer
+
     def __post_init__(self) -> None:
+        if isinstance(self.vision_config, dict):
+            self.vision_config = K3VisionConfig.from_dict(self.vision_config)
         self.validate()
 
     # -- validation ---------------------------------------------------------------------------
@@ -133,7 +142,14 @@ class K3Config:
                                                    and self.attn_res_block_size >= 1),
              "attn_res_block_size", f"must be None (standard residuals) or >= 1, got {self.attn_res_block_size!r}")
         need(self.situ_b1 > 0 and self.situ_b2 > 0, "situ_b1", "SiTU-GLU bounds must be positive")
-        for fld in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if self.vision_config is not None:
+            need(isinstance(self.vision_config, K3VisionConfig), "vision_config",
+                 f"must be a K3VisionConfig or None, got {type(self.vision_config).__name__}")
+            need(self.vision_config.text_hidden_size == self.hidden_size, "vision_config",
+                 f"text_hidden_size {self.vision_config.text_hidden_size} != hidden_size {self.hidden_size}")
+            need(self.media_placeholder_token_id is not None, "media_placeholder_token_id",
+                 "is required with a vision_config")
+        for fld in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             v = getattr(self, fld)
             need(v is None or 0 <= v < self.vocab_size, fld, f"must be in [0, vocab_size={self.vocab_size}), got {v}")
 
@@ -156,7 +172,7 @@ class K3Config:
 
     # -- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # vision_config becomes a nested dict; from_dict reads it back
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "K3Config":
@@ -187,7 +203,9 @@ class K3Config:
 
 
 def _k3() -> K3Config:
-    return K3Config()  # the defaults are the K3 release
+    # The defaults are the K3 language model; the vision tower and projector are the release's.
+    # Placeholder id: `<|media_pad|>` of the Kimi tokenizer (as in Kimi K2.5's release config).
+    return K3Config(vision_config=k3_vision(), media_placeholder_token_id=163605)
 
 
 def _kimi_linear_48b() -> K3Config:
@@ -224,11 +242,18 @@ def _k3_tiny() -> K3Config:
     )
 
 
+def _k3_tiny_vl() -> K3Config:
+    # k3-tiny with a MoonViT-V2 tower, every vision feature on. The placeholder id is
+    # `<|media_pad|>` in tokenizers trained by k3.platform.tokenizer (its 7th special token).
+    return _k3_tiny().replace(vision_config=tiny_vision(128), media_placeholder_token_id=6)
+
+
 PRESETS = {
     "k3": _k3,
     "kimi-linear-48b-a3b": _kimi_linear_48b,
     "k3-small": _k3_small,
     "k3-tiny": _k3_tiny,
+    "k3-tiny-vl": _k3_tiny_vl,
 }
 
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import K3Config
+from .hf_k3_config import mlp_schedule, schedule_params
 from .model import K3ForCausalLM
 
 
@@ -40,11 +41,21 @@ def config_from_hf(hf: dict) -> K3Config:
         types = ["mla" if i + 1 in full else "kda" for i in range(L)]
     else:
         raise ValueError("config.json: needs layer_types or linear_attn_config.full_attn_layers")
+    act = get("hidden_act", default="silu")
+    if act != "silu":  # the MLPs would silently run SwiGLU on weights trained with another activation
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported for Kimi Linear (k3 runs 'silu' "
+                         f"gated MLPs, SwiGLU)")
+    # The released modeling code puts an MoE where layer >= first_k_dense_replace and
+    # layer % moe_layer_freq == 0; transformers' saved form lists mlp_layer_types instead.
+    k, freq = get("first_k_dense_replace", default=1), get("moe_layer_freq", default=1)
+    rule = mlp_schedule(L, k, freq)
     if hf.get("mlp_layer_types"):
         mlp = ["moe" if t == "sparse" else "dense" for t in hf["mlp_layer_types"]]
+        if freq != 1 and mlp != rule:
+            raise ValueError(f"config.json: moe_layer_freq={freq} (with first_k_dense_replace={k}) contradicts "
+                             f"mlp_layer_types {hf['mlp_layer_types']}")
     else:
-        k = get("first_k_dense_replace", default=1)
-        mlp = ["dense" if i < k else "moe" for i in range(L)]
+        mlp = rule
     if get("num_expert_group", "n_group", default=1) != 1 or get("topk_group", default=1) != 1:
         raise ValueError("config.json: grouped routing (num_expert_group > 1) is not supported by k3")
     eos = get("eos_token_id")
@@ -84,6 +95,8 @@ def config_to_hf(cfg: K3Config) -> dict:
         raise ValueError(f"config has K3 features Kimi Linear cannot express: {bad}")
     full = [i + 1 for i, t in enumerate(cfg.layer_types) if t == "mla"]
     kda = [i + 1 for i, t in enumerate(cfg.layer_types) if t == "kda"]
+    # The released modeling code reads first_k_dense_replace + moe_layer_freq, not mlp_layer_types.
+    first_k, freq = schedule_params(cfg.mlp_types) if "moe" in cfg.mlp_types else (cfg.num_layers, 1)
     return {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -95,7 +108,7 @@ def config_to_hf(cfg: K3Config) -> dict:
         "num_shared_experts": cfg.num_shared_experts, "routed_scaling_factor": cfg.routed_scaling,
         "moe_renormalize": cfg.moe_renormalize, "moe_router_activation_func": "sigmoid",
         "num_expert_group": 1, "topk_group": 1,
-        "first_k_dense_replace": next((i for i, t in enumerate(cfg.mlp_types) if t == "moe"), cfg.num_layers),
+        "first_k_dense_replace": first_k, "moe_layer_freq": freq,
         "layer_types": ["full_attention" if t == "mla" else "linear_attention" for t in cfg.layer_types],
         "mlp_layer_types": ["sparse" if t == "moe" else "dense" for t in cfg.mlp_types],
         "linear_attn_config": {"full_attn_layers": full, "kda_layers": kda, "head_dim": cfg.kda_head_dim,

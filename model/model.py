@@ -71,9 +71,11 @@ class K3Model(nn.Module):
         self.gradient_checkpointing = False  # recompute each sub-layer in backward (training memory)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: CacheBatch | None = None, collect_router: bool = False
-                ) -> tuple[torch.Tensor, list[RouterOutput]]:
-        h = self.embed_tokens(input_ids)
+                cache: CacheBatch | None = None, collect_router: bool = False,
+                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[RouterOutput]]:
+        # inputs_embeds [B, T, D]: the token embeddings with media features spliced in
+        # (K3ForConditionalGeneration); default: the embedding of input_ids.
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         routers: list[RouterOutput] = []
 
         def run(l: int, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +149,7 @@ class K3ForCausalLM(nn.Module):
         cache: CacheBatch | None = None,
         logits_at: torch.Tensor | None = None,
         collect_router: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T] (or [1, T] packed with cu_seqlens [N + 1]).
 
@@ -154,9 +157,15 @@ class K3ForCausalLM(nn.Module):
         (-100 ignored; with packing, never across a sequence boundary).
         logits_at: flat token indices to compute logits for (e.g. each sequence's last token);
         default all.
+        inputs_embeds: [B, T, hidden] embeddings to run instead of embedding input_ids (which
+        still give the shape and the packing checks).
         """
         self._check(input_ids, cu_seqlens, labels, cache)
-        h, routers = self.model(input_ids, cu_seqlens if cache is None else cache.cu_seqlens, cache, collect_router)
+        if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.cfg.hidden_size):
+            raise ValueError(f"inputs_embeds must be [{input_ids.shape[0]}, {input_ids.shape[1]}, "
+                             f"{self.cfg.hidden_size}], got {tuple(inputs_embeds.shape)}")
+        h, routers = self.model(input_ids, cu_seqlens if cache is None else cache.cu_seqlens, cache, collect_router,
+                                inputs_embeds)
         loss = None
         if labels is not None:
             loss = self.loss(h, labels, cu_seqlens)

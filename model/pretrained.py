@@ -18,7 +18,7 @@ from .model import K3ForCausalLM
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-def save_pretrained(model: K3ForCausalLM, path: str | Path) -> Path:
+def save_model_dir(model: K3ForCausalLM, path: str | Path) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
@@ -29,9 +29,10 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path) -> Path:
     return out
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                     ) -> K3ForCausalLM:
-    """A model directory written by save_pretrained; a ValueError names what is missing or off."""
+    """A model directory written by save_model_dir; a ValueError names what is missing or off.
+    (k3.model.hf_k3.load_pretrained reads this and the released layouts alike.)"""
     root = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (root / name).is_file():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from k3.model import save_pretrained
+from k3.model import save_model_dir
 
 from tokenizers import Tokenizer
 
@@ -35,7 +35,7 @@ def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | N
     ids = special_ids(Tokenizer.from_file(str(tok)))
     # The served config names the tokenizer's special tokens, so generation stops at <|eos|>.
     model.cfg = model.cfg.replace(eos_token_id=ids["eos"], bos_token_id=ids["bos"], pad_token_id=ids["pad"])
-    dest = save_pretrained(model, out)
+    dest = save_model_dir(model, out)
     shutil.copy(tok, dest / "tokenizer.json")
     template = chat_template or load_chat_template(k3dir)
     if template is not None:

@@ -7,7 +7,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+from k3.model.vision_processor import MEDIA_TOKENS
+
+# The media tokens frame images and video chunks in the K3 prompt format; `<|media_pad|>` (id 6)
+# is the placeholder the k3-tiny-vl preset's media_placeholder_token_id names.
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", *MEDIA_TOKENS]
+SPECIAL_NAMES = ("pad", "bos", "eos", "media_begin", "media_content", "media_end", "media_pad")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2) -> Tokenizer:
@@ -36,7 +41,8 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
-    return {name: tok.token_to_id(t) for name, t in zip(("pad", "bos", "eos"), SPECIAL_TOKENS)}
+    """Ids of the special tokens by name (pad, bos, eos, media_*); None for one the tokenizer lacks."""
+    return {name: tok.token_to_id(t) for name, t in zip(SPECIAL_NAMES, SPECIAL_TOKENS)}
 
 
 # A chat template travels with the tokenizer, as in a Hugging Face checkpoint: the `chat_template`

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3.model import K3Config, K3ForCausalLM, get_preset
 from k3.model.config import PRESETS
+from k3.model.hf_k3 import load_pretrained, pretrained_config
 
 from .balance import BalanceConfig, Balancer, loss_free_update, switch_aux_loss
 from .data import read_manifest
@@ -44,6 +45,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, kimi-linear-48b-a3b).")
+    init_from: str | None = Field(None, description="Start from a released checkpoint directory (K3 release layout "
+                                  "or Kimi Linear); its config.json replaces the preset.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
     data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py.")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one model shard each).")
@@ -74,6 +77,10 @@ class TrainConfig(BaseModel):
     fail_at_step: int | None = Field(None, description="Testing: rank 1 exits at this step once (fault drill).")
 
     def model_cfg(self) -> K3Config:
+        if self.init_from:
+            if self.model_overrides:
+                raise ValueError("model_overrides cannot change a model loaded with init_from")
+            return pretrained_config(self.init_from)
         return get_preset(self.preset, **self.model_overrides)
 
     def check(self) -> dict:
@@ -241,7 +248,10 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
     mcfg = cfg.model_cfg()
     ep = cfg.ep_size
     ep_rank, edp_rank = rank % ep, rank // ep
-    model = build_model(mcfg, ep_rank, ep, seed=cfg.seed, device=str(device))
+    if cfg.init_from:  # streamed: this rank reads only its own experts' tensors
+        model = load_pretrained(cfg.init_from, dtype=torch.float32, device=str(device), ep_rank=ep_rank, ep_size=ep)
+    else:
+        model = build_model(mcfg, ep_rank, ep, seed=cfg.seed, device=str(device))
     model.model.gradient_checkpointing = cfg.activation_checkpointing
     # Routed experts stay outside DeepSpeed: its ZeRO optimizer averages every parameter it owns
     # over all data-parallel ranks, which would mix different ranks' different experts. They get

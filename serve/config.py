@@ -39,8 +39,9 @@ class ModelSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = Field(None, description="A k3 model directory (config.json, model.safetensors, "
-                                               "tokenizer.json, optional tokenizer_config.json with the chat template).")
+    path: str | None = Field(None, description="A checkpoint directory: a k3 model directory (config.json, "
+                                               "model.safetensors, tokenizer.json, optional tokenizer_config.json with "
+                                               "the chat template), a K3 release or a Kimi Linear checkpoint.")
     preset: str | None = Field(None, description="A k3 preset name for random weights (no path).")
     seed: int = Field(0, ge=0, description="Seed of the random weights (with preset).")
     tokenizer_path: str | None = Field(None, description="tokenizer.json when not inside `path`.")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from k3.model import K3ForCausalLM, get_preset, load_pretrained
+from k3.model import K3ForCausalLM, get_preset
+from k3.model.hf_k3 import load_pretrained
 from k3.platform.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams

@@ -87,3 +87,54 @@ def test_bad_checkpoints_get_clear_errors(checkpoint, tmp_path):
         load_kimi_linear(bad)
     with pytest.raises(ValueError, match="attn_res_block_size"):
         save_kimi_linear(K3ForCausalLM(get_preset("k3-tiny")), tmp_path / "k3")
+
+
+@pytest.mark.parametrize("act", ["gelu", "situ", "relu"])
+def test_hidden_act_other_than_silu_is_refused(checkpoint, tmp_path, act):
+    path, _ = checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = act
+    bad = tmp_path / "act"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"hidden_act='{act}'"):
+        load_kimi_linear(bad)
+
+
+def test_moe_layer_freq_is_honoured(tmp_path):
+    """The released config form (first_k_dense_replace + moe_layer_freq, no mlp_layer_types)
+    loads the schedule the released modeling code builds: MoE where i >= k and i % freq == 0."""
+    torch.manual_seed(3)
+    kinds = ["dense", "dense", "sparse", "dense", "sparse"]  # k = 1, freq = 2 over 5 layers
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**TINY, mlp_layer_types=kinds)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.pop("mlp_layer_types")
+    cfg.update(first_k_dense_replace=1, moe_layer_freq=2)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    ours = load_kimi_linear(tmp_path / "hf").eval()
+    assert ours.cfg.mlp_types == ["dense", "dense", "moe", "dense", "moe"]
+    ids = torch.randint(3, 512, (1, 17))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
+    save_kimi_linear(ours, tmp_path / "out")
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["moe_layer_freq"] == 2 and "mlp_layer_types" in out_cfg  # both forms, for both readers
+    assert load_kimi_linear(tmp_path / "out").cfg.mlp_types == ours.cfg.mlp_types
+    cfg.update(mlp_layer_types=["dense"] + ["sparse"] * 4)  # says every layer after the first is MoE
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="moe_layer_freq=2"):
+        load_kimi_linear(tmp_path / "hf")
+
+
+def test_load_pretrained_reads_kimi_linear(checkpoint):
+    from k3.model.hf_k3 import load_pretrained, pretrained_config
+
+    path, _ = checkpoint
+    assert pretrained_config(path) == load_kimi_linear(path).cfg
+    ids = torch.randint(3, 512, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(path).eval()(ids).logits, load_kimi_linear(path).eval()(ids).logits)
+    with pytest.raises(ValueError, match="ep_size=2"):
+        load_pretrained(path, ep_size=2, ep_rank=0)

@@ -1,0 +1,143 @@
+"""The processor: K3's resize/pad/normalise rule, video chunks, prompt format, bad input."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from k3.model.vision_processor import (
+    MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ProcessorConfig, VisionProcessor, encode_interleaved, fit_size,
+)
+from k3.platform.tokenizer import special_ids, train_bpe
+
+
+def encoded(arr: np.ndarray, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def noise(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("w, h, limit", [(300, 512, 256), (1000, 90, 64), (50, 50, 16384), (28, 28, 4)])
+def test_resize_fits_budget_keeps_aspect_and_pads_to_28(w, h, limit):
+    cfg = ProcessorConfig(in_patch_limit=limit)
+    nw, nh, pw, ph = fit_size(w, h, limit, cfg)
+    if (w // 14) * (h // 14) <= limit:  # within budget: never scaled (up or down), only padded
+        assert (nw, nh) == (w, h)
+    else:
+        assert (nw // 14) * (nh // 14) <= limit
+        assert abs((nw / nh) / (w / h) - 1) < 0.05  # aspect ratio kept (up to rounding)
+    assert pw % 28 == 0 and ph % 28 == 0 and 0 <= pw - nw < 28 and 0 <= ph - nh < 28
+    item = VisionProcessor(cfg).image(noise(h, w))
+    assert item.grid_thw == (1, ph // 14, pw // 14) and item.original_size == (w, h)
+    assert item.num_tokens == (ph // 28) * (pw // 28)
+
+
+def test_normalisation_padding_and_patch_order():
+    img = np.zeros((30, 20, 3), dtype=np.uint8)
+    img[:14, :14] = 255  # top-left patch white, the rest black
+    img[14:28, 14:20] = 128
+    item = VisionProcessor().image(img)
+    assert item.grid_thw == (1, 4, 2)  # 30x20 -> padded 56x28
+    pv = item.pixel_values.view(4, 2, 3, 14, 14)
+    assert torch.all(pv[0, 0] == 1.0)  # (255 / 255 - 0.5) / 0.5
+    torch.testing.assert_close(pv[1, 1, :, :, :6], torch.full((3, 14, 6), (128 / 255 - 0.5) / 0.5))
+    assert torch.all(pv[1, 1, :, :, 6:] == -1.0)  # padding is black before normalisation
+    assert torch.all(pv[3] == -1.0)
+
+
+def test_video_sampled_at_two_fps_in_four_frame_chunks_with_timestamps():
+    frames = [np.full((40, 60, 3), i, dtype=np.uint8) for i in range(30)]  # 3 s at 10 fps
+    items = VisionProcessor().video(frames, fps=10)
+    assert [it.grid_thw for it in items] == [(4, 4, 6), (2, 4, 6)]  # 6 sampled frames
+    assert [it.timestamp for it in items] == ["00:00:00.000", "00:00:02.000"]
+    assert all(it.num_tokens == 6 and it.kind == "video" for it in items)
+    assert items[1].prompt() == f"00:00:02.000{MEDIA_BEGIN}video{MEDIA_CONTENT}{MEDIA_PAD * 6}{MEDIA_END}"
+    # one frame every 0.5 s: the sixth sampled frame is source frame 25
+    last = items[1].pixel_values.view(2, 4, 6, 3, 14, 14)[1, 0, 0, 0, 0, 0]
+    torch.testing.assert_close(last, torch.tensor((25 / 255 - 0.5) / 0.5))
+
+
+def test_animated_gif_is_a_video_and_not_an_image():
+    frames = [Image.fromarray(noise(28, 28, s)) for s in range(4)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=500, loop=0)
+    items = VisionProcessor().video(buf.getvalue())  # 2 fps source: all 4 frames kept
+    assert [it.grid_thw for it in items] == [(4, 2, 2)]
+    with pytest.raises(ValueError, match="unsupported format GIF"):
+        VisionProcessor().image(buf.getvalue())
+
+
+def test_prompt_format_and_tokenizer_special_tokens():
+    tok = train_bpe(["a photo of the digit 7, image 28x28"] * 20, vocab_size=300)
+    ids = special_ids(tok)
+    assert [ids[k] for k in ("media_begin", "media_content", "media_end", "media_pad")] == [3, 4, 5, 6]
+    item = VisionProcessor().image(noise(28, 56))
+    assert item.prompt() == f"{MEDIA_BEGIN}image 56x28{MEDIA_CONTENT}{MEDIA_PAD * 2}{MEDIA_END}"
+    seq, items = encode_interleaved(["look: ", item, " digit"], lambda s: tok.encode(s).ids, tok.token_to_id)
+    assert items == [item] and seq.count(6) == 2
+    assert seq == tok.encode("look: " + item.prompt() + " digit").ids  # the tokenizer reads the same prompt
+
+
+def test_content_hash_same_image_same_hash_different_image_differs():
+    vp = VisionProcessor()
+    a, b = noise(28, 28, 1), noise(28, 28, 2)
+    assert vp.image(encoded(a)).content_hash == vp.image(a).content_hash
+    assert vp.image(a).content_hash != vp.image(b).content_hash
+
+
+def test_jpeg_and_data_url_sources():
+    vp = VisionProcessor()
+    data = encoded(noise(40, 40), "JPEG")
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    torch.testing.assert_close(vp.image(url).pixel_values, vp.image(data).pixel_values)
+    pv, grids = vp.collate([vp.image(data), *vp.video([noise(28, 28)] * 4)])
+    assert pv.shape == (16 + 16, 3, 14, 14) and grids.tolist() == [[1, 4, 4], [4, 2, 2]]
+
+
+def _bmp() -> bytes:
+    return encoded(noise(8, 8), "BMP")
+
+
+@pytest.mark.parametrize("src, match", [
+    (b"\x89PNG\r\n\x1a\nnot really a png", "corrupt"),
+    (encoded(noise(64, 64))[:80], "corrupt"),
+    (_bmp(), "unsupported format BMP"),
+    ("http://example.com/cat.png", "remote URL"),
+    ("https://example.com/cat.png", "remote URL"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("/etc/passwd", "must be a data: URL"),
+    (np.zeros((4, 4, 2), np.uint8), "array must be"),
+    (np.full((4, 4), 2.0), r"in \[0, 1\]"),
+    (12, "unsupported source type int"),
+])
+def test_bad_image_inputs_name_the_problem(src, match):
+    with pytest.raises(ValueError, match=match):
+        VisionProcessor().image(src)
+
+
+def test_over_budget_is_resized_but_past_the_hard_limit_is_refused():
+    vp = VisionProcessor(ProcessorConfig(in_patch_limit=64, max_image_pixels=500 * 500))
+    assert vp.image(noise(400, 400)).num_tokens <= 64
+    with pytest.raises(ValueError, match="past the hard limit"):
+        vp.image(encoded(noise(600, 450)))
+    with pytest.raises(ValueError, match="aspect ratio"):
+        vp.image(noise(2, 500))
+
+
+@pytest.mark.parametrize("frames, fps, match", [
+    ([noise(28, 28)] * 9, 2.0, "9 sampled frames is more than allowed"),
+    ([noise(28, 28), noise(28, 42)], 2.0, "frame 1 is 42x28"),
+    ([], 2.0, "non-empty frame list"),
+    (np.zeros((28, 28, 3), np.uint8), 2.0, r"\[T, H, W, 3\]"),
+])
+def test_bad_video_inputs_name_the_problem(frames, fps, match):
+    with pytest.raises(ValueError, match=match):
+        VisionProcessor(ProcessorConfig(max_video_frames=8)).video(frames, fps=fps)

@@ -1,0 +1,45 @@
+"""`--init-from`: a training run takes its model config from a released checkpoint (checked on the
+driver, before any worker starts); the workers load it with k3.model.hf_k3.load_pretrained."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from release_reference import tiny_release_config
+
+from k3.model.hf_k3_config import config_from_release
+from k3.platform.train import TrainConfig
+
+
+def test_init_from_replaces_the_preset(tmp_path):
+    cfg = tiny_release_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tc = TrainConfig(init_from=str(tmp_path), preset="k3-tiny")
+    assert tc.model_cfg() == config_from_release(cfg)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"model_overrides": {"num_layers": 2}}, "model_overrides"),
+    ({"init_from": "/nonexistent/k3"}, "config.json"),
+])
+def test_init_from_mistakes_fail_on_the_driver(tmp_path, fields, match):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_release_config()))
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"init_from": str(tmp_path), **fields}).check()
+
+
+@pytest.mark.parametrize("ep_rank", [0, 3])
+def test_release_loading_places_experts_as_training_does(ep_rank):
+    """A rank loaded with load_k3(ep_rank, ep_size) holds the experts the trainer's placement gives it."""
+    import torch
+
+    from k3.model import K3ForCausalLM, get_preset
+    from k3.model.hf_k3 import keep_rank_experts
+    from k3.platform.ep import shard_experts
+
+    with torch.device("meta"):
+        a, b = K3ForCausalLM(get_preset("k3-tiny")), K3ForCausalLM(get_preset("k3-tiny"))
+    keep_rank_experts(a, ep_rank, 4)
+    shard_experts(b, ep_rank, 4)
+    ranges = [[(l.mlp.experts.first, l.mlp.experts.count) for l in m.model.layers if l.is_moe] for m in (a, b)]
+    assert ranges[0] == ranges[1] and ranges[0][0] == (ep_rank * 4, 4)
