@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def serve_demo(head: LocalRayHead, run_dir: Path) -> int:
     """5. Serve the trained checkpoint disaggregated and stream one chat answer through `openai`."""
+    from k3.platform.local_ray import LOOPBACK_ENV
+
+    # This driver joins the cluster as its workers do: loopback kept (Ray would swap 127.0.0.1 for
+    # the outward address) and the cluster's auth token; set before Ray is imported.
+    for key in (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):
+        os.environ[key] = head.env[key]
     import openai
     import ray
     from ray import serve
@@ -37,7 +44,7 @@ def serve_demo(head: LocalRayHead, run_dir: Path) -> int:
 
     model_dir = export_model(latest_checkpoint(run_dir), run_dir / "model")
     print(f"demo: exported {model_dir} (k3 model directory: config, weights, tokenizer, chat template)", flush=True)
-    ray.init(address=head.gcs_address, log_to_driver=False)
+    ray.init(address=head.gcs_address, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -67,8 +74,13 @@ p.add_argument("--data", default=str(REPO / "data" / "bundled"), help="prepared 
 p.add_argument("--runs", default=str(REPO / "runs"), help="checkpoint storage")
 p.add_argument("--name", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
 p.add_argument("--no-serve", action="store_true", help="skip serving the trained checkpoint")
+p.add_argument("--serve-only", action="store_true",
+               help="skip data and training: serve the newest checkpoint of the run --name under --runs")
 args = p.parse_args()
 
+
+# Ctrl-C and SIGTERM unwind through the `finally` below, so the cluster this script started stops.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 # 1. A private Ray cluster on loopback, every port chosen free, with its own auth token.
 env = {"DS_ACCELERATOR": "cpu",
@@ -83,6 +95,8 @@ try:
     head.start()
     if prep.wait() != 0:
         sys.exit("demo: preparing the data failed")
+    if args.serve_only:
+        sys.exit(serve_demo(head, Path(args.runs) / args.name))
     # 3. The job, exactly as a user submits it.
     entry = ["python", "jobs/pretrain.py", "--data", args.data, "--preset", "k3-tiny", "--num-workers", "2",
              "--ep-size", "2", "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch",
@@ -91,9 +105,9 @@ try:
     print(f"demo: ray job submit --address {head.address} --working-dir {REPO} -- " + " ".join(entry), flush=True)
     rc = head.submit_job(entry, working_dir=REPO).returncode
     if rc == 0 and not args.no_serve:
-        rc = serve_demo(head, Path(args.runs) / args.name)
+        rc = serve_demo(head, Path(args.runs) / args.name)  # 4. serve what it trained
 finally:
-    # 4. Stop the cluster this script started (and only it).
+    # 5. Stop the cluster this script started (and only it).
     head.stop()
     print("demo: Ray stopped", flush=True)
 sys.exit(rc)
