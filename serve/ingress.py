@@ -72,12 +72,14 @@ class Ingress:
         self.metrics = ServeMetrics(self.config.model_id, "ingress")
 
     def _model_max_len(self) -> int:
-        from k3.model import K3Config, get_preset
+        from k3.model import get_preset
 
         src = self.config.model
-        cfg = get_preset(src.preset) if src.preset else K3Config.from_json(Path(src.path) / "config.json")
-        self.vocab = cfg.vocab_size
-        return cfg.max_position_embeddings
+        if src.preset:
+            return get_preset(src.preset).max_position_embeddings
+        from k3.model.hf_k3 import pretrained_config
+
+        return pretrained_config(src.path).max_position_embeddings
 
     # -- helpers ----------------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
