@@ -111,6 +111,10 @@ class LocalRayHead:
         self.bin = Path(sys.executable).parent
         self.ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
         self.token_path = self.workdir / "ray_token"
+        # Ray's temp dir of its own (short: socket paths have a 107-byte limit), so this cluster's
+        # session directory (logs, Prometheus service-discovery file) is not shared with another
+        # Ray on the machine the way /tmp/ray/session_latest is.
+        self.temp_dir = Path(tempfile.gettempdir()) / f"k3r-{secrets.token_hex(4)}"
         self.log_path = self.workdir / "ray.log"
         self.ports = {name: free_port() for name in (
             "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -134,6 +138,11 @@ class LocalRayHead:
     def gcs_address(self) -> str:
         """The GCS address, for `ray.init(address=...)` and `ray start --address`."""
         return f"127.0.0.1:{self.ports['port']}"
+
+    @property
+    def session_dir(self) -> Path:
+        """This cluster's Ray session directory (logs, `prom_metrics_service_discovery.json`)."""
+        return self.temp_dir / "session_latest"
 
     def ray(self, *args: str, **kw) -> subprocess.CompletedProcess:
         """Run the `ray` CLI against this cluster's environment (token, loopback)."""
@@ -160,9 +169,10 @@ class LocalRayHead:
         if self.proc is not None or self.pid is not None:
             raise RuntimeError("this LocalRayHead is already started")
         self.token_path.write_text(secrets.token_hex(32))
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
         cmd = [*self.ray_cli, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(self.num_cpus),
-               "--disable-usage-stats"]
+               "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
         for name, port in self.ports.items():
             cmd += [f"--{name}", str(port)]
         if self.cluster_config is not None:
@@ -223,13 +233,15 @@ class LocalRayHead:
         """What another process needs to reach or stop this head (`k3 cluster up` saves it)."""
         return {"pid": self.pid, "workdir": str(self.workdir), "ports": self.ports, "num_cpus": self.num_cpus,
                 "autoscaling": self.cluster_config is not None, "address": self.address,
-                "gcs_address": self.gcs_address, "token_path": str(self.token_path)}
+                "gcs_address": self.gcs_address, "token_path": str(self.token_path),
+                "session_dir": str(self.session_dir), "temp_dir": str(self.temp_dir)}
 
     @classmethod
     def from_state(cls, state: dict) -> "LocalRayHead":
         """A handle on a head started by another process (`k3 cluster status|down`)."""
         head = cls(num_cpus=state["num_cpus"], workdir=state["workdir"])
         head.ports = dict(state["ports"])
+        head.temp_dir = Path(state["temp_dir"])
         if state.get("autoscaling"):
             head.env["RAY_FAKE_CLUSTER"] = "1"
         head.pid = state["pid"]
