@@ -4,6 +4,7 @@
     k3 presets                          list the presets
     k3 config --preset k3-tiny          print a preset's config as JSON
     k3 cluster up|status|down           the local autoscaling Ray cluster (cluster/local-autoscaling.yaml)
+    k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
     k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
     k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
     k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
@@ -66,7 +67,11 @@ MONITOR_STATE = Path(".cache") / "k3-monitor" / "state.json"
 def cmd_cluster(args: argparse.Namespace) -> int:
     from k3.platform.ops import cluster
 
-    if args.action == "up":
+    if args.action == "rayservice":
+        from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
+
+        print(dump_manifest(rayservice_manifest(args.base, args.serve_config)), end="")
+    elif args.action == "up":
         st = cluster.up(args.config, args.state)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
               f"  session dir {st['session_dir']}\n"
@@ -148,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_config)
 
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
-    sp.add_argument("action", choices=["up", "status", "down"])
+    sp.add_argument("action", choices=["up", "status", "down", "rayservice"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
+    sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
+    sp.add_argument("--base", default="cluster/kuberay/rayservice.yaml", help="rayservice: the RayService base")
     sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
                     help="where the running cluster is recorded")
     sp.set_defaults(func=cmd_cluster)
