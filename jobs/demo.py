@@ -6,7 +6,8 @@ Top to bottom: start a local Ray cluster on 127.0.0.1 (`ray start --head`, token
 Ray clusters are by default), prepare the bundled corpus (the Python standard library's source;
 nothing is downloaded), submit the pretraining job with `ray job submit` (k3-tiny, 2 workers,
 expert parallelism 2, Quantile Balancing through the coordinator actor), which prints its
-summary and a sample from the final checkpoint, then stop the cluster it started.
+summary and a sample from the final checkpoint, then stop the cluster it started and write the
+run's HTML report (`k3 report`), printing its path.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from k3.platform.local_ray import LocalRayHead
+from k3.platform.ops.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,4 +57,7 @@ finally:
     # 4. Stop the cluster this script started (and only it).
     head.stop()
     print("demo: Ray stopped", flush=True)
+# 5. The run's report: loss, tokens/s, MaxVio and router bias spread per layer (HTML + PNG).
+if rc == 0:
+    print(f"demo: run report {write_report(Path(args.runs) / args.name)}", flush=True)
 sys.exit(rc)
