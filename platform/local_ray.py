@@ -148,7 +148,7 @@ class LocalRayHead:
         """Run the `ray` CLI against this cluster's environment (token, loopback)."""
         return subprocess.run([*self.ray_cli, *args], env=self.env, capture_output=True, text=True, **kw)
 
-    def _autoscaling_args(self) -> list[str]:
+    def autoscaling_args(self) -> list[str]:
         """Write the cluster YAML with the provider pointed at this head's GCS port (the fake
         provider assumes 6379 otherwise); the head's other resources go to `--resources`."""
         cfg = {**self.cluster_config, "provider": {**self.cluster_config["provider"], "gcs_address": self.gcs_address}}
@@ -176,7 +176,7 @@ class LocalRayHead:
         for name, port in self.ports.items():
             cmd += [f"--{name}", str(port)]
         if self.cluster_config is not None:
-            cmd += self._autoscaling_args()
+            cmd += self.autoscaling_args()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

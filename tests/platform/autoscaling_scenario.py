@@ -134,8 +134,10 @@ try:
              "--sample", "0"]
     with NodeWatch() as w:
         job = head.submit_job(entry, working_dir=REPO, echo=False)
+    t_job_end = time.time()
     logs = job.stdout
-    result["train"] = {"rc": job.returncode, "max_nodes": w.max, "log_tail": logs[-3000:],
+    result["train"] = {"rc": job.returncode, "max_nodes": w.max, "nodes_at_end": alive_nodes(),
+                       "log_tail": logs[-3000:],
                        "losses": [float(line.split("loss")[1].split()[0]) for line in logs.splitlines()
                                   if "step " in line and f"/{args.steps} " in line and " loss " in line]}
     event(f"training done rc={job.returncode}, max nodes {w.max}")
@@ -144,8 +146,9 @@ try:
     result["report"] = str(write_report(work / "runs" / run_name))
 
     # 2. Scale-down after the idle timeout.
-    result["scale_down_s"] = wait_for(lambda: alive_nodes() == 1, 180, "worker nodes removed")
-    event(f"scaled down to the head after {result['scale_down_s']:.0f} s")
+    wait_for(lambda: alive_nodes() == 1, 180, "worker nodes removed")
+    result["scale_down_s"] = time.time() - t_job_end
+    event(f"scaled down to the head {result['scale_down_s']:.0f} s after the job ended")
 
     # 3. Serve: autoscaling asks for 2 replicas of 1 CPU; the head has 1.
     from k3.platform.metrics import SERVE_METRICS
@@ -160,9 +163,9 @@ try:
 
             kinds = {"counter": Counter, "gauge": Gauge}
             self.m = {}
-            for name, (kind, desc, tags, buckets) in SERVE_METRICS.items():
+            for name, (kind, desc, tags, *buckets) in SERVE_METRICS.items():  # histograms carry buckets
                 if kind == "histogram":
-                    self.m[name] = Histogram(name, desc, boundaries=buckets, tag_keys=tags)
+                    self.m[name] = Histogram(name, desc, boundaries=buckets[0], tag_keys=tags)
                 else:
                     self.m[name] = kinds[kind](name, desc, tag_keys=tags)
 
