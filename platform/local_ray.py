@@ -105,7 +105,7 @@ class LocalRayHead:
         if num_cpus < 1:
             raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
         self.num_cpus = num_cpus
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="k3-ray-"))
+        self.workdir = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="k3-ray-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.start_timeout_s = start_timeout_s
         self.bin = Path(sys.executable).parent

@@ -117,7 +117,7 @@ def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE,
     while a head recorded there still runs."""
     from k3.platform.local_ray import LocalRayHead
 
-    state_path = Path(state_path)
+    state_path = Path(state_path).resolve()  # the token path in the state must not depend on the cwd
     if state_path.exists():
         old = json.loads(state_path.read_text())
         if LocalRayHead.from_state(old).alive():

@@ -42,7 +42,7 @@ p.add_argument("--data", required=True)
 p.add_argument("--work", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--idle-timeout-min", type=float, default=0.2)
-p.add_argument("--steps", type=int, default=16)
+p.add_argument("--steps", type=int, default=12)
 args = p.parse_args()
 work = Path(args.work)
 work.mkdir(parents=True, exist_ok=True)
@@ -59,6 +59,9 @@ def event(msg: str) -> None:
 T0 = time.time()
 cfg = yaml.safe_load((REPO / "cluster" / "local-autoscaling.yaml").read_text())
 cfg["idle_timeout_minutes"] = args.idle_timeout_min
+# two worker nodes at most: enough to show scale-up (training needs 2 CPUs, the head has 1) with
+# fewer raylets on a 2-core machine
+cfg["max_workers"] = cfg["available_node_types"]["cpu.worker"]["max_workers"] = 2
 (work / "cluster.yaml").write_text(yaml.safe_dump(cfg))
 head = LocalRayHead(autoscaling_config=work / "cluster.yaml", workdir=work / "head", autoscaler_update_s=1,
                     env={"RAY_metrics_report_interval_ms": "2000", "DS_ACCELERATOR": "cpu",
@@ -128,9 +131,10 @@ try:
     # 1. Training: 2 workers of 1 CPU each on a head of 1 CPU.
     t_train = time.time()
     run_name = "autoscale"
-    entry = ["python", "jobs/pretrain.py", "--data", args.data, "--num-workers", "2", "--ep-size", "2",
+    (work / "train.json").write_text(json.dumps({"warmup_steps": 2}))  # a short job whose loss falls early
+    entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data, "--num-workers", "2", "--ep-size", "2",
              "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch", "4", "--log-every", "2",
-             "--checkpoint-every", "8", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
+             "--checkpoint-every", "6", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
              "--sample", "0"]
     with NodeWatch() as w:
         job = head.submit_job(entry, working_dir=REPO, echo=False)
