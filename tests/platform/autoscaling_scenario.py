@@ -132,7 +132,8 @@ try:
     t_train = time.time()
     run_name = "autoscale"
     (work / "train.json").write_text(json.dumps({"warmup_steps": 2}))  # a short job whose loss falls early
-    entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data, "--num-workers", "2", "--ep-size", "2",
+    entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data,
+             "--num-workers", "2", "--ep-size", "2",
              "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch", "4", "--log-every", "2",
              "--checkpoint-every", "6", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
              "--sample", "0"]

@@ -38,7 +38,8 @@ def scenario(tmp_path_factory) -> dict:
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     proc = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--work", str(work), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=1500)
-    assert out.exists(), f"scenario wrote no result (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert out.exists(), \
+        f"scenario wrote no result (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(out.read_text())
     result["rc"], result["stderr_tail"] = proc.returncode, proc.stderr[-3000:]
     return result
