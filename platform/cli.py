@@ -111,10 +111,12 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         raise ValueError("GRAFANA_URL is set but GRAFANA_TOKEN is not: the dashboards cannot be pushed")
     session = args.session_dir
     if session is None:
-        cstate = Path(args.cluster_state)
-        if not cstate.exists():
-            raise ValueError(f"no cluster recorded in {cstate}: `k3 cluster up` first, or pass --session-dir")
-        session = json.loads(cstate.read_text())["session_dir"]
+        from k3.platform.ops.cluster import recorded_head
+
+        head = recorded_head(args.cluster_state)
+        if not head.alive():
+            raise ValueError(f"the k3 cluster recorded in {args.cluster_state} is not running: `k3 cluster up` first")
+        session = str(head.session_dir)
     prom = Prometheus(session, state.parent / "prometheus", scrape_interval_s=args.scrape_interval).start()
     try:
         if args.grafana_url:

@@ -131,7 +131,8 @@ def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE,
     return state
 
 
-def _head(state_path: str | os.PathLike):
+def recorded_head(state_path: str | os.PathLike = DEFAULT_STATE):
+    """A handle on the head `k3 cluster up` recorded in state_path (ValueError when there is none)."""
     from k3.platform.local_ray import LocalRayHead
 
     p = Path(state_path)
@@ -142,18 +143,19 @@ def _head(state_path: str | os.PathLike):
 
 def status(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
     """`ray status` of the recorded cluster (nodes by type, pending demand)."""
-    head = _head(state_path)
+    head = recorded_head(state_path)
     if not head.alive():
         raise ValueError(f"the k3 cluster recorded in {state_path} (pid {head.pid}) is not running")
     out = head.ray("status", "--address", head.gcs_address, timeout=60)
     if out.returncode != 0:
-        raise ValueError(f"ray status failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+        last = ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"ray status failed: {last}")
     return f"head pid {head.pid}, dashboard {head.address}, GCS {head.gcs_address}\n{out.stdout}"
 
 
 def down(state_path: str | os.PathLike = DEFAULT_STATE) -> bool:
     """Stop the recorded cluster's process group; True when something was running."""
-    head = _head(state_path)
+    head = recorded_head(state_path)
     was = head.alive()
     head.stop()
     Path(state_path).unlink()

@@ -173,6 +173,7 @@ def test_monitor_up_bad_input_starts_nothing(tmp_path):
     no_grafana = {"GRAFANA_URL": "", "GRAFANA_TOKEN": ""}
     cases = [
         (["--session-dir", str(tmp_path / "missing")], no_grafana, "does not exist"),
+        (["--cluster-state", str(tmp_path / "none.json")], no_grafana, "no k3 cluster recorded"),
         (["--session-dir", str(session), "--grafana-url", "http://127.0.0.1:1"], no_grafana, "GRAFANA_TOKEN is not"),
         (["--session-dir", str(session), "--grafana-url", f"http://127.0.0.1:{free_port()}"],
          {"GRAFANA_TOKEN": TOKEN}, "is unreachable"),  # Prometheus starts, the push fails: it is stopped again
