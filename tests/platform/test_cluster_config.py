@@ -1,14 +1,13 @@
 """Cluster YAMLs (Ray's own validation) and KubeRay manifests (field names from KubeRay's v1 types)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from k3.platform.cli import main
 from k3.platform.ops.cluster import load_autoscaling_config, load_cloud_config
 from k3.platform.ops.kuberay import load_manifest, rayservice_manifest, serve_config_v2
 
@@ -104,15 +103,14 @@ def test_bad_local_yaml_is_one_clear_line(tmp_path, change, match):
     assert "\n" not in str(e.value)
 
 
-def test_cluster_up_with_a_bad_yaml_starts_nothing(tmp_path):
+def test_cluster_up_with_a_bad_yaml_starts_nothing(tmp_path, capsys):
     cfg = local_cfg()
     cfg["available_node_types"]["cpu.worker"]["resources"]["CPU"] = 0.5
     state = tmp_path / "state.json"
-    out = subprocess.run([sys.executable, "-m", "k3.platform.cli", "cluster", "up", "--config",
-                          str(write_yaml(tmp_path, cfg)), "--state", str(state)], capture_output=True, text=True)
-    assert out.returncode == 1
-    assert out.stderr.count("\n") == 1 and "must be a non-negative integer, got 0.5" in out.stderr
-    assert not state.exists() and not (tmp_path / "head").exists()
+    rc = main(["cluster", "up", "--config", str(write_yaml(tmp_path, cfg)), "--state", str(state)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "must be a non-negative integer, got 0.5" in err
+    assert not state.exists() and not list(tmp_path.glob("head-*"))
 
 
 # -- cloud GPU YAML ----------------------------------------------------------------------------------
@@ -174,13 +172,12 @@ def test_rayservice_serve_config_v2_builds_the_same_app():
     assert [a.import_path for a in built.applications] == ["k3.serve.app:build_app"]
 
 
-def test_rayservice_cli_prints_an_applicable_manifest(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "k3.platform.cli", "cluster", "rayservice", "--serve-config",
-                          str(SERVE_FIXTURE), "--base", str(KUBERAY / "rayservice.yaml")],
-                         capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    doc = yaml.safe_load(out.stdout)
-    assert doc["kind"] == "RayService" and "serveConfigV2: |" in out.stdout
+def test_rayservice_cli_prints_an_applicable_manifest(capsys):
+    rc = main(["cluster", "rayservice", "--serve-config", str(SERVE_FIXTURE), "--base", str(KUBERAY / "rayservice.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = yaml.safe_load(out)
+    assert doc["kind"] == "RayService" and "serveConfigV2: |" in out
     assert yaml.safe_load(doc["spec"]["serveConfigV2"]) == yaml.safe_load(SERVE_FIXTURE.read_text())
 
 

@@ -4,9 +4,7 @@ queries against a real Prometheus and cluster: test_autoscaling_monitoring.py.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3.platform.cli import main
 from k3.platform.local_ray import free_port
 from k3.platform.metrics import SERVE_METRICS
 from k3.platform.ops.dashboards import (
@@ -161,12 +160,16 @@ def test_prometheus_unreachable_is_one_clear_line():
     assert "\n" not in str(e.value)
 
 
-def k3(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "k3.platform.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd)
+def k3(capsys, monkeypatch, *args, env=None) -> tuple[int, str, str]:
+    """`k3 ARGS` in this process (a subprocess would pay torch's import again): (status, stdout, stderr)."""
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_monitor_up_bad_input_starts_nothing(tmp_path):
+def test_monitor_up_bad_input_starts_nothing(tmp_path, capsys, monkeypatch):
     session = tmp_path / "session"
     session.mkdir()
     state = tmp_path / "mon" / "state.json"
@@ -179,8 +182,8 @@ def test_monitor_up_bad_input_starts_nothing(tmp_path):
          {"GRAFANA_TOKEN": TOKEN}, "is unreachable"),  # Prometheus starts, the push fails: it is stopped again
     ]
     for args, env, match in cases:
-        out = k3("monitor", "up", "--state", str(state), *args, env=env)
-        assert out.returncode == 1 and out.stderr.count("\n") == 1 and match in out.stderr, out.stderr
+        rc, _, err = k3(capsys, monkeypatch, "monitor", "up", "--state", str(state), *args, env=env)
+        assert rc == 1 and err.count("\n") == 1 and match in err, err
         assert not state.exists()
         left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
         assert left == "", f"left running: {left}"
@@ -209,6 +212,6 @@ def test_report_draws_the_latest_history(tmp_path, with_bias, pngs):
         assert (page.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_report_bad_run_dir_is_one_clear_line(tmp_path):
-    out = k3("report", str(tmp_path))
-    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "no checkpoint with k3/state.pt" in out.stderr
+def test_report_bad_run_dir_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    rc, _, err = k3(capsys, monkeypatch, "report", str(tmp_path))
+    assert rc == 1 and err.count("\n") == 1 and "no checkpoint with k3/state.pt" in err
