@@ -2,12 +2,23 @@
 
     python jobs/bench_engine.py [--quick]
 
+    python jobs/bench_engine.py --only handoff,chunk,vs_transformers --threads 1
+
 1. Output tokens/s at concurrency 1, 4, 16 (128-token prompts, 64 greedy tokens each).
 2. Time to first token for a 2K-token shared prefix + 32 new tokens: prefix-cache hit vs miss.
 3. Decode step time against context length (1K..32K) for k3-tiny and for the same model with
    every layer MLA. The cache is filled with random latents rather than by prefill: a decode
    step's cost depends on how much it reads, not on the values.
 4. Cache bytes per sequence at those context lengths, for both models.
+5. handoff: exporting a prompt's hybrid cache state (prefill-only) and importing it into a second
+   engine, time and bytes per prompt length; and the state's trip through Ray's object store as
+   numpy arrays vs torch tensors (the latter zero-copy only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS).
+6. chunk: a 512-token prefill chunk over 8K and 32K tokens of cached context (the MLA layers'
+   absorbed form, the old path, vs the expanded form), beside that chunk's share of a one-shot
+   prefill of the whole sequence.
+7. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
+   decode tokens/s at 1, 8 and 32 sequences against transformers' `generate` with the same batch,
+   tokens compared.
 """
 from __future__ import annotations
 
@@ -25,6 +36,8 @@ from k3.serve.engine.cache_manager import CacheManager
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+p.add_argument("--only", default="throughput,ttft,decode,handoff,chunk,vs_transformers",
+               help="comma-separated sections to run")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
 args = p.parse_args()
@@ -33,7 +46,8 @@ if args.threads:
 torch.manual_seed(0)
 gen = torch.Generator().manual_seed(0)
 result: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                            "torch": torch.__version__}}
+                            "torch": torch.__version__, "load_average_at_start": os.getloadavg()}}
+only = set(args.only.split(","))
 
 
 def rand(n: int) -> list[int]:
@@ -42,27 +56,35 @@ def rand(n: int) -> list[int]:
 
 tiny = K3ForCausalLM(get_preset("k3-tiny")).eval()
 
-# 1. Throughput at several concurrencies.
-out_tokens = 16 if args.quick else 64
-thr = {}
-for conc in (1, 4, 16):
-    eng = LLMEngine(tiny, EngineConfig(max_num_seqs=16, max_num_batched_tokens=2048))
-    eng.generate([rand(16)], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    prompts = [rand(128) for _ in range(conc)]
-    t = time.perf_counter()
-    outs = eng.generate(prompts, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True))
-    dt = time.perf_counter() - t
-    n = sum(len(o.token_ids) for o in outs)
-    thr[str(conc)] = {"requests": conc, "output_tokens": n, "seconds": round(dt, 3),
-                      "output_tokens_per_s": round(n / dt, 1)}
-result["throughput"] = thr
-
-# 2. TTFT, prefix hit vs miss.
-prefix_len = 512 if args.quick else 2048
-prefix = rand(prefix_len)
 
 
-def ttft(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+def median_time(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def throughput() -> dict:
+    """Output tokens/s at several concurrencies."""
+    out_tokens = 16 if args.quick else 64
+    thr = {}
+    for conc in (1, 4, 16):
+        eng = LLMEngine(tiny, EngineConfig(max_num_seqs=16, max_num_batched_tokens=2048))
+        eng.generate([rand(16)], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        prompts = [rand(128) for _ in range(conc)]
+        t = time.perf_counter()
+        outs = eng.generate(prompts, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True))
+        dt = time.perf_counter() - t
+        n = sum(len(o.token_ids) for o in outs)
+        thr[str(conc)] = {"requests": conc, "output_tokens": n, "seconds": round(dt, 3),
+                          "output_tokens_per_s": round(n / dt, 1)}
+    return thr
+
+
+def first_token_time(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     rid = eng.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0))
     t = time.perf_counter()
     while True:
@@ -71,50 +93,211 @@ def ttft(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
             return time.perf_counter() - t, outs[0].cached_tokens
 
 
-ec = EngineConfig(max_num_batched_tokens=4096, block_size=16, checkpoint_interval=4)
-miss, hit = [], []
-for i in range(3):
-    eng = LLMEngine(tiny, ec)
-    m, cached = ttft(eng, prefix + rand(32))
-    assert cached == 0
-    miss.append(m)
-    h, cached = ttft(eng, prefix + rand(32))  # same engine: the prefix is now cached
-    assert cached == prefix_len, cached
-    hit.append(h)
-result["ttft_prefix"] = {"prefix_tokens": prefix_len, "new_tokens": 32,
-                         "miss_s_median": round(statistics.median(miss), 4),
-                         "hit_s_median": round(statistics.median(hit), 4),
-                         "speedup": round(statistics.median(miss) / statistics.median(hit), 1)}
+def ttft() -> dict:
+    """TTFT, prefix hit vs miss."""
+    prefix_len = 512 if args.quick else 2048
+    prefix = rand(prefix_len)
+    ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=4)
+    miss, hit = [], []
+    for _ in range(3):
+        eng = LLMEngine(tiny, ec)
+        m, cached = first_token_time(eng, prefix + rand(32))
+        assert cached == 0
+        miss.append(m)
+        h, cached = first_token_time(eng, prefix + rand(32))  # same engine: the prefix is now cached
+        assert cached == prefix_len, cached
+        hit.append(h)
+    return {"prefix_tokens": prefix_len, "new_tokens": 32, "miss_s_median": round(statistics.median(miss), 4),
+            "hit_s_median": round(statistics.median(hit), 4),
+            "speedup": round(statistics.median(miss) / statistics.median(hit), 1)}
 
-# 3 + 4. Decode step time and cache bytes against context length.
-contexts = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
-all_mla_cfg = get_preset("k3-tiny").replace(layer_types=["mla"] * 8)
-all_mla = K3ForCausalLM(all_mla_cfg).eval()
-decode, nbytes = {}, {}
-batch = 4
-for label, model in (("k3-tiny", tiny), ("k3-tiny-all-mla", all_mla)):
-    rows, sizes = {}, {}
-    for ctx in contexts:
-        ec = EngineConfig(max_num_seqs=batch, block_size=64, enable_prefix_caching=False,
-                          cache_memory_bytes=batch * 2 * cache_bytes(model.cfg, ctx + 64, torch.float32) + 2**20)
-        cm = CacheManager(model.cfg, ec)
-        for t in cm.mla_kv.values():
-            t.normal_()
-        for t in cm.kda_state.values():
-            t.normal_(0, 0.1)
-        pages = cm.pages_for(ctx + 1)
-        tables = [[cm.alloc_page() for _ in range(pages)] for _ in range(batch)]
-        times = []
+
+def decode_and_bytes() -> tuple[dict, dict]:
+    """Decode step time and cache bytes against context length, hybrid vs all-MLA."""
+    contexts = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    all_mla = K3ForCausalLM(get_preset("k3-tiny").replace(layer_types=["mla"] * 8)).eval()
+    decode, nbytes = {}, {}
+    batch = 4
+    for label, model in (("k3-tiny", tiny), ("k3-tiny-all-mla", all_mla)):
+        rows, sizes = {}, {}
+        for ctx in contexts:
+            ec = EngineConfig(max_num_seqs=batch, page_size=64, enable_prefix_caching=False,
+                              cache_memory_bytes=batch * 2 * cache_bytes(model.cfg, ctx + 64, torch.float32) + 2**20)
+            cm = CacheManager(model.cfg, ec)
+            for t in cm.mla_pages.values():
+                t.normal_()
+            for pool in cm.kda.values():
+                pool.recurrent.normal_(0, 0.1)
+            pages = cm.pages_for(ctx + 1)
+            tables = [[cm.alloc_page() for _ in range(pages)] for _ in range(batch)]
+            times = []
+            with torch.no_grad():
+                for _ in range(6):
+                    cb = cm.cache_batch([1] * batch, list(range(batch)), tables, [ctx] * batch)
+                    t = time.perf_counter()
+                    model(torch.randint(0, 4096, (batch, 1)).reshape(1, batch), cache=cb)
+                    times.append(time.perf_counter() - t)
+            rows[str(ctx)] = round(statistics.median(times[1:]) * 1000, 2)
+            sizes[str(ctx)] = cache_bytes(model.cfg, ctx, torch.bfloat16)
+        decode[label] = {"batch": batch, "step_ms_by_context": rows}
+        nbytes[label] = {"bf16_bytes_per_sequence_by_context": sizes}
+    return decode, nbytes
+
+
+def handoff() -> dict:
+    """Export (prefill-only) and import time and bytes per prompt length, and the object store trip."""
+    import ray
+
+    from k3.platform.local_ray import init_local_ray
+
+    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
+    out: dict = {}
+    ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32768, page_size=64, enable_prefix_caching=False,
+                      cache_memory_bytes=2 * cache_bytes(tiny.cfg, max(lengths) + 64, torch.float32) + 2**22)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    init_local_ray(num_cpus=1, log_to_driver=False)
+    try:
+        for n in lengths:
+            prompt = rand(n)
+            a, b = LLMEngine(tiny, ec), LLMEngine(tiny, ec)
+            rid = a.add_request("x", prompt, sp)
+            while a.seqs.get(rid) is None or a.seqs[rid].num_computed < n:
+                a.step()  # the prompt is computed and its first token sampled; the request is resident
+            seq = a.seqs[rid]
+            export_s = median_time(lambda: a._export(seq, 0, None))
+            state = a._export(seq, 0, None)
+            check_s = median_time(lambda: b._check_state(state, prompt, sp))
+            b.import_request(None, prompt, state, sp)
+            t = time.perf_counter()
+            b.step()  # applies the import (first output) and admits it: pages and slot written, one decode
+            admit_s = time.perf_counter() - t
+            while b.has_unfinished():
+                b.step()
+            trip = {}
+            for kind in ("numpy", "torch"):
+                payload = state if kind == "numpy" else dict(state.arrays())
+                if kind == "torch":
+                    payload = {k: torch.from_numpy(v) for k, v in payload.items()}
+                put_s = median_time(lambda: ray.put(payload))
+                ref = ray.put(payload)
+                get_s = median_time(lambda: ray.get(ref))
+                got = ray.get(ref)
+                if kind == "numpy":
+                    zero_copy = not got.mla_latents[min(got.mla_latents)].flags.writeable  # a view of the store
+                else:
+                    zero_copy = None  # torch tensors are copied unless RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1
+                trip[kind] = {"put_ms": round(put_s * 1000, 3), "get_ms": round(get_s * 1000, 3),
+                              "zero_copy_get": zero_copy}
+            out[str(n)] = {"state_bytes": state.nbytes, "export_ms": round(export_s * 1000, 2),
+                           "import_check_ms": round(check_s * 1000, 2),
+                           "import_admit_step_ms": round(admit_s * 1000, 2), "object_store": trip,
+                           "zero_copy_torch_env": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "")}
+    finally:
+        ray.shutdown()
+    return out
+
+
+def chunk() -> dict:
+    """A 512-token chunk over cached context: absorbed (old) vs expanded (new), and the one-shot share."""
+    from k3.model.mla import GatedMLA
+
+    out: dict = {}
+    layer = next(l.self_attn for l in tiny.model.layers if isinstance(l.self_attn, GatedMLA))
+    n = 512
+    for ctx in ([2048] if args.quick else [8192, 32768]):
+        S = ctx + n
+        ec = EngineConfig(max_num_seqs=1, max_num_batched_tokens=S, page_size=64, enable_prefix_caching=False,
+                          cache_memory_bytes=cache_bytes(tiny.cfg, S + 64, torch.float32) + 2**22)
+        prompt = rand(S)
+        eng = LLMEngine(tiny, ec)
+        cm = eng.cache
+        table = [cm.alloc_page() for _ in range(cm.pages_for(S))]
+        slot = cm.alloc_run_slot()
         with torch.no_grad():
-            for rep in range(6):
-                cb = cm.cache_batch([1] * batch, list(range(batch)), tables, [ctx] * batch)
-                t = time.perf_counter()
-                model(torch.randint(0, 4096, (batch, 1)), cache=cb)
-                times.append(time.perf_counter() - t)
-        rows[str(ctx)] = round(statistics.median(times[1:]) * 1000, 2)
-        sizes[str(ctx)] = cache_bytes(model.cfg, ctx, torch.bfloat16)
-    decode[label] = {"batch": batch, "step_ms_by_context": rows}
-    nbytes[label] = {"bf16_bytes_per_sequence_by_context": sizes}
-result["decode_step"] = decode
-result["cache_bytes"] = nbytes
+            # one-shot prefill of all S tokens (the whole model), then the chunk alone over ctx
+            one_shot = median_time(lambda: tiny(torch.tensor([prompt]), cache=cm.cache_batch([S], [slot], [table], [0]),
+                                                logits_at=torch.tensor([S - 1])), reps=2)
+            chunk_model = median_time(lambda: tiny(torch.tensor([prompt[ctx:]]),
+                                                   cache=cm.cache_batch([n], [slot], [table], [ctx]),
+                                                   logits_at=torch.tensor([n - 1])), reps=2)
+            # the MLA attention alone, both forms, same queries and pages
+            x = torch.randn(n, tiny.cfg.hidden_size)
+            q_nope, q_rope = layer.query(x)
+            W_uk, _ = layer._w_kv()
+            pages, tab = cm.mla_pages[layer.layer_idx], torch.tensor(table)
+            q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)
+            absorbed = median_time(lambda: layer._absorbed_chunk(q_lat, q_rope, pages, tab, ctx), reps=2)
+            expanded = median_time(lambda: layer._expanded_chunk(q_nope, q_rope, pages, tab, ctx), reps=2)
+        share = one_shot * n / S
+        out[str(ctx)] = {"chunk_tokens": n, "one_shot_prefill_s": round(one_shot, 3),
+                         "chunk_share_of_one_shot_s": round(share, 4), "chunk_forward_s": round(chunk_model, 4),
+                         "chunk_over_share": round(chunk_model / share, 2),
+                         "mla_attention_absorbed_s": round(absorbed, 4), "mla_attention_expanded_s": round(expanded, 4),
+                         "attention_speedup": round(absorbed / expanded, 1)}
+    return out
+
+
+def vs_transformers() -> dict:
+    """Engine decode vs transformers' generate on the same Kimi-Linear-shaped weights."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers import kimi_linear_torch_only
+
+    kimi_linear_torch_only()  # transformers' own torch path (never fla's GPU kernels)
+    import transformers
+
+    from k3.model.hf_kimi import load_kimi_linear
+
+    cfg = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128,
+               qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=16, num_experts_per_tok=4,
+               n_shared_experts=1, linear_head_dim=64, linear_num_heads=4, routed_scaling_factor=2.446,
+               layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**cfg)).eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_kimi_linear(d).eval()
+    new = 16 if args.quick else 64
+    res: dict = {"params_million": round(sum(p.numel() for p in hf.parameters()) / 1e6, 2), "prompt_tokens": 128,
+                 "new_tokens": new}
+    for batch in (1, 8, 32):
+        prompts = [torch.randint(3, 4096, (128,), generator=gen).tolist() for _ in range(batch)]
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+            t = time.perf_counter()
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[:, 128:].tolist()
+            hf_s = time.perf_counter() - t
+        eng = LLMEngine(ours, EngineConfig(max_num_seqs=32, max_num_batched_tokens=8192, enable_prefix_caching=False))
+        eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        t = time.perf_counter()
+        got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=new, temperature=0,
+                                                                        ignore_eos=True))]
+        k3_s = time.perf_counter() - t
+        same = sum(g == w for g, w in zip(got, want))
+        res[str(batch)] = {"transformers_tokens_per_s": round(batch * new / hf_s, 1),
+                           "k3_tokens_per_s": round(batch * new / k3_s, 1), "speedup": round(hf_s / k3_s, 2),
+                           "sequences_identical": f"{same}/{batch}"}
+    return res
+
+
+if "throughput" in only:
+    result["throughput"] = throughput()
+if "ttft" in only:
+    result["ttft_prefix"] = ttft()
+if "decode" in only:
+    result["decode_step"], result["cache_bytes"] = decode_and_bytes()
+if "handoff" in only:
+    result["handoff"] = handoff()
+if "chunk" in only:
+    result["chunk_over_cached_context"] = chunk()
+if "vs_transformers" in only:
+    result["vs_transformers"] = vs_transformers()
+result["machine"]["load_average_at_end"] = os.getloadavg()
 print(json.dumps(result, indent=2))

@@ -1,14 +1,19 @@
-"""The cache contract between the model and whoever owns memory.
+"""The cache contract between the model and whoever owns memory (vLLM's shape: the model
+declares, the owner allocates).
 
 Each layer declares what it caches (`layer_cache_specs`): a KDA layer a fixed-size state per
 sequence (the fp32 recurrent state [H, K, V] and the conv state [3*H*K, W-1]); an MLA layer a
-latent of `kv_lora_rank + qk_rope_head_dim` values per token. The owner allocates that memory
-and hands the model a `CacheBatch` per forward: which KDA slots and which MLA pages belong to
-each sequence, and how many tokens each already has.
+latent of `kv_lora_rank + qk_rope_head_dim` values per token, kept in pages of `page_size`
+tokens. The owner allocates that memory and hands the model one `CacheBatch` per forward: the
+pools, which KDA slot and which MLA pages belong to each sequence, and how many tokens each
+already has. Layers read and write only through it (`forward_cached` on KDA and MLA layers).
+
+A saved KDA state (prefix caching, the prefill/decode handoff) is a *snapshot*; the owner asks
+for snapshots at token offsets inside a chunk and the KDA layers record them in the batch.
 
 `HybridCache` is the simple contiguous owner used by `generate()` and the tests: one slot per
 batch row and one page of `max_len` tokens per row. The serving engine owns paged memory with
-the same `CacheBatch` contract.
+the same contract.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from .config import K3Config
 class KDACacheSpec:
     layer_idx: int
     state_shape: tuple[int, int, int]  # [H, K, V], always fp32
-    conv_shape: tuple[int, int]  # [3*H*K, W-1], model dtype
+    conv_shape: tuple[int, int]  # [3*H*K, W-1], cache dtype
 
     def bytes_per_sequence(self, dtype: torch.dtype) -> int:
         H, K, V = self.state_shape
@@ -60,31 +65,54 @@ def cache_bytes(cfg: K3Config, num_tokens: int, dtype: torch.dtype = torch.bfloa
 
 
 @dataclass
+class KDAPool:
+    """One KDA layer's per-sequence memory, indexed by slot: recurrent [P, H, K, V] fp32 and
+    conv [P, 3HK, W-1] (the last W-1 conv inputs, oldest first)."""
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+@dataclass
+class KDASnapshot:
+    """The exact state of one KDA layer for one sequence after `offset` of its new tokens."""
+
+    seq: int  # index of the sequence in the batch
+    offset: int
+    recurrent: torch.Tensor  # [H, K, V] fp32
+    conv: torch.Tensor  # [3HK, W-1]
+
+
+@dataclass
 class CacheBatch:
     """Memory views and bookkeeping for one cached forward over N sequences.
 
     cu_seqlens [N + 1]: the new (query) tokens of each sequence, packed.
-    kda_slots [N]: each sequence's slot in the KDA pools; kda_state[layer] [P, H, K, V] fp32 and
-    kda_conv[layer] [P, 3HK, W-1] are the pools (updated in place).
-    mla_kv[layer] [num_blocks, block_size, latent]: paged latents; block_table [N, max_blocks];
-    context_lens [N]: tokens cached before this forward.
+    context_lens [N]: tokens cached before this forward; `max_context` is its maximum, known on
+    the host (no device sync inside layers).
+    kda_slots [N]: each sequence's slot in every KDA layer's pool; kda {layer: KDAPool} is
+    updated in place.
+    page_table [N, max_pages]: each sequence's MLA pages; mla_pages {layer: [num_pages,
+    page_size, latent]} gets the new latents written at positions context, context + 1, ...
+    decode: every sequence has exactly one new token (the owner knows; set it, don't infer).
+    snapshot_offsets {sequence index: [offsets inside its new tokens, each < its count]}: the KDA
+    layers record the state after those many tokens in `snapshots` {layer: [KDASnapshot]}.
+    The state after a whole chunk is the slot itself after the forward, so it is never asked for.
     """
 
     cu_seqlens: torch.Tensor
-    kda_slots: torch.Tensor
-    kda_state: dict[int, torch.Tensor]
-    kda_conv: dict[int, torch.Tensor]
-    mla_kv: dict[int, torch.Tensor]
-    block_table: torch.Tensor
     context_lens: torch.Tensor
-    # Prefix caching: the owner may set extras["kda_snapshot_offsets"] = {sequence index: [offsets
-    # into its new tokens]}; each KDA layer then leaves extras["kda_snapshots"][layer] =
-    # [(sequence index, offset, KDAState)] with the exact state after that many new tokens.
-    extras: dict = field(default_factory=dict)
+    kda_slots: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    kda: dict[int, KDAPool] = field(default_factory=dict)
+    mla_pages: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode: bool = False
+    max_context: int = 0
+    snapshot_offsets: dict[int, list[int]] = field(default_factory=dict)
+    snapshots: dict[int, list[KDASnapshot]] = field(default_factory=dict)
 
-    @property
-    def is_decode(self) -> bool:
-        return self.cu_seqlens.numel() - 1 == int(self.cu_seqlens[-1])
+    def record_snapshot(self, layer: int, snap: KDASnapshot) -> None:
+        self.snapshots.setdefault(layer, []).append(snap)
 
 
 class HybridCache:
@@ -98,35 +126,39 @@ class HybridCache:
             raise ValueError(f"HybridCache: max_len must be in [1, {cfg.max_position_embeddings}], got {max_len}")
         self.cfg, self.batch_size, self.max_len = cfg, batch_size, max_len
         self.specs = layer_cache_specs(cfg)
-        self.kda_state, self.kda_conv, self.mla_kv = {}, {}, {}
+        self.kda: dict[int, KDAPool] = {}
+        self.mla_pages: dict[int, torch.Tensor] = {}
         for s in self.specs:
             if isinstance(s, KDACacheSpec):
-                self.kda_state[s.layer_idx] = torch.zeros(batch_size, *s.state_shape, dtype=torch.float32, device=device)
-                self.kda_conv[s.layer_idx] = torch.zeros(batch_size, *s.conv_shape, dtype=dtype, device=device)
-            else:
-                self.mla_kv[s.layer_idx] = torch.zeros(batch_size, max_len, s.latent_dim, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+                self.kda[s.layer_idx] = KDAPool(
+                    torch.zeros(batch_size, *s.state_shape, dtype=torch.float32, device=device),
+                    torch.zeros(batch_size, *s.conv_shape, dtype=dtype, device=device))
+            else:  # one page of max_len tokens per row
+                self.mla_pages[s.layer_idx] = torch.zeros(batch_size, max_len, s.latent_dim, dtype=dtype, device=device)
+        self.lengths = [0] * batch_size
         self.device = torch.device(device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.kda_state, self.kda_conv, self.mla_kv) for t in d.values())
+        tensors = [t for p in self.kda.values() for t in (p.recurrent, p.conv)] + list(self.mla_pages.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def batch(self, query_lens: list[int]) -> CacheBatch:
         """The CacheBatch for a forward that appends query_lens[i] tokens to row i."""
         if len(query_lens) != self.batch_size:
             raise ValueError(f"HybridCache: query_lens has {len(query_lens)} entries, cache holds {self.batch_size} rows")
-        new_len = self.lengths + torch.tensor(query_lens, device=self.device)
-        if int(new_len.max()) > self.max_len:
-            raise ValueError(f"HybridCache: a sequence would reach {int(new_len.max())} tokens > max_len {self.max_len}")
-        cu = torch.zeros(self.batch_size + 1, dtype=torch.long, device=self.device)
-        cu[1:] = torch.tensor(query_lens, device=self.device).cumsum(0)
+        longest = max(n + q for n, q in zip(self.lengths, query_lens))
+        if longest > self.max_len:
+            raise ValueError(f"HybridCache: a sequence would reach {longest} tokens > max_len {self.max_len}")
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        rows = torch.arange(self.batch_size, device=self.device)
         return CacheBatch(
-            cu_seqlens=cu,
-            kda_slots=torch.arange(self.batch_size, device=self.device),
-            kda_state=self.kda_state, kda_conv=self.kda_conv, mla_kv=self.mla_kv,
-            block_table=torch.arange(self.batch_size, device=self.device)[:, None],
-            context_lens=self.lengths.clone(),
+            cu_seqlens=torch.tensor(cu, device=self.device),
+            context_lens=torch.tensor(self.lengths, device=self.device),
+            kda_slots=rows, page_table=rows[:, None], kda=self.kda, mla_pages=self.mla_pages,
+            decode=all(q == 1 for q in query_lens), max_context=max(self.lengths),
         )
 
     def advance(self, query_lens: list[int]) -> None:
-        self.lengths += torch.tensor(query_lens, device=self.device)
+        self.lengths = [n + q for n, q in zip(self.lengths, query_lens)]

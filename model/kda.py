@@ -1,9 +1,11 @@
 """Kimi Delta Attention layer: short convs, per-channel decay gate, delta-rule state, gated output.
 
-Forward modes (the layer picks, as fla's layers do):
-- chunkwise (`k3.kernels.kda.chunk_kda`) for prefill and training, optionally continuing from a
-  carried state and over packed sequences (`cu_seqlens`);
-- recurrent (`k3.kernels.kda.kda_step`) for one-token decode over the engine's state slots.
+Two entry points:
+- `forward`: the chunkwise form (`k3.kernels.kda.chunk_kda`) for training and cache-free use,
+  optionally continuing from a carried state and over packed sequences (`cu_seqlens`);
+- `forward_cached`: against a `CacheBatch` whose owner holds the state in slots: the recurrent
+  step (`k3.kernels.kda.kda_step`) for a decode batch, the chunkwise form otherwise (prefill,
+  chunked prefill, mixed batches), with snapshots of the state at asked-for offsets.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from k3.kernels.kda import chunk_kda, kda_step
 
+from .cache import CacheBatch, KDAPool, KDASnapshot
 from .config import K3Config
 from .norm import rms_norm
 
@@ -122,29 +125,31 @@ class KimiDeltaAttention(nn.Module):
         return gate.unflatten(-1, (self.num_heads, self.head_dim))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        state: KDAState | None = None,
-        slot_idx: torch.Tensor | None = None,
-        state_pool: KDAState | None = None,
-        snapshot_offsets: dict[int, list[int]] | None = None,
-        snapshots_out: list | None = None,
-    ) -> tuple[torch.Tensor, KDAState | None]:
-        """x: [B, T, D] (or [1, T, D] packed with cu_seqlens [N + 1]).
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
+    ) -> tuple[torch.Tensor, KDAState]:
+        """Chunkwise form, no cache owner: x [B, T, D] (or [1, T, D] packed with cu_seqlens [N + 1]),
+        each sequence starting from `state` (conv [N, 3HK, W-1], recurrent [N, H, K, V]) or zeros.
+        Returns (y [B, T, D], the final state of each sequence)."""
+        y, final = self._chunkwise(x, cu_seqlens, state, None, None)
+        return y, final
 
-        Chunkwise mode: `state` (optional) gives each sequence's starting state; returns the final
-        state. Decode mode (T == 1, `state_pool` and `slot_idx` given): reads and updates the pool
-        in place and returns None.
+    def forward_cached(self, x: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
+        """x [1, T, D] packed per cache.cu_seqlens: read each sequence's state from its slot in
+        this layer's pool, run, write the new state back (in place), record asked-for snapshots.
+        A decode batch (one token each) takes the recurrent step; anything else the chunkwise form."""
+        pool = cache.kda[self.layer_idx]
+        slots = cache.kda_slots
+        if cache.decode:
+            return self._decode(x.reshape(-1, 1, x.shape[-1]), pool, slots).reshape(x.shape)
+        start = KDAState(pool.conv.index_select(0, slots), pool.recurrent.index_select(0, slots))
+        y, final = self._chunkwise(x, cache.cu_seqlens, start, cache.snapshot_offsets, cache)
+        pool.conv.index_copy_(0, slots, final.conv.to(pool.conv.dtype))
+        pool.recurrent.index_copy_(0, slots, final.recurrent)
+        return y
 
-        snapshot_offsets {sequence index: [token offsets within its tokens here]} asks for the exact
-        state after those many tokens (prefix caching checkpoints at block boundaries); each is
-        appended to snapshots_out as (sequence index, offset, KDAState of one sequence).
-        """
+    def _chunkwise(self, x, cu_seqlens, state, snapshot_offsets, cache):
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
-        if state_pool is not None:
-            return self._decode(x, state_pool, slot_idx), None
         packed_cu = cu_seqlens
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, (B + 1) * T, T, device=x.device)
@@ -158,7 +163,7 @@ class KimiDeltaAttention(nn.Module):
         init = None if state is None else state.recurrent
         if snapshot_offsets:
             o, final = self._chunk_with_snapshots(q, k, v, g, beta, init, cu_seqlens, qkv_in.detach(), state,
-                                                  snapshot_offsets, snapshots_out)
+                                                  snapshot_offsets, cache)
         else:
             o, final = self._chunk(q, k, v, g, beta, init, packed_cu)
         return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
@@ -170,7 +175,7 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
         )
 
-    def _chunk_with_snapshots(self, q, k, v, g, beta, init, cu_seqlens, qkv_in, state, offsets, out):
+    def _chunk_with_snapshots(self, q, k, v, g, beta, init, cu_seqlens, qkv_in, state, offsets, cache):
         """Run each sequence piece by piece, cutting at the requested offsets, and record states.
 
         q..beta are [B, T, ...] with tokens flattened per cu_seqlens; qkv_in is the pre-conv input
@@ -184,7 +189,8 @@ class KimiDeltaAttention(nn.Module):
         for i in range(len(cu) - 1):
             a, b = cu[i], cu[i + 1]
             S = None if init is None else init[i:i + 1]
-            cuts = sorted({o for o in offsets.get(i, []) if 0 < o <= b - a})
+            want = set(offsets.get(i, []))
+            cuts = sorted(o for o in want if 0 < o <= b - a)
             if (b - a) and cuts and cuts[-1] != b - a:
                 cuts.append(b - a)
             prev = 0
@@ -193,9 +199,9 @@ class KimiDeltaAttention(nn.Module):
                 sl = slice(a + prev, a + c)
                 o, S = self._chunk(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S, None)
                 outs.append(o)
-                if out is not None and c in offsets.get(i, []):
+                if c in want:
                     window = torch.cat([conv0, qkv_in[a:a + c].T], dim=-1)[:, -W1:]
-                    out.append((i, c, KDAState(conv=window.clone(), recurrent=S[0].clone())))
+                    cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S[0].clone(), window.clone()))
                 prev = c
             if S is None:  # an empty sequence keeps its state
                 S = init[i:i + 1] if init is not None else q.new_zeros(1, self.num_heads, self.head_dim,
@@ -204,10 +210,8 @@ class KimiDeltaAttention(nn.Module):
         o = torch.cat(outs, dim=1).reshape(B, T, *outs[0].shape[2:])
         return o, torch.cat(finals)
 
-    def _decode(self, x: torch.Tensor, pool: KDAState, slot_idx: torch.Tensor) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, pool: KDAPool, slot_idx: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        if T != 1:
-            raise ValueError(f"KDA decode takes one token per sequence, got x of shape {tuple(x.shape)}")
         H, K = self.num_heads, self.head_dim
         xt = x[:, 0]
         qkv = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)  # [B, 3HK]

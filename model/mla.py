@@ -7,7 +7,9 @@ all the cache holds. Two forms:
 - naive: expand the latents through kv_b_proj into per-head keys and values, then softmax
   attention (training and cache-free prefill; packed sequences get a block-diagonal causal mask);
 - absorbed: fold W_uk into the query and W_uv after the softmax, attending over the latents
-  themselves (`k3.kernels.mla_decode`), used whenever there is a cache to read.
+  themselves (`k3.kernels.mla_decode`): decode and short chunks over a cache;
+- expanded over a cache: a prefill chunk over cached context expands the context's latents
+  per chunk and runs one SDPA call (cheaper than absorbed once the chunk has a few dozen tokens).
 
 The K3 output gate multiplies each head's output by sigmoid(g_proj x) before o_proj.
 """
@@ -16,10 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from k3.kernels.mla_decode import mla_decode
 
+from .cache import CacheBatch
 from .config import K3Config
+
+# A chunk of at least this many new tokens over a cached context runs in the expanded form.
+EXPAND_MIN_TOKENS = 16
 from .norm import RMSNorm
 
 
@@ -74,75 +81,106 @@ class GatedMLA(nn.Module):
             o = o * torch.sigmoid(gate.float()).to(o.dtype)
         return self.o_proj(o.flatten(-2))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        kv_cache: torch.Tensor | None = None,
-        block_table: torch.Tensor | None = None,
-        context_lens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x: [B, T, D], or [1, T, D] packed with cu_seqlens [N + 1].
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache-free (training, tests): x [B, T, D], or [1, T, D] packed with cu_seqlens [N + 1]."""
+        return self._naive(x, self.latent(x), cu_seqlens)
 
-        With a cache (kv_cache [blocks, block_size, L + R], block_table [N, max_blocks],
-        context_lens [N] tokens cached before this call) the new latents are written at positions
-        context_len, context_len + 1, ... of each sequence and attention runs in the absorbed form;
-        a sequence with no context and more than one token uses the naive form instead.
+    def forward_cached(self, x: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
+        """x [1, T, D] packed per cache.cu_seqlens. Writes the new latents into this layer's pages
+        at positions context_len, context_len + 1, ... of each sequence, then attends:
+        - no sequence has a context: the naive form over the new tokens (one fused SDPA);
+        - a decode batch: the absorbed form over the pages (`mla_decode`, one call);
+        - otherwise per sequence: one-token rows in one `mla_decode` call, chunks of at least
+          EXPAND_MIN_TOKENS over a context in the expanded form (the cached latents expanded
+          through kv_b_proj once for the chunk, one SDPA call with lower-right causal masking),
+          shorter chunks in the absorbed form.
         """
         B, T, _ = x.shape
+        pages = cache.mla_pages[self.layer_idx]
+        cu, context = cache.cu_seqlens, cache.context_lens
         lat = self.latent(x)  # [B, T, L + R]
-        if kv_cache is None:
-            return self._naive(x, lat, cu_seqlens)
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, (B + 1) * T, T, device=x.device)
         xt, latt = x.reshape(B * T, -1), lat.reshape(B * T, -1)
-        N = cu_seqlens.numel() - 1
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=B * T)
-        pos = torch.arange(B * T, device=x.device) - cu_seqlens[:-1][seq] + context_lens[seq]
-        bs = kv_cache.shape[1]
-        blocks = block_table[seq, pos // bs].long()
-        kv_cache[blocks, pos % bs] = latt.detach().to(kv_cache.dtype)
-        if int(context_lens.max()) == 0:  # fresh prefill: the naive form is cheaper
-            return self._naive(x, lat, cu_seqlens if B == 1 else None)
+        N = cu.numel() - 1
+        if cache.decode:
+            seq = torch.arange(N, device=x.device)
+            pos = context
+        else:
+            lengths = cu[1:] - cu[:-1]
+            seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=B * T)
+            pos = torch.arange(B * T, device=x.device) - cu[:-1][seq] + context[seq]
+        ps = pages.shape[1]
+        pages[cache.page_table[seq, pos // ps], pos % ps] = latt.detach().to(pages.dtype)
+        if cache.max_context == 0:  # fresh prefill: the naive form is cheaper
+            return self._naive(x, lat, cu if B == 1 else None)
         q_nope, q_rope = self.query(xt)  # [BT, H, *]
         W_uk, W_uv = self._w_kv()
-        q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)  # [BT, H, L]
-        if int(lengths.max()) == 1:  # pure decode: one paged-attention call for the whole batch
-            ctx = mla_decode(q_lat, q_rope, kv_cache, block_table, pos + 1, self.scale)
-        else:
-            ctx = torch.empty_like(q_lat)
-            one = (lengths == 1).nonzero().flatten()
-            if one.numel():
-                rows = cu_seqlens[:-1][one]
-                ctx[rows] = mla_decode(q_lat[rows], q_rope[rows], kv_cache, block_table[one], pos[rows] + 1, self.scale)
-            for i in (lengths > 1).nonzero().flatten().tolist():
-                a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
-                ctx[a:b] = self._absorbed_chunk(q_lat[a:b], q_rope[a:b], kv_cache, block_table[i], int(context_lens[i]))
-        o = torch.einsum("nhl,hvl->nhv", ctx, W_uv)
-        return self._finish(o, xt).reshape(B, T, -1)
+        if cache.decode:
+            q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)  # [N, H, L]
+            ctx = mla_decode(q_lat, q_rope, pages, cache.page_table, pos + 1, self.scale)
+            return self._finish(torch.einsum("nhl,hvl->nhv", ctx, W_uv), xt).reshape(B, T, -1)
+        out = torch.empty(B * T, self.num_heads, self.vdim, dtype=x.dtype, device=x.device)
+        cu_h, ctx_h = cu.tolist(), context.tolist()
+        ones = [i for i in range(N) if cu_h[i + 1] - cu_h[i] == 1]
+        if ones:
+            rows = torch.tensor([cu_h[i] for i in ones], device=x.device)
+            q_lat = torch.einsum("nhd,hdl->nhl", q_nope[rows], W_uk)
+            ctx = mla_decode(q_lat, q_rope[rows], pages, cache.page_table[ones], pos[rows] + 1, self.scale)
+            out[rows] = torch.einsum("nhl,hvl->nhv", ctx, W_uv).to(x.dtype)
+        for i in range(N):
+            a, b = cu_h[i], cu_h[i + 1]
+            if b - a < 2:
+                continue
+            table = cache.page_table[i]
+            if ctx_h[i] == 0 or b - a >= EXPAND_MIN_TOKENS:
+                out[a:b] = self._expanded_chunk(q_nope[a:b], q_rope[a:b], pages, table, ctx_h[i])
+            else:
+                q_lat = torch.einsum("nhd,hdl->nhl", q_nope[a:b], W_uk)
+                ctx = self._absorbed_chunk(q_lat, q_rope[a:b], pages, table, ctx_h[i])
+                out[a:b] = torch.einsum("nhl,hvl->nhv", ctx, W_uv).to(x.dtype)
+        return self._finish(out, xt).reshape(B, T, -1)
 
-    def _absorbed_chunk(self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                        table: torch.Tensor, context: int, tile: int = 512) -> torch.Tensor:
-        """Several new tokens of one sequence over its cached latents (context tokens before them).
+    def _gather(self, pages: torch.Tensor, table: torch.Tensor, total: int) -> torch.Tensor:
+        """The first `total` latents [total, L + R] of a sequence, from its pages in table order."""
+        ps = pages.shape[1]
+        n_pages = -(-total // ps)
+        return pages[table[:n_pages].long()].reshape(n_pages * ps, -1)[:total]
 
-        Reads the sequence's pages once and tiles the queries so memory stays at
-        H x tile x (context + n) scores, however long the context."""
+    def _expanded_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
+                        table: torch.Tensor, context: int) -> torch.Tensor:
+        """n new tokens of one sequence over context + n cached latents, in the expanded form.
+
+        Expanding the context through kv_b_proj costs context x L x H(nope + v) once per chunk, and
+        the attention then runs at the per-head widths (qk nope + rope, v) instead of the latent
+        width (L + R): for a chunk of more than a few dozen tokens that is far cheaper than the
+        absorbed form (K3: 192 + 128 per head against 576 + 512). Returns [n, H, v]."""
+        n = q_nope.shape[0]
+        H, S = self.num_heads, context + n
+        rows = self._gather(pages, table, S).to(q_nope.dtype)  # [S, L + R]
+        c, r = rows.split([self.lora, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c).unflatten(-1, (H, self.nope + self.vdim)).split([self.nope, self.vdim], -1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, n, dqk]
+        k = torch.cat([k_nope, r[:, None, :].expand(S, H, self.rope)], dim=-1).transpose(0, 1)[None]
+        v = v.transpose(0, 1)[None]
+        dqk = q.shape[-1]
+        if self.vdim < dqk:  # equal head dims keep SDPA on its fused kernel (see _naive)
+            v = F.pad(v, (0, dqk - self.vdim))
+        # Query i (0-based in the chunk) sees keys 0 .. context + i: causal, aligned bottom-right.
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=self.scale)
+        return o[0, :, :, : self.vdim].transpose(0, 1)
+
+    def _absorbed_chunk(self, q_lat: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
+                        table: torch.Tensor, context: int) -> torch.Tensor:
+        """A few new tokens of one sequence over its cached latents (context tokens before them),
+        in the absorbed form: scores [n, H, context + n] at the latent width. Returns [n, H, L]."""
         n = q_lat.shape[0]
         total = context + n
-        bs = kv_cache.shape[1]
         pos = torch.arange(total, device=q_lat.device)
-        rows = kv_cache[table[pos // bs].long(), pos % bs].float()  # [S, L + R]
+        rows = self._gather(pages, table, total).float()  # [S, L + R]
         c, r = rows[:, : self.lora], rows[:, self.lora:]
-        out = torch.empty(n, self.num_heads, self.lora, dtype=torch.float32, device=q_lat.device)
-        for a in range(0, n, tile):
-            b = min(n, a + tile)
-            score = (torch.einsum("nhl,sl->nhs", q_lat[a:b].float(), c)
-                     + torch.einsum("nhr,sr->nhs", q_rope[a:b].float(), r)) * self.scale
-            visible = pos[None, :] <= (context + torch.arange(a, b, device=q_lat.device))[:, None]  # [tile, S]
-            score = score.masked_fill(~visible[:, None, :], float("-inf"))
-            out[a:b] = torch.einsum("nhs,sl->nhl", torch.softmax(score, dim=-1), c)
-        return out.to(q_lat.dtype)
+        score = (torch.einsum("nhl,sl->nhs", q_lat.float(), c) + torch.einsum("nhr,sr->nhs", q_rope.float(), r)) * self.scale
+        visible = pos[None, :] <= (context + torch.arange(n, device=q_lat.device))[:, None]  # [n, S]
+        score = score.masked_fill(~visible[:, None, :], float("-inf"))
+        return torch.einsum("nhs,sl->nhl", torch.softmax(score, dim=-1), c).to(q_lat.dtype)
 
     def _naive(self, x: torch.Tensor, lat: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape

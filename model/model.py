@@ -17,7 +17,7 @@ from torch import nn
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
 from .cache import CacheBatch
 from .config import K3Config
-from .kda import KDAState, KimiDeltaAttention
+from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import GatedMLP, LatentMoE, RouterOutput
 from .norm import RMSNorm, rms_norm
@@ -36,28 +36,11 @@ class DecoderLayer(nn.Module):
 
     def attention(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: CacheBatch | None) -> torch.Tensor:
         x = self.input_layernorm(h)
+        if cache is not None:
+            return self.self_attn.forward_cached(x, cache)
         if self.kind == "mla":
-            if cache is None:
-                return self.self_attn(x, cu_seqlens)
-            return self.self_attn(x, cache.cu_seqlens, cache.mla_kv[self.idx], cache.block_table, cache.context_lens)
-        if cache is None:
-            out, _ = self.self_attn(x, cu_seqlens)
-            return out
-        conv, rec = cache.kda_conv[self.idx], cache.kda_state[self.idx]
-        if cache.is_decode:
-            out, _ = self.self_attn(x.reshape(-1, 1, x.shape[-1]), state_pool=KDAState(conv, rec),
-                                    slot_idx=cache.kda_slots)
-            return out.reshape(x.shape)
-        slots = cache.kda_slots
-        start = KDAState(conv.index_select(0, slots), rec.index_select(0, slots))
-        snaps: list = []
-        out, final = self.self_attn(x, cache.cu_seqlens, state=start,
-                                    snapshot_offsets=cache.extras.get("kda_snapshot_offsets"), snapshots_out=snaps)
-        if snaps:
-            cache.extras.setdefault("kda_snapshots", {})[self.idx] = snaps
-        conv.index_copy_(0, slots, final.conv.to(conv.dtype))
-        rec.index_copy_(0, slots, final.recurrent)
-        return out
+            return self.self_attn(x, cu_seqlens)
+        return self.self_attn(x, cu_seqlens)[0]
 
     def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
         x = self.post_attention_layernorm(h)

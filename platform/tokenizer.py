@@ -37,3 +37,40 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
     return {name: tok.token_to_id(t) for name, t in zip(("pad", "bos", "eos"), SPECIAL_TOKENS)}
+
+
+# A chat template travels with the tokenizer, as in a Hugging Face checkpoint: the `chat_template`
+# key of tokenizer_config.json beside tokenizer.json. Other keys in that file are kept.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def save_chat_template(directory: str | Path, chat_template: str) -> Path:
+    """Store `chat_template` (a Jinja string) in `directory`/tokenizer_config.json, next to its tokenizer.json."""
+    import json
+
+    d = Path(directory)
+    if not (d / "tokenizer.json").is_file():
+        raise ValueError(f"directory has no tokenizer.json to go with the chat template: {d}")
+    if not chat_template:
+        raise ValueError("chat_template must be a non-empty string")
+    path = d / TOKENIZER_CONFIG
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config["chat_template"] = chat_template
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_chat_template(directory: str | Path) -> str | None:
+    """The chat template stored with the tokenizer in `directory`, or None when it has none."""
+    import json
+
+    path = Path(directory) / TOKENIZER_CONFIG
+    if not path.exists():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a JSON object: {e}") from e
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be a string, got {type(template).__name__}")
+    return template

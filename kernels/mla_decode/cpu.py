@@ -30,9 +30,13 @@ def mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, w_uv
         # Pages past a sequence's end may hold any id (they are masked); clamp so the gather is safe.
         ids = block_table[:, b0:b1].long().clamp(0, kv_cache.shape[0] - 1)
         rows = kv_cache[ids].reshape(N, (b1 - b0) * bs, -1).float()  # [N, tokens, L + R]
-        score = torch.matmul(q, rows.transpose(1, 2)).mul_(scale)  # [N, H, tokens]
         pos = t0 + torch.arange(rows.shape[1], device=lens.device)
-        score.masked_fill_(~(pos[None, :] < lens[:, None])[:, None, :], float("-inf"))
+        valid = pos[None, :] < lens[:, None]  # [N, tokens]
+        # Rows past a sequence's end may hold anything (a reused page, NaN): mask them to zero, as
+        # a zero softmax weight times NaN would still be NaN.
+        rows = rows.masked_fill(~valid[..., None], 0.0)
+        score = torch.matmul(q, rows.transpose(1, 2)).mul_(scale)  # [N, H, tokens]
+        score.masked_fill_(~valid[:, None, :], float("-inf"))
         m_new = torch.maximum(m, score.amax(-1, keepdim=True))
         # A slice wholly past a short sequence's end leaves its row at -inf: keep exp() finite.
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

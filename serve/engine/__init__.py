@@ -7,8 +7,10 @@
 
 `AsyncEngine` wraps it for asyncio callers (the Ray Serve deployments).
 """
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, RequestFailed
 from .engine import LLMEngine, RequestOutput
+from .handoff import HybridCacheState
 from .params import EngineConfig, SamplingParams
 
-__all__ = ["LLMEngine", "AsyncEngine", "RequestOutput", "EngineConfig", "SamplingParams"]
+__all__ = ["LLMEngine", "AsyncEngine", "RequestOutput", "RequestFailed", "EngineConfig", "SamplingParams",
+           "HybridCacheState"]

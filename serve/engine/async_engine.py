@@ -1,11 +1,23 @@
-"""asyncio front end: `generate()` is an async iterator of outputs; steps run in a worker thread."""
+"""asyncio front end: `generate()` and `resume()` are async iterators of one request's outputs;
+steps run in a worker thread.
+
+Each stream owns its request id from the moment the engine accepts it until the stream ends:
+a second stream with an id still held is refused (ValueError), so one stream's cleanup can never
+remove or abort another's request. A request that fails ends its own stream with
+`RequestFailed`; the other streams go on.
+"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from .engine import LLMEngine, RequestOutput
+from .handoff import HybridCacheState
 from .params import SamplingParams
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error (the message says why)."""
 
 
 class AsyncEngine:
@@ -28,8 +40,8 @@ class AsyncEngine:
                 await self._wake.wait()
             try:
                 outs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:  # a failed step fails the requests in it, not the loop
-                for q in self._queues.values():
+            except Exception as e:  # noqa: BLE001 - the engine itself broke (not one request): tell every stream
+                for q in list(self._queues.values()):
                     q.put_nowait(e)
                 continue
             for o in outs:
@@ -37,12 +49,10 @@ class AsyncEngine:
                 if q is not None:
                     q.put_nowait(o)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; raises ValueError for bad input before anything runs.
-
-        Leaving the iteration early (client disconnect, cancellation) aborts the request."""
-        rid = self.engine.add_request(request_id, prompt_token_ids, params)
+    async def _stream(self, request_id: str | None, submit: Callable[[str | None], str]) -> AsyncIterator[RequestOutput]:
+        if request_id is not None and request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        rid = submit(request_id)  # validates; raises ValueError before anything runs
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()
@@ -53,12 +63,27 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 done = item.finished
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 yield item
         finally:
-            self._queues.pop(rid, None)
-            if not done:
+            if self._queues.get(rid) is q:
+                del self._queues[rid]
+            if not done:  # left early (client disconnect, cancellation): abort, it is still ours
                 self.engine.abort_request(rid)
                 self._wake.set()
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; raises ValueError for bad input before anything runs.
+        Leaving the iteration early (client disconnect, cancellation) aborts the request."""
+        return self._stream(request_id, lambda rid: self.engine.add_request(rid, prompt_token_ids, params,
+                                                                             prefill_only=prefill_only))
+
+    def resume(self, prompt_token_ids: list[int], state: HybridCacheState, params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request whose prompt another engine prefilled (`LLMEngine.import_request`)."""
+        return self._stream(request_id, lambda rid: self.engine.import_request(rid, prompt_token_ids, state, params))
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)

@@ -86,11 +86,12 @@ class StopMatcher:
         """-> (text to emit now, whether a stop string matched)."""
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0:
-                self.text = self.text[: i + (len(s) if self.include else 0)]
-                return self._take(len(self.text)), True
+        # The earliest match wins, whatever the order of the list; at one position, the longest.
+        hits = [(i, -len(s), s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            i, _, s = min(hits)
+            self.text = self.text[: i + (len(s) if self.include else 0)]
+            return self._take(len(self.text)), True
         return self._take(max(self.emitted, len(self.text) - self.hold)), False
 
     def finish(self) -> str:

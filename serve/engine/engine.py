@@ -1,29 +1,36 @@
-"""LLMEngine: add requests, step, stream outputs, abort. One forward per step for every
-scheduled sequence (prefill chunks and decode tokens packed together).
+"""LLMEngine: add requests, step, stream outputs, abort; hand a prompt's cache state to another
+engine and take one in. One forward per step for every scheduled sequence (prefill chunks and
+decode tokens packed together).
 
-Thread-safety: `add_request` validates synchronously (bad input raises ValueError and changes
-nothing) and queues; `abort_request` queues; both are applied at the start of the next step, so
-an asyncio front end may call them while a step runs in a worker thread.
+Thread-safety: `add_request`, `import_request` and `abort_request` validate synchronously (bad
+input raises ValueError and changes nothing) and queue; the queue is applied at the start of the
+next step, so an asyncio front end may call them while a step runs in a worker thread. Request
+ids are reserved under the lock when accepted and released when the request ends.
+
+Failure isolation: a request whose sampling fails ends alone with an error; a forward that
+raises sends every sequence in it back to be recomputed alone (scheduler.py), so the culprit
+fails alone and every other request continues exactly as if it had not been there.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from k3.model import K3ForCausalLM
-from k3.model.generate import sample_next
 
-from .cache_manager import CacheManager
+from .cache_manager import CacheManager, page_hashes
 from .detokenizer import Detokenizer, StopMatcher
+from .handoff import STATE_VERSION, HybridCacheState, to_numpy, to_torch
 from .params import EngineConfig, SamplingParams
-from .scheduler import Scheduler, Sequence, Status
-
-_ids = itertools.count()
+from .sampler import sample
+from .scheduler import Scheduled, Scheduler, Sequence, Status
 
 
 @dataclass
@@ -34,10 +41,25 @@ class RequestOutput:
     text_delta: str = ""
     text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # "stop" | "length" | "abort" | "error"; None while running, and for a prefill-only request
+    # that ends by handing its state over (cache_state set).
+    finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top": {id: lp}}
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None
+    cache_state: HybridCacheState | None = None
+
+
+def model_fingerprint(model: K3ForCausalLM, cache_dtype: str) -> str:
+    """The config, the cache dtype and a sample of every parameter: two engines that agree on it
+    can exchange cache states."""
+    h = hashlib.sha256(model.cfg.to_json().encode() + cache_dtype.encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
 
 
 class LLMEngine:
@@ -50,16 +72,20 @@ class LLMEngine:
                            self.cfg.max_position_embeddings)
         self.cache = CacheManager(self.cfg, self.config, self.device)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.enable_prefix_caching, self.config.checkpoint_interval)
+                                   self.config.enable_prefix_caching, self.config.snapshot_interval)
         if self.config.verify_prefix_hits:
-            self.scheduler.verifier = self._verify_checkpoint
+            self.scheduler.verifier = self._verify_snapshot
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        self.seqs: dict[str, Sequence] = {}
+        self.fingerprint = model_fingerprint(model, self.config.dtype)
+        self.seqs: dict[str, Sequence] = {}  # admitted to the scheduler (the step thread's view)
+        self._live: set[str] = set()  # every accepted, unfinished request id (guarded by _lock)
         self._pending: deque = deque()
         self._lock = threading.Lock()
+        self._next_id = itertools.count()
         self.steps = 0
-        self.step_times: list[float] = []
+        self.failed_forwards = 0
+        self.step_seconds: deque[float] = deque(maxlen=1024)  # the most recent steps only
 
     # -- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids, params: SamplingParams) -> list[int]:
@@ -87,21 +113,52 @@ class LLMEngine:
                              f"cache_memory_bytes")
         return ids
 
-    def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams | None = None) -> str:
+    def _new_sequence(self, request_id: str | None, ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        seq = Sequence(request_id or "", ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.detok is not None:
+            seq.detok = self.detok.stream()
+            seq.stopper = StopMatcher(params.stop, params.include_stop_str_in_output)
+        return seq
+
+    def _enqueue(self, kind: str, seq: Sequence) -> str:
+        with self._lock:
+            if not seq.request_id:
+                seq.request_id = f"req-{next(self._next_id)}"
+                while seq.request_id in self._live:
+                    seq.request_id = f"req-{next(self._next_id)}"
+            if seq.request_id in self._live:
+                raise ValueError(f"request_id {seq.request_id!r} is already in use")
+            self._live.add(seq.request_id)
+            self._pending.append((kind, seq.request_id, seq))
+        return seq.request_id
+
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False) -> str:
+        """Queue a request; returns its id. With prefill_only the request ends after its first
+        token with `cache_state` set (or finished normally, if that token already ends it)."""
+        params = params or SamplingParams()
+        seq = self._new_sequence(request_id, self.validate(prompt_token_ids, params), params)
+        seq.prefill_only = prefill_only
+        return self._enqueue("add", seq)
+
+    def import_request(self, request_id: str | None, prompt_token_ids: list[int], state: HybridCacheState,
+                       params: SamplingParams | None = None) -> str:
+        """Continue a request another engine prefilled: its first output (the handed-over first
+        token) comes from the next step; decoding goes on from there. The state is checked
+        completely before anything is allocated: a mismatch raises ValueError and changes nothing."""
         params = params or SamplingParams()
         ids = self.validate(prompt_token_ids, params)
-        rid = request_id or f"req-{next(_ids)}"
-        with self._lock:
-            if rid in self.seqs or any(p[1] == rid for p in self._pending if p[0] == "add"):
-                raise ValueError(f"request_id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params)
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            if self.detok is not None:
-                seq.detok = self.detok.stream()
-                seq.stopper = StopMatcher(params.stop, params.include_stop_str_in_output)
-            self._pending.append(("add", rid, seq))
-        return rid
+        latents, kda = self._check_state(state, ids, params)
+        seq = self._new_sequence(request_id, ids, params)
+        seq.hashes = list(state.page_hashes) if self.config.enable_prefix_caching else []
+        seq.imported = {"latents": latents, "kda": kda, "first": (state.first_token, state.first_logprob)}
+        if seq.generator is not None:
+            seq.generator.set_state(torch.from_numpy(state.generator_state.copy()))
+        return self._enqueue("import", seq)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -110,19 +167,32 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work()
 
+    def _release_id(self, rid: str) -> None:
+        self.seqs.pop(rid, None)
+        with self._lock:
+            self._live.discard(rid)
+
     def _apply_pending(self) -> list[RequestOutput]:
         outs = []
         with self._lock:
             items, self._pending = list(self._pending), deque()
         for kind, rid, seq in items:
-            if kind == "add":
-                self.seqs[rid] = seq
-                self.scheduler.add(seq)
-            elif rid in self.seqs:
-                seq = self.seqs.pop(rid)
-                self.scheduler.remove(seq)
-                seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                outs.append(self._output(seq, [], [], finished=True))
+            if kind == "abort":
+                seq = self.seqs.get(rid)
+                if seq is not None:
+                    self.scheduler.remove(seq)
+                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                    self._release_id(rid)
+                    outs.append(self._output(seq, [], [], finished=True))
+                continue
+            self.seqs[rid] = seq
+            if kind == "import":
+                tok, lp = seq.imported.pop("first")
+                out = self._accept(seq, tok, lp)  # the first token, as the prefill engine chose it
+                outs.append(out)
+                if out.finished:
+                    continue
+            self.scheduler.add(seq)
         return outs
 
     # -- the step --------------------------------------------------------------------------------
@@ -133,7 +203,30 @@ class LLMEngine:
         if not sched:
             return outs
         t0 = time.perf_counter()
-        ids, lengths, slots, tables, context, sample_rows, snap = [], [], [], [], [], [], {}
+        try:
+            batch, logits_at, sample_idx = self._build(sched)
+            logits = self.model(batch[0], cache=batch[1], logits_at=logits_at).logits
+        except Exception as e:  # noqa: BLE001 - isolate whatever the forward raised
+            outs += self._forward_failed(sched, e)
+            self.step_seconds.append(time.perf_counter() - t0)
+            return outs
+        snaps = self._mid_chunk_snapshots(batch[1])
+        for i, s in enumerate(sched):
+            self.scheduler.after_step(s, snaps.get(i, {}))
+        seqs = [sched[i].seq for i in sample_idx]
+        draws = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                       [self._banned(s) for s in seqs], self.generator) if seqs else []
+        for seq, d in zip(seqs, draws):
+            if d.error is not None:
+                outs.append(self._fail(seq, d.error))
+            else:
+                outs.append(self._accept(seq, d.token, d.logprob))
+        self.steps += 1
+        self.step_seconds.append(time.perf_counter() - t0)
+        return outs
+
+    def _build(self, sched: list[Scheduled]):
+        ids, lengths, slots, tables, context, rows, sample_idx, offsets = [], [], [], [], [], [], [], {}
         row = 0
         for i, s in enumerate(sched):
             seq = s.seq
@@ -144,64 +237,55 @@ class LLMEngine:
             context.append(seq.num_computed)
             row += s.num_tokens
             if seq.num_computed + s.num_tokens == seq.length:
-                sample_rows.append((i, row - 1))
+                rows.append(row - 1)
+                sample_idx.append(i)
             if s.snapshot_offsets:
-                snap[i] = s.snapshot_offsets
-        batch = self.cache.cache_batch(lengths, slots, tables, context)
-        if snap:
-            batch.extras["kda_snapshot_offsets"] = snap
-        logits_at = torch.tensor([r for _, r in sample_rows], dtype=torch.long, device=self.device)
-        logits = self.model(torch.tensor([ids], device=self.device), cache=batch, logits_at=logits_at).logits
-        states = self._collect_snapshots(batch, sched)
-        for i, s in enumerate(sched):
-            self.scheduler.after_step(s, states.get(i, {}))
-        for (i, _), lg in zip(sample_rows, logits):
-            outs.append(self._sample(sched[i].seq, lg))
-        self.steps += 1
-        self.step_times.append(time.perf_counter() - t0)
-        return outs
+                offsets[i] = s.snapshot_offsets
+        cb = self.cache.cache_batch(lengths, slots, tables, context, offsets)
+        logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return (torch.tensor([ids], device=self.device), cb), logits_at, sample_idx
 
-    def _verify_checkpoint(self, prefix: list[int], slot: int, tol: float = 1e-3) -> bool:
-        """Recompute the prefix cold and compare every KDA layer's state with the checkpoint."""
+    def _forward_failed(self, sched: list[Scheduled], e: Exception) -> list[RequestOutput]:
+        self.failed_forwards += 1
+        if len(sched) == 1:
+            return [self._fail(sched[0].seq, f"the model's forward failed: {type(e).__name__}: {e}")]
+        until = {id(s.seq): s.seq.num_computed + s.num_tokens for s in sched}
+        self.scheduler.preempt_for_recompute([s.seq for s in sched], until)
+        return []
+
+    @staticmethod
+    def _mid_chunk_snapshots(cb) -> dict[int, dict[int, dict[int, tuple]]]:
+        """{scheduled index: {offset: {kda layer: (conv, recurrent)}}} from what the layers recorded."""
+        out: dict = {}
+        for layer, snaps in cb.snapshots.items():
+            for s in snaps:
+                out.setdefault(s.seq, {}).setdefault(s.offset, {})[layer] = (s.conv, s.recurrent)
+        return out
+
+    def _verify_snapshot(self, prefix: list[int], slot: int, tol: float = 1e-3) -> bool:
+        """Recompute the prefix cold and compare every KDA layer's state with the snapshot."""
         from k3.model import HybridCache
 
         cold = HybridCache(self.cfg, 1, len(prefix), dtype=self.cache.dtype, device=self.device)
         self.model(torch.tensor([prefix], device=self.device), cache=cold.batch([len(prefix)]),
                    logits_at=torch.tensor([len(prefix) - 1], device=self.device))
-        for layer, ref in cold.kda_state.items():
-            got = self.cache.kda_state[layer][slot]
-            err = float((got - ref[0]).norm() / ref[0].norm().clamp_min(1e-30))
-            if err > tol:
+        for layer, pool in cold.kda.items():
+            ref, got = pool.recurrent[0], self.cache.kda[layer].recurrent[slot]
+            if float((got - ref).norm() / ref.norm().clamp_min(1e-30)) > tol:
                 return False
         return True
 
-    def _collect_snapshots(self, batch, sched) -> dict[int, dict[int, dict[int, tuple]]]:
-        """{scheduled index: {offset: {kda layer: (conv, recurrent)}}}."""
-        out: dict = {}
-        for layer, items in batch.extras.get("kda_snapshots", {}).items():
-            for i, off, st in items:
-                out.setdefault(i, {}).setdefault(off, {})[layer] = (st.conv, st.recurrent)
-        return out
+    def _banned(self, seq: Sequence) -> list[int]:
+        p, eos = seq.params, self.cfg.eos_token_id
+        if len(seq.output) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
-        p = seq.params
-        logits = logits.float()[None]
-        eos = self.cfg.eos_token_id
-        if len(seq.output) < p.min_tokens:
-            ban = list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
-            if ban:
-                logits[:, ban] = float("-inf")
-        gen = seq.generator or self.generator
-        tok = int(sample_next(logits, p.temperature, p.top_k, p.top_p, gen)[0])
-        lp = []
-        if p.logprobs is not None:
-            logp = torch.log_softmax(logits[0], -1)
-            entry = {"token": tok, "logprob": float(logp[tok])}
-            if p.logprobs:
-                top = logp.topk(p.logprobs)
-                entry["top"] = {int(i): float(v) for v, i in zip(top.values, top.indices)}
-            lp = [entry]
-            seq.logprobs.extend(lp)
+    def _accept(self, seq: Sequence, tok: int, lp: dict | None) -> RequestOutput:
+        """Append a chosen token: detokenize, match stops, finish or hand over."""
+        p, eos = seq.params, self.cfg.eos_token_id
+        lps = [lp] if lp is not None else []
+        seq.logprobs.extend(lps)
         seq.output.append(tok)
         delta = ""
         finished = stop_hit = False
@@ -213,25 +297,120 @@ class LLMEngine:
             seq.finish_reason, finished = "stop", True
         if not finished and (len(seq.output) >= p.max_tokens or seq.length >= self.max_len):
             seq.finish_reason, finished = "length", True
+        state = None
         if finished:
             if seq.detok is not None and not stop_hit:  # release held-back text
                 tail, hit = seq.stopper.feed(seq.detok.flush())
                 delta += tail if hit else tail + seq.stopper.finish()
+        elif seq.prefill_only:
+            state, finished = self._export(seq, tok, lp), True
+        if finished:
             seq.status = Status.FINISHED
             self.scheduler.remove(seq)
-            self.seqs.pop(seq.request_id, None)
+            self._release_id(seq.request_id)
         seq.text += delta
-        return self._output(seq, [tok], lp, finished, delta)
+        out = self._output(seq, [tok], lps, finished, delta)
+        out.cache_state = state
+        return out
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.scheduler.fail(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "error"
+        self._release_id(seq.request_id)
+        out = self._output(seq, [], [], True)
+        out.error = message
+        return out
 
     def _output(self, seq: Sequence, new: list[int], lp: list[dict], finished: bool, delta: str = "") -> RequestOutput:
         return RequestOutput(seq.request_id, new, list(seq.output), delta, seq.text, finished, seq.finish_reason,
                              lp, len(seq.prompt), seq.num_cached_tokens)
 
+    # -- the handoff -----------------------------------------------------------------------------
+    def _export(self, seq: Sequence, first: int, lp: dict | None) -> HybridCacheState:
+        """The state after the prompt (the slot and the prompt's latents), the first token, and
+        the generator as it stands after drawing it."""
+        n = len(seq.prompt)
+        assert seq.num_computed == n, "a prompt is exported right after its last token was computed"
+        gen = seq.generator.get_state().numpy().copy() if seq.generator is not None else None
+        kda = self.cache.read_slot(seq.slot)
+        return HybridCacheState(
+            version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
+            cache_dtype=self.config.dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
+            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size),
+            kda_recurrent={l: to_numpy(r) for l, (_, r) in kda.items()},
+            kda_conv={l: to_numpy(c) for l, (c, _) in kda.items()},
+            mla_latents={l: to_numpy(t) for l, t in self.cache.read_latents(seq.pages, n).items()},
+            first_token=first, first_logprob=lp, generator_state=gen,
+        ).seal()
+
+    def _check_state(self, state, ids: list[int], params: SamplingParams):
+        """Everything about a handed-over state that must hold before it is loaded."""
+        def refuse(msg: str):
+            raise ValueError(f"cache state refused: {msg}")
+
+        if not isinstance(state, HybridCacheState):
+            refuse(f"expected a HybridCacheState, got {type(state).__name__}")
+        if state.version != STATE_VERSION:
+            refuse(f"version {state.version}, this engine reads version {STATE_VERSION}")
+        if state.model_fingerprint != self.fingerprint:
+            refuse(f"model fingerprint {state.model_fingerprint} != this engine's {self.fingerprint} "
+                   f"(another config, other weights or another cache dtype)")
+        if state.page_size != self.cache.page_size:
+            refuse(f"page_size {state.page_size} != this engine's {self.cache.page_size}")
+        if state.digest != state.compute_digest():
+            refuse("digest mismatch: the state was changed or corrupted after export")
+        got = state.prompt_token_ids
+        if not isinstance(got, np.ndarray) or got.dtype != np.int64 or got.shape != (len(ids),) or \
+                not np.array_equal(got, np.asarray(ids, dtype=np.int64)):
+            refuse(f"its prompt_token_ids ({getattr(got, 'shape', None)}) differ from the request's prompt "
+                   f"({len(ids)} tokens)")
+        if list(state.page_hashes) != page_hashes(ids, self.cache.page_size):
+            refuse("page_hashes do not match the prompt")
+        if not 0 <= state.first_token < self.cfg.vocab_size:
+            refuse(f"first_token {state.first_token} out of range [0, {self.cfg.vocab_size})")
+        if (params.seed is not None) != (state.generator_state is not None):
+            refuse("a seeded request needs the generator state, an unseeded one has none")
+        cdt = self.cache.dtype
+        np_conv = np.int16 if cdt == torch.bfloat16 else np.float32
+        kda, latents = {}, {}
+        if sorted(state.kda_recurrent) != [s.layer_idx for s in self.cache.kda_specs] or \
+                sorted(state.kda_conv) != [s.layer_idx for s in self.cache.kda_specs]:
+            refuse(f"KDA layers {sorted(state.kda_recurrent)} != {[s.layer_idx for s in self.cache.kda_specs]}")
+        for s in self.cache.kda_specs:
+            rec, conv = state.kda_recurrent[s.layer_idx], state.kda_conv[s.layer_idx]
+            if rec.shape != s.state_shape or rec.dtype != np.float32 or not np.isfinite(rec).all():
+                refuse(f"KDA layer {s.layer_idx} recurrent state {rec.shape} {rec.dtype}, expected finite "
+                       f"{s.state_shape} float32")
+            if conv.shape != s.conv_shape or conv.dtype != np_conv:
+                refuse(f"KDA layer {s.layer_idx} conv state {conv.shape} {conv.dtype}, expected {s.conv_shape} "
+                       f"{np.dtype(np_conv)}")
+            kda[s.layer_idx] = (to_torch(conv, cdt, self.device), to_torch(rec, torch.float32, self.device))
+        if sorted(state.mla_latents) != [s.layer_idx for s in self.cache.mla_specs]:
+            refuse(f"MLA layers {sorted(state.mla_latents)} != {[s.layer_idx for s in self.cache.mla_specs]}")
+        for s in self.cache.mla_specs:
+            lat = state.mla_latents[s.layer_idx]
+            if lat.shape != (len(ids), s.latent_dim) or lat.dtype != np_conv:
+                refuse(f"MLA layer {s.layer_idx} latents {lat.shape} {lat.dtype}, expected "
+                       f"{(len(ids), s.latent_dim)} {np.dtype(np_conv)}")
+            latents[s.layer_idx] = to_torch(lat, cdt, self.device)
+        return latents, kda
+
     # -- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run prompts to completion (continuous batching); the final output of each, in order."""
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        """Run prompts to completion (continuous batching); the final output of each, in order.
+        Every prompt is validated before any is queued."""
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+            plist = params
+        else:
+            plist = [params or SamplingParams()] * len(prompts)
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                self.validate(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         rids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(rids):
@@ -244,6 +423,7 @@ class LLMEngine:
         u = self.cache.usage()
         q = u["prefix_query_tokens"]
         return {**u, "steps": self.steps, "preemptions": self.scheduler.preemptions,
+                "failed_forwards": self.failed_forwards,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "prefix_hit_rate": (u["prefix_hit_tokens"] / q) if q else 0.0}

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Below this temperature sampling is greedy: dividing logits by a denormal temperature overflows
+# to inf and the softmax becomes NaN (vLLM draws the same line).
+GREEDY_BELOW = 1e-5
+MAX_SEED = 2**63 - 1
 
 
 class SamplingParams(BaseModel):
@@ -13,16 +18,26 @@ class SamplingParams(BaseModel):
 
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
     min_tokens: int = Field(0, ge=0, description="Stop tokens and EOS are suppressed until this many tokens exist.")
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
+    temperature: float = Field(1.0, ge=0.0, le=1e4, allow_inf_nan=False,
+                               description=f"Softmax temperature in [0, 1e4]; below {GREEDY_BELOW} sampling is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
-    seed: int | None = Field(None, description="Per-request seed: the same seed gives the same tokens.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Per-request seed in [0, 2**63 - 1]: the same seed gives the same tokens.")
     stop: list[str] = Field(default_factory=list, description="Strings that end generation (not included).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (included).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
     logprobs: int | None = Field(None, ge=0, le=20,
                                  description="Return the chosen token's logprob and this many top alternatives.")
     include_stop_str_in_output: bool = Field(False, description="Keep a matched stop string in the text.")
+
+    @field_validator("max_tokens", "min_tokens", "top_k", "seed", "logprobs", mode="before")
+    @classmethod
+    def _no_bool(cls, v, info):
+        # pydantic takes True as 1 for an int field; a boolean here is always a caller's mistake.
+        if isinstance(v, bool):
+            raise ValueError(f"{info.field_name} must be an integer, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
@@ -31,6 +46,10 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 class EngineConfig(BaseModel):
@@ -41,12 +60,12 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, description="Most sequences running at once (one KDA slot each).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens in one forward (prefill chunks + decodes).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default the model's maximum.")
-    block_size: int = Field(16, ge=1, description="Tokens per MLA latent page and per prefix-cache block.")
-    cache_memory_bytes: int = Field(256 * 2**20, ge=1, description="Memory for KDA slots, checkpoints and MLA pages.")
-    enable_prefix_caching: bool = Field(True, description="Reuse cached prompt prefixes (MLA pages + KDA checkpoints).")
-    checkpoint_interval: int = Field(4, ge=1, description="Take a KDA state checkpoint every this many blocks.")
-    checkpoint_memory_fraction: float = Field(0.25, ge=0.0, lt=1.0,
-                                              description="Share of the memory left after running slots for checkpoints.")
+    page_size: int = Field(16, ge=1, description="Tokens per MLA latent page; also the prefix cache's unit.")
+    cache_memory_bytes: int = Field(256 * 2**20, ge=1, description="Memory for KDA slots, snapshots and MLA pages.")
+    enable_prefix_caching: bool = Field(True, description="Reuse cached prompt prefixes (MLA pages + KDA snapshots).")
+    snapshot_interval: int = Field(4, ge=1, description="Keep a KDA state snapshot every this many prompt pages.")
+    snapshot_memory_fraction: float = Field(0.25, ge=0.0, lt=1.0,
+                                            description="Share of the memory left after running slots for snapshots.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="MLA latent and conv state dtype.")
     verify_prefix_hits: bool = Field(False, description="Debug: recompute every prefix hit cold and compare states.")
-    seed: int = Field(0, description="Seed of the generator used by requests without their own seed.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the generator used by requests without their own seed.")

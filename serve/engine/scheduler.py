@@ -7,6 +7,10 @@ prefill mixes with decode. Running sequences go first, oldest first; waiting one
 while the token budget, the sequence cap and memory allow. When a running sequence needs a page
 and none is left, the youngest running sequence is preempted: its memory is freed and it waits
 to be recomputed from its tokens, so what it already produced is unaffected.
+
+A forward that raises cannot say which request caused it. Every sequence in it is preempted
+(recompute is exact) and marked a suspect; a suspect runs alone until it has recomputed past the
+point of the failure, so the culprit fails alone and the others continue unchanged.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache_manager import CacheManager, CachedBlock, block_hashes
+from .cache_manager import CacheManager, CachedPage, page_hashes
 from .detokenizer import DetokStream, StopMatcher
 from .params import SamplingParams
 
@@ -41,8 +45,8 @@ class Sequence:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
-    registered_blocks: int = 0  # full prompt blocks made shareable so far
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
+    registered_pages: int = 0  # full prompt pages made shareable so far
     hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     detok: DetokStream | None = None
@@ -51,6 +55,10 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
     preemptions: int = 0
+    admitted: bool = False  # admitted at least once (prefix queries are counted once per request)
+    prefill_only: bool = False  # export the cache state after the first token (disaggregated prefill)
+    suspect_until: int = 0  # run alone until num_computed reaches this (after a failed batch)
+    imported: dict | None = None  # a handed-over state waiting for admission: {"latents", "kda"}
 
     @property
     def tokens(self) -> list[int]:
@@ -60,29 +68,34 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    @property
+    def suspect(self) -> bool:
+        return self.num_computed < self.suspect_until
+
 
 @dataclass
 class Scheduled:
     seq: Sequence
     num_tokens: int
-    snapshot_offsets: list[int]  # KDA checkpoint offsets within this chunk
+    snapshot_offsets: list[int]  # page boundaries inside this chunk that get a KDA snapshot
+    snapshot_at_end: bool  # the chunk ends on such a boundary: the slot itself is the snapshot
 
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool, checkpoint_interval: int) -> None:
+                 prefix_caching: bool, snapshot_interval: int) -> None:
         self.cache = cache
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
-        self.prefix_caching, self.interval = prefix_caching, checkpoint_interval
+        self.prefix_caching, self.interval = prefix_caching, snapshot_interval
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        # Optional debug check of a prefix hit: verifier(prefix tokens, checkpoint slot) -> bool.
+        # Optional debug check of a prefix hit: verifier(prefix tokens, snapshot slot) -> bool.
         self.verifier = None
 
     def add(self, seq: Sequence) -> None:
-        if self.prefix_caching:
-            seq.hashes = block_hashes(seq.prompt, self.cache.bs)
+        if self.prefix_caching and not seq.hashes:
+            seq.hashes = page_hashes(seq.prompt, self.cache.page_size)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -96,13 +109,26 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def fail(self, seq: Sequence) -> None:
+        """A request that failed: give back its memory and forget the pages it made shareable."""
+        mine = seq.hashes[seq.num_cached_tokens // self.cache.page_size: seq.registered_pages]
+        self.remove(seq)
+        self.cache.forget(mine)
+
+    def preempt_for_recompute(self, seqs: list[Sequence], until: dict[int, int]) -> None:
+        """After a failed forward: every sequence in it goes back to wait, marked suspect."""
+        for seq in sorted(seqs, key=lambda s: s.arrival, reverse=True):
+            target = until[id(seq)]
+            self._preempt(seq)
+            seq.suspect_until = max(seq.suspect_until, target)
+
     def _release(self, seq: Sequence) -> None:
         self.cache.release_pages(seq.pages)
         seq.pages = []
         if seq.slot is not None:
             self.cache.free_run_slot(seq.slot)
             seq.slot = None
-        seq.registered_blocks = 0
+        seq.registered_pages = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -121,13 +147,19 @@ class Scheduler:
             seq.pages.append(p)
         return True
 
-    def _snapshots(self, seq: Sequence, n: int) -> list[int]:
-        if not self.prefix_caching or not self.cache.num_ckpt_slots:
-            return []
-        bs, step = self.cache.bs, self.cache.bs * self.interval
-        lo, hi = seq.num_computed, min(seq.num_computed + n, (len(seq.prompt) // bs) * bs)
-        first = (lo // step + 1) * step
-        return [b - lo for b in range(first, hi + 1, step)]
+    def _plan(self, seq: Sequence, n: int) -> Scheduled:
+        """The chunk, with the prompt page boundaries in it that are due a KDA snapshot."""
+        offsets, at_end = [], False
+        if self.prefix_caching and self.cache.num_snapshot_slots:
+            ps = self.cache.page_size
+            step = ps * self.interval
+            lo, hi = seq.num_computed, min(seq.num_computed + n, (len(seq.prompt) // ps) * ps)
+            for b in range((lo // step + 1) * step, hi + 1, step):
+                if b - lo == n:
+                    at_end = True
+                else:
+                    offsets.append(b - lo)
+        return Scheduled(seq, n, offsets, at_end)
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence a slot and, on a prefix hit, its cached pages and KDA state."""
@@ -136,28 +168,79 @@ class Scheduler:
             return False
         seq.slot = slot
         seq.num_computed = 0
-        seq.num_cached_tokens = 0
+        if seq.imported is not None:
+            return self._admit_imported(seq)
         if self.prefix_caching and seq.hashes:
             chain, best = self.cache.lookup(seq.tokens, seq.hashes, limit=seq.length)
             if best is not None and self.verifier is not None and \
-                    not self.verifier(seq.tokens[: best.depth * self.cache.bs], best.ckpt_slot):
-                self.cache.stats["checkpoints_rejected"] += 1
-                self.cache._drop_ckpt(best)
+                    not self.verifier(seq.tokens[: best.depth * self.cache.page_size], best.snapshot_slot):
+                self.cache.reject_snapshot(best)
                 best = None
             if best is not None:
                 hit = chain[: best.depth]
                 for blk in hit:
                     self.cache.hold(blk)
                 seq.pages = [b.page for b in hit]
-                seq.registered_blocks = best.depth
-                self.cache.copy_slot(best.ckpt_slot, slot)
-                seq.num_computed = seq.num_cached_tokens = best.depth * self.cache.bs
+                seq.registered_pages = best.depth
+                self.cache.copy_slot(best.snapshot_slot, slot)
+                seq.num_computed = best.depth * self.cache.page_size
+        if not seq.admitted:
+            seq.num_cached_tokens = seq.num_computed
+        return True
+
+    def _admit_imported(self, seq: Sequence) -> bool:
+        """A handed-over prompt: shared pages where this cache has them, the rest written from
+        the state; the KDA state into the slot; the sequence resumes at its first output token."""
+        cm, ps, n = self.cache, self.cache.page_size, len(seq.prompt)
+        reuse: list[CachedPage] = []
+        if self.prefix_caching:
+            for j, h in enumerate(seq.hashes):
+                blk = cm.cached(h, tuple(seq.prompt[j * ps:(j + 1) * ps]))
+                if blk is None:
+                    break
+                reuse.append(blk)
+        need = cm.pages_for(n + 1) - len(reuse)
+        if not cm.can_alloc(need):
+            cm.free_run_slot(seq.slot)
+            seq.slot = None
+            return False
+        for blk in reuse:
+            cm.hold(blk)
+        seq.pages = [b.page for b in reuse]
+        seq.registered_pages = len(reuse)
+        if not self._grow(seq, n + 1):  # cannot happen after can_alloc; keep memory consistent anyway
+            self._release(seq)
+            return False
+        cm.write_latents(seq.pages, len(reuse), seq.imported["latents"])
+        cm.write_slot(seq.slot, seq.imported["kda"])
+        seq.imported = None
+        seq.num_computed = n
+        if not seq.admitted:
+            seq.num_cached_tokens = len(reuse) * ps
+        if self.prefix_caching:
+            self._register_pages(seq)
+            depth = n // ps
+            if n % ps == 0 and depth % self.interval == 0 and depth > 0 and cm.num_snapshot_slots:
+                blk = cm.entries.get(seq.hashes[depth - 1])
+                if blk is not None and blk.page == seq.pages[depth - 1]:
+                    cm.store_snapshot(blk, from_slot=seq.slot)
         return True
 
     def schedule(self) -> list[Scheduled]:
+        running = sorted(self.running, key=lambda s: s.arrival)
+        suspects = [s for s in running if s.suspect]
+        if suspects:  # isolation after a failed batch: one suspect alone
+            return self._schedule_running(suspects[:1])
+        if self.waiting and self.waiting[0].suspect:
+            return self._schedule_waiting(self.max_tokens, alone=True)
+        out = self._schedule_running(running)
+        budget = self.max_tokens - sum(s.num_tokens for s in out)
+        return out + self._schedule_waiting(budget, alone=False)
+
+    def _schedule_running(self, seqs: list[Sequence]) -> list[Scheduled]:
         budget = self.max_tokens
         out: list[Scheduled] = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in seqs:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.length - seq.num_computed, budget)
@@ -168,10 +251,16 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            out.append(Scheduled(seq, n, self._snapshots(seq, n)))
+            out.append(self._plan(seq, n))
             budget -= n
+        return out
+
+    def _schedule_waiting(self, budget: int, alone: bool) -> list[Scheduled]:
+        out: list[Scheduled] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if out and (alone or seq.suspect):
+                break
             if not self._admit(seq):
                 break
             n = min(seq.length - seq.num_computed, budget)
@@ -181,29 +270,42 @@ class Scheduler:
                 self._release(seq)  # not now: wait for memory rather than preempting running work
                 break
             self.waiting.popleft()
-            if self.prefix_caching:
-                self.cache.stats["prefix_query_tokens"] += len(seq.prompt)
-                self.cache.stats["prefix_hit_tokens"] += seq.num_cached_tokens
+            if self.prefix_caching and not seq.admitted:  # a re-admission is not a new query
+                self.cache.record_prefix_query(len(seq.prompt), seq.num_cached_tokens)
+            seq.admitted = True
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.append(Scheduled(seq, n, self._snapshots(seq, n)))
+            out.append(self._plan(seq, n))
             budget -= n
+            if alone:
+                break
         return out
 
-    def after_step(self, sch: Scheduled, snapshot_states: dict[int, dict[int, tuple]]) -> None:
-        """Advance num_computed; share completed prompt blocks; store KDA checkpoints."""
+    def _register_pages(self, seq: Sequence) -> None:
+        full = min(seq.num_computed, len(seq.prompt)) // self.cache.page_size
+        ps = self.cache.page_size
+        for j in range(seq.registered_pages, full):
+            self.cache.register(seq.hashes[j], tuple(seq.prompt[j * ps:(j + 1) * ps]), j + 1, seq.pages[j])
+        seq.registered_pages = max(seq.registered_pages, full)
+
+    def after_step(self, sch: Scheduled, snapshots: dict[int, dict[int, tuple]]) -> None:
+        """Advance num_computed; share completed prompt pages; store KDA snapshots (`snapshots`
+        {offset: {kda layer: (conv, recurrent)}} for mid-chunk ones; the slot for the end)."""
         seq = sch.seq
         seq.num_computed += sch.num_tokens
         if not self.prefix_caching:
             return
-        full = min(seq.num_computed, len(seq.prompt)) // self.cache.bs
-        for j in range(seq.registered_blocks, full):
-            toks = tuple(seq.prompt[j * self.cache.bs:(j + 1) * self.cache.bs])
-            self.cache.register(seq.hashes[j], toks, j + 1, seq.pages[j])
-        seq.registered_blocks = max(seq.registered_blocks, full)
+        self._register_pages(seq)
         start = seq.num_computed - sch.num_tokens
-        for off, states in snapshot_states.items():
-            depth = (start + off) // self.cache.bs
-            blk: CachedBlock | None = self.cache.blocks.get(seq.hashes[depth - 1])
-            if blk is not None and blk.page == seq.pages[depth - 1]:
-                self.cache.store_checkpoint(blk, states)
+        due = [(off, snapshots.get(off)) for off in sch.snapshot_offsets]
+        if sch.snapshot_at_end:
+            due.append((sch.num_tokens, None))
+        for off, states in due:
+            depth = (start + off) // self.cache.page_size
+            blk: CachedPage | None = self.cache.entries.get(seq.hashes[depth - 1])
+            if blk is None or blk.page != seq.pages[depth - 1]:
+                continue
+            if states is None:
+                self.cache.store_snapshot(blk, from_slot=seq.slot)
+            else:
+                self.cache.store_snapshot(blk, states)

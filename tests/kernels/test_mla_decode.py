@@ -61,3 +61,20 @@ def test_context_slices(monkeypatch):
 
     monkeypatch.setattr(cpu_path, "CHUNK", 32)
     check_mla(mla_decode, mla_case([1, 200, 33, 64], block_size=16, seed=11), with_uv=True)
+
+
+def test_garbage_past_a_sequence_end_stays_out():
+    # A reused page, or the page a past-the-end table entry points at, may hold NaN/inf: the
+    # output must not see it (a zero softmax weight times NaN is still NaN).
+    q_lat, q_rope, kv, table, lens = mla_case([5, 20], block_size=16, seed=12)
+    want = mla_decode(q_lat, q_rope, kv.clone(), table, lens, 0.2)
+    dirty = kv.clone()
+    for i, n in enumerate(lens.tolist()):
+        last = int(table[i, (n - 1) // 16])
+        dirty[last, n % 16 or 16:] = float("nan")  # the tail of the sequence's last page
+    table = table.clone()
+    table[table < 0] = int(table[0, 0])  # past-the-end entries point at a real page full of data
+    dirty[int(table[0, 0]), 5:] = float("inf")
+    got = mla_decode(q_lat, q_rope, dirty, table, lens, 0.2)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, atol=1e-6)

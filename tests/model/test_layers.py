@@ -8,7 +8,8 @@ from helpers import assert_close
 from k3.kernels.situ_glu import naive_swiglu, situ_glu
 from k3.model import get_preset
 from k3.model.attn_res import BlockStats, merge_partial, mix_naive
-from k3.model.kda import KDAState, KimiDeltaAttention
+from k3.model.cache import CacheBatch, KDAPool
+from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import LatentMoE
 from k3.model.norm import rms_norm
@@ -16,6 +17,20 @@ from k3.model.norm import rms_norm
 
 def tiny(**kw):
     return get_preset("k3-tiny", **kw)
+
+
+def kda_batch(layer, lens, context, pool, slots=None, offsets=None):
+    """A CacheBatch over one KDA layer's pool (slot i for sequence i unless given)."""
+    cu = torch.tensor([0] + lens).cumsum(0)
+    return CacheBatch(cu_seqlens=cu, context_lens=torch.tensor(context),
+                      kda_slots=torch.arange(len(lens)) if slots is None else slots, kda={layer.layer_idx: pool},
+                      decode=all(n == 1 for n in lens), max_context=max(context), snapshot_offsets=offsets or {})
+
+
+def mla_batch(layer, lens, context, pages, table):
+    cu = torch.tensor([0] + lens).cumsum(0)
+    return CacheBatch(cu_seqlens=cu, context_lens=torch.tensor(context), page_table=table,
+                      mla_pages={layer.layer_idx: pages}, decode=all(n == 1 for n in lens), max_context=max(context))
 
 
 def build(cls, cfg, seed=0):
@@ -33,11 +48,11 @@ def test_kda_prefill_then_decode_equals_one_forward(gate, og):
     with torch.no_grad():
         full, full_state = layer(x)
         out, st = layer(x[:, :33])
-        pool = KDAState(st.conv.clone(), st.recurrent.clone())
+        pool = KDAPool(st.recurrent.clone(), st.conv.clone())
         steps = [out]
         for t in range(33, 40):
-            o, _ = layer(x[:, t:t + 1], state_pool=pool, slot_idx=torch.arange(2))
-            steps.append(o)
+            o = layer.forward_cached(x[:, t:t + 1].reshape(1, 2, -1), kda_batch(layer, [1, 1], [t, t], pool))
+            steps.append(o.reshape(2, 1, -1))
     assert_close("decode outputs", torch.cat(steps, 1), full, 1e-5)
     assert_close("recurrent state", pool.recurrent, full_state.recurrent, 1e-5)
     assert_close("conv state", pool.conv, full_state.conv, 1e-6)
@@ -68,18 +83,27 @@ def test_mla_absorbed_equals_naive(q_lora, gate):
     x = torch.randn(B, T, cfg.hidden_size)
     with torch.no_grad():
         naive = layer(x)
-        # absorbed: a paged cache with block size 8, pages deliberately out of order
-        kv = torch.zeros(8, 8, cfg.mla_latent_dim)
+        # absorbed: a paged cache with page size 8, pages deliberately out of order
+        pages = torch.zeros(8, 8, cfg.mla_latent_dim)
         table = torch.tensor([[5, 1, 6], [0, 7, 3]])
-        layer(x[:, :5], kv_cache=kv, block_table=table, context_lens=torch.zeros(B, dtype=torch.long))
-        outs = [layer(x[:, t:t + 1], kv_cache=kv, block_table=table, context_lens=torch.full((B,), t))
+        flat = lambda t: t.reshape(1, -1, cfg.hidden_size)  # noqa: E731
+        layer.forward_cached(flat(x[:, :5]), mla_batch(layer, [5, 5], [0, 0], pages, table))
+        outs = [layer.forward_cached(flat(x[:, t:t + 1]), mla_batch(layer, [1, 1], [t, t], pages, table)).reshape(B, 1, -1)
                 for t in range(5, T)]
-        # and a multi-token chunk continuing from a context, absorbed too
-        kv2 = torch.zeros_like(kv)
-        layer(x[:, :9], kv_cache=kv2, block_table=table, context_lens=torch.zeros(B, dtype=torch.long))
-        chunk = layer(x[:, 9:], kv_cache=kv2, block_table=table, context_lens=torch.full((B,), 9))
+        # multi-token chunks continuing from a context: 12 tokens (expanded form) and 3 (absorbed)
+        pages2 = torch.zeros_like(pages)
+        layer.forward_cached(flat(x[:, :6]), mla_batch(layer, [6, 6], [0, 0], pages2, table))
+        short = layer.forward_cached(flat(x[:, 6:9]), mla_batch(layer, [3, 3], [6, 6], pages2, table))
+        chunk = layer.forward_cached(flat(x[:, 9:]), mla_batch(layer, [12, 12], [9, 9], pages2, table))
+        # and a mixed batch: one decode row beside a chunk
+        pages3 = torch.zeros_like(pages)
+        layer.forward_cached(flat(x[:, :9]), mla_batch(layer, [9, 9], [0, 0], pages3, table))
+        mixed = layer.forward_cached(torch.cat([x[:1, 9:10], x[1:, 9:]], 1), mla_batch(layer, [1, 12], [9, 9], pages3, table))
+    assert_close("absorbed short chunk", short.reshape(B, 3, -1), naive[:, 6:9], 1e-5)
+    assert_close("mixed decode row", mixed[:, :1], naive[:1, 9:10], 1e-5)
+    assert_close("mixed chunk row", mixed[:, 1:], naive[1:, 9:], 1e-5)
     assert_close("absorbed decode", torch.cat(outs, 1), naive[:, 5:], 1e-5)
-    assert_close("absorbed chunk", chunk, naive[:, 9:], 1e-5)
+    assert_close("expanded chunk", chunk.reshape(B, 12, -1), naive[:, 9:], 1e-5)
 
 
 def test_mla_packed_matches_separate():
@@ -171,14 +195,29 @@ def test_kda_snapshots_are_the_exact_prefix_states():
     cfg = tiny()
     layer = build(KimiDeltaAttention, cfg)
     x = torch.randn(1, 100, cfg.hidden_size)
-    snaps = []
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    pool = KDAPool(torch.zeros(2, H, K, K), torch.zeros(2, 3 * H * K, cfg.kda_conv_size - 1))
     with torch.no_grad():
-        y, fin = layer(x, cu_seqlens=torch.tensor([0, 60, 100]), snapshot_offsets={0: [2, 33, 60], 1: [5]},
-                       snapshots_out=snaps)
+        cb = kda_batch(layer, [60, 40], [0, 0], pool, offsets={0: [2, 33], 1: [5]})
+        y = layer.forward_cached(x, cb)
         full0, st0 = layer(x[:, :60])
         assert_close("output unchanged by snapshots", y[:, :60], full0, 1e-5)
-        want = {(0, 2): layer(x[:, :2])[1], (0, 33): layer(x[:, :33])[1], (0, 60): st0, (1, 5): layer(x[:, 60:65])[1]}
+        want = {(0, 2): layer(x[:, :2])[1], (0, 33): layer(x[:, :33])[1], (1, 5): layer(x[:, 60:65])[1]}
+    snaps = [(s.seq, s.offset, s) for s in cb.snapshots[layer.layer_idx]]
     assert sorted((i, c) for i, c, _ in snaps) == sorted(want)
+    assert_close("slot 0 after the chunk", pool.recurrent[0], st0.recurrent[0], 1e-5)
     for i, c, s in snaps:
         assert_close(f"recurrent@{i},{c}", s.recurrent, want[(i, c)].recurrent[0], 1e-5)
         assert_close(f"conv@{i},{c}", s.conv, want[(i, c)].conv[0], 1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_padded_experts_for_decode_equal_the_loop(tokens):
+    cfg = tiny()
+    moe = build(LatentMoE, cfg)
+    x = torch.randn(tokens, cfg.hidden_size)
+    with torch.no_grad():
+        fast, r = moe(x)  # few rows without grad: the padded batched path
+        moe.use_loop = True
+        slow, _ = moe(x)
+    assert_close("padded vs loop", fast, slow, 1e-6)

@@ -25,7 +25,7 @@ def alone(model, prompt, n=12):
 
 def test_sixteen_concurrent_requests_equal_each_alone(tiny_model):
     prompts = rand_prompts(16, 1, 120, seed=1)
-    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=96, block_size=8))
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=96, page_size=8))
     outs = eng.generate(prompts, GREEDY)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.token_ids == alone(tiny_model, p), f"request {i} (prompt {len(p)} tokens) changed under batching"
@@ -42,10 +42,10 @@ def test_chunked_prefill_equals_one_shot(tiny_model):
 
 def test_preemption_and_recompute_change_nothing(tiny_model):
     prompts = rand_prompts(4, 28, 32, seed=3)
-    cfg = EngineConfig(max_num_seqs=4, block_size=8, enable_prefix_caching=False, cache_memory_bytes=1)
-    probe = LLMEngine.__new__(LLMEngine)  # size the cache: 4 slots + 14 pages of 8 tokens
+    cfg = EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False, cache_memory_bytes=1)
+    # size the cache: 4 slots + 14 pages of 8 tokens
     from k3.serve.engine.cache_manager import CacheManager
-    full = CacheManager(tiny_model.cfg, EngineConfig(max_num_seqs=4, block_size=8, enable_prefix_caching=False))
+    full = CacheManager(tiny_model.cfg, EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False))
     cfg = cfg.model_copy(update={"cache_memory_bytes": 4 * full.slot_bytes + 14 * full.page_bytes})
     eng = LLMEngine(tiny_model, cfg)
     assert eng.cache.num_pages == 14
@@ -53,12 +53,11 @@ def test_preemption_and_recompute_change_nothing(tiny_model):
     assert eng.stats()["preemptions"] > 0, "the test did not force a preemption"
     for p, o in zip(prompts, outs):
         assert o.token_ids == alone(tiny_model, p, 20)
-    del probe
 
 
 @pytest.fixture()
 def cached_engine(tiny_model):
-    return LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+    return LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
 
 
 def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
@@ -68,8 +67,8 @@ def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
     first = eng.generate([prefix + [1, 2, 3]], GREEDY)[0]
     assert first.cached_tokens == 0
     cases = {
-        "checkpoint mid-prompt": prefix + torch.randint(0, 4096, (17,), generator=g).tolist(),
-        "prompt ends on a checkpoint block": prefix[:64],  # 64 = 8 blocks; resumes from 48 (needs 1 token)
+        "snapshot mid-prompt": prefix + torch.randint(0, 4096, (17,), generator=g).tolist(),
+        "prompt ends on a snapshot page": prefix[:64],  # 64 = 8 pages; resumes from 48 (needs 1 token)
         "one token past the prefix": prefix[:65],
     }
     for name, prompt in cases.items():
@@ -77,18 +76,16 @@ def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
         assert out.cached_tokens > 0, f"{name}: no prefix hit"
         assert out.cached_tokens % 16 == 0 and out.cached_tokens < len(prompt)
         assert out.token_ids == alone(tiny_model, prompt), f"{name}: hit differs from cold"
-    # evict the later blocks of the chain: the hit falls back to an earlier checkpoint
-    for b in [b for b in eng.cache.blocks.values() if b.depth > 5]:
-        eng.cache._evict(b)
-        eng.cache.free_pages.append(b.page)
+    # evict the later pages of the chain: the hit falls back to an earlier snapshot
+    eng.cache.evict_idle(min_depth=6)
     out = eng.generate([prefix + [9, 9]], GREEDY)[0]
-    assert out.cached_tokens == 32  # the checkpoint at block 4 (interval 2) is the deepest left
+    assert out.cached_tokens == 32  # the snapshot at page 4 (interval 2) is the deepest left
     assert out.token_ids == alone(tiny_model, prefix + [9, 9])
     s = eng.stats()
     assert s["prefix_hit_tokens"] > 0 and s["prefix_query_tokens"] >= s["prefix_hit_tokens"]
 
 
-def test_a_planted_wrong_checkpoint_is_caught(tiny_model):
+def test_a_planted_wrong_snapshot_is_caught(tiny_model):
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, 4096, (40,), generator=g).tolist()
     b = torch.randint(0, 4096, (40,), generator=g).tolist()
@@ -98,27 +95,27 @@ def test_a_planted_wrong_checkpoint_is_caught(tiny_model):
     def plant(eng):
         eng.generate([a + [1]], GREEDY)
         eng.generate([b + [1]], GREEDY)
-        ba = next(x for x in eng.cache.blocks.values() if x.depth == 4 and x.tokens == tuple(a[24:32]))
-        bb = next(x for x in eng.cache.blocks.values() if x.depth == 4 and x.tokens == tuple(b[24:32]))
-        eng.cache.copy_slot(bb.ckpt_slot, ba.ckpt_slot)  # a's checkpoint now holds b's state
+        ba = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(a[24:32]))
+        bb = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(b[24:32]))
+        eng.cache.copy_slot(bb.snapshot_slot, ba.snapshot_slot)  # a's snapshot now holds b's state
         return ba
 
     # Without a check, the wrong state is restored and the answer changes: the plant has teeth.
-    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
     plant(eng)
     wrong = eng.generate([query], GREEDY)[0]
     assert wrong.cached_tokens == 32 and wrong.token_ids != cold
-    # The metadata check: a checkpoint recorded for another position is never restored.
-    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2))
+    # The metadata check: a snapshot recorded for another position is never restored.
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
     ba = plant(eng)
-    ba.ckpt_tokens = 24
+    ba.snapshot_tokens = 24
     out = eng.generate([query], GREEDY)[0]
-    assert eng.stats()["checkpoints_rejected"] == 1 and out.token_ids == cold
+    assert eng.stats()["snapshots_rejected"] == 1 and out.token_ids == cold
     # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
-    eng = LLMEngine(tiny_model, EngineConfig(block_size=8, checkpoint_interval=2, verify_prefix_hits=True))
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2, verify_prefix_hits=True))
     plant(eng)
     out = eng.generate([query], GREEDY)[0]
-    assert eng.stats()["checkpoints_rejected"] >= 1 and out.token_ids == cold
+    assert eng.stats()["snapshots_rejected"] >= 1 and out.token_ids == cold
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
@@ -147,7 +144,7 @@ def test_memory_accounting_and_usage(tiny_model):
 
 
 def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_model):
-    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, cache_memory_bytes=2 * 2**20, block_size=16))
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, cache_memory_bytes=2 * 2**20, page_size=16))
     ok = eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
     eng.step()
     too_big = eng.cache.num_pages * 16
@@ -223,7 +220,7 @@ def test_async_engine_streams_and_aborts(tiny_model):
         await agen.aclose()
         for _ in range(50):
             await asyncio.sleep(0.01)
-            if "gone" not in aeng.engine.seqs and not aeng.engine._pending:
+            if "gone" not in aeng.engine.seqs and not aeng.engine.has_unfinished():
                 break
         with pytest.raises(ValueError, match="out of range"):
             async for _ in aeng.generate([99999], SamplingParams()):
@@ -240,7 +237,7 @@ def test_async_engine_streams_and_aborts(tiny_model):
 def test_long_context_32k_memory_grows_only_with_mla(tiny_model):
     # One-shot prefill (chunked prefill over a cache is covered above at smaller sizes; at 32K its
     # tiled attention over the context costs minutes on 2 cores).
-    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32768, block_size=64,
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32768, page_size=64,
                                              cache_memory_bytes=64 * 2**20, enable_prefix_caching=False))
     before = eng.cache.nbytes()
     g = torch.Generator().manual_seed(7)

@@ -1,0 +1,85 @@
+"""The prefill -> decode handoff: one request's whole hybrid cache state as plain numpy arrays.
+
+`HybridCacheState` carries, for a prompt that one engine prefilled and sampled a first token
+for: per KDA layer the fp32 recurrent state and the conv state after the prompt; per MLA layer
+the prompt's latents in position order (page order, concatenated); the prompt's token ids and
+page hashes; the first token with its logprob entry; and the request's sampling state (the
+seeded generator's state after the first draw), so a seeded sampled request continues exactly.
+
+Numpy rather than torch: numpy arrays come out of Ray's object store zero-copy with no setting
+(torch tensors only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1); bf16, which numpy lacks, travels
+as its raw 16-bit pattern and is viewed back on import. jobs/bench_engine.py measures both.
+
+Every array is covered by a blake2b digest and the engine checks version, model fingerprint,
+page size, shapes, dtypes, token ids and digest before it touches its own memory: a state from
+another model, a truncated or corrupted one, or one for another prompt is refused, never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+STATE_VERSION = 1
+
+_NP_FROM_TORCH = {torch.float32: ("float32", None), torch.bfloat16: ("bfloat16", torch.int16),
+                  torch.float16: ("float16", None)}
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU numpy copy; bf16 as its int16 bit pattern."""
+    view = _NP_FROM_TORCH.get(t.dtype, (None, None))[1]
+    t = t.detach().to("cpu").contiguous()
+    return (t.view(view) if view is not None else t).numpy().copy()
+
+
+def to_torch(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.to(device)
+
+
+@dataclass
+class HybridCacheState:
+    version: int
+    model_fingerprint: str  # config + weights sample + cache dtype (LLMEngine.fingerprint)
+    page_size: int
+    cache_dtype: str  # "float32" | "bfloat16": the conv state and latents as stored
+    prompt_token_ids: np.ndarray  # [n] int64
+    page_hashes: list[bytes]  # chain hashes of the full prompt pages
+    kda_recurrent: dict[int, np.ndarray]  # layer -> [H, K, V] float32
+    kda_conv: dict[int, np.ndarray]  # layer -> [3HK, W-1] (int16 bit pattern for bf16)
+    mla_latents: dict[int, np.ndarray]  # layer -> [n, latent]
+    first_token: int
+    first_logprob: dict | None  # {"token", "logprob", "top": {id: lp}} when logprobs were asked
+    generator_state: np.ndarray | None  # uint8, the request's seeded generator after its first draw
+    digest: bytes = field(default=b"")
+
+    def arrays(self) -> list[tuple[str, np.ndarray]]:
+        out = [("prompt_token_ids", self.prompt_token_ids)]
+        for name, d in (("kda_recurrent", self.kda_recurrent), ("kda_conv", self.kda_conv),
+                        ("mla_latents", self.mla_latents)):
+            out += [(f"{name}[{k}]", d[k]) for k in sorted(d)]
+        if self.generator_state is not None:
+            out.append(("generator_state", self.generator_state))
+        return out
+
+    def compute_digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.version, self.model_fingerprint, self.page_size, self.cache_dtype, self.first_token,
+                       self.first_logprob, list(self.page_hashes))).encode())
+        for name, a in self.arrays():
+            h.update(f"{name}:{a.dtype}:{a.shape}".encode())
+            h.update(np.ascontiguousarray(a).view(np.uint8).data)
+        return h.digest()
+
+    def seal(self) -> "HybridCacheState":
+        self.digest = self.compute_digest()
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.arrays())

@@ -1,0 +1,87 @@
+"""Batched sampling for one step: every row's token from one set of tensor ops.
+
+Greedy rows (temperature below GREEDY_BELOW) take the argmax; sampled rows are divided by their
+own temperature, cut to their own top-k and top-p in one sort, and drawn: rows without a seed
+in one `multinomial` call on the engine's generator, seeded rows each from their own generator
+(so a seeded request draws the same numbers alone or in any batch). A row whose logits hold NaN
+or +inf gets an error instead of a token; the other rows are unaffected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class Draw:
+    token: int | None  # None when the row failed
+    logprob: dict | None  # {"token", "logprob", "top": {id: lp}} when asked
+    error: str | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           banned: list[list[int]], shared: torch.Generator) -> list[Draw]:
+    """logits [M, V] (any float dtype) -> one Draw per row.
+
+    banned[i]: token ids row i may not produce now (stop tokens and EOS before min_tokens)."""
+    logits = logits.float().clone()
+    M, V = logits.shape
+    for i, ban in enumerate(banned):
+        if ban:
+            logits[i, ban] = float("-inf")
+    # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token.
+    bad = ((torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)).tolist()
+    tokens = [None] * M
+    greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
+    if greedy:
+        for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            tokens[i] = t
+    rows = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
+    if rows:
+        probs = _probs(logits[rows], [params[i] for i in rows])
+        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+        if unseeded:
+            drawn = torch.multinomial(probs[unseeded], 1, generator=shared)[:, 0].tolist()
+            for j, t in zip(unseeded, drawn):
+                tokens[rows[j]] = t
+        for j, i in enumerate(rows):
+            if generators[i] is not None:
+                tokens[i] = int(torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0])
+    want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]
+    lps: dict[int, dict] = {}
+    if want:
+        logp = torch.log_softmax(logits[want], -1)
+        kmax = max(params[i].logprobs for i in want)
+        top = logp.topk(kmax, dim=-1) if kmax else None
+        for j, i in enumerate(want):
+            entry = {"token": tokens[i], "logprob": float(logp[j, tokens[i]])}
+            k = params[i].logprobs
+            if k:
+                entry["top"] = {int(t): float(v) for v, t in zip(top.values[j, :k], top.indices[j, :k])}
+            lps[i] = entry
+    return [Draw(tokens[i], lps.get(i), "the model produced non-finite logits for this request" if bad[i] else None)
+            for i in range(M)]
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k and top-p per row, in one descending sort; -> probabilities [m, V]."""
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    logits = logits / temp[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
+    rank = torch.arange(V, device=logits.device)[None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
+    if bool((top_p < 1).any()):
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        # Rows with top_p = 1 keep everything: cumsum can round to 1 before the tail, and a row's
+        # result must not depend on the other rows in its batch.
+        drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return out.softmax(-1)

@@ -1,0 +1,258 @@
+"""The load generator and the soak, against a tiny in-test OpenAI-shaped server on 127.0.0.1 that
+streams with known delays and fails on request."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+
+import psutil
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from k3.platform.local_ray import free_port
+from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_prometheus, run_benchmark,
+                            run_side_by_side, summarize)
+from k3.serve.errors import OpenAIError, install_error_handlers
+from k3.serve.protocol import (
+    SSE_DONE,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionStreamResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    sse_event,
+)
+from k3.serve.soak import SoakConfig, rss_verdict, run_soak
+
+TTFT_S = 0.25     # the server's delay before the first token
+ITL_S = 0.08      # and between tokens
+TOKENS = 4        # tokens per answer
+SLACK_S = 0.12    # scheduling on a loaded 2-core machine
+HANDOFF_S = 0.025  # what the fake's /metrics reports per answer
+
+
+class FakeServer:
+    """Streams TOKENS chunks: the first after TTFT_S, the rest ITL_S apart; request number k
+    (1-based) fails with HTTP 503 when k is in `fail`."""
+
+    def __init__(self) -> None:
+        self.fail: set[int] = set()
+        self.count = 0
+        self.served = 0  # answers streamed to the end: each "hands off" HANDOFF_S, as /metrics says
+        self.app = FastAPI()
+        install_error_handlers(self.app)
+        self.app.get("/v1/models")(lambda: ModelList(data=[ModelCard(id="fake")]))
+        self.app.get("/metrics")(self.metrics)
+        self.app.post("/v1/completions")(self.handle)
+        self.app.post("/v1/chat/completions")(self.handle)
+
+    async def handle(self, request: Request):
+        body = await request.json()
+        self.count += 1
+        if self.count in self.fail:
+            raise OpenAIError("overloaded, try later", status=503, type="server_error")
+        chat = "messages" in body
+
+        def chunk(text: str | None, finish=None, usage=None) -> str:
+            if chat:
+                choices = [] if text is None else [ChatCompletionStreamChoice(
+                    index=0, delta=ChatDelta(content=text), finish_reason=finish)]
+                return sse_event(ChatCompletionStreamResponse(id="c", model="fake", choices=choices, usage=usage))
+            choices = [] if text is None else [CompletionChoice(index=0, text=text, finish_reason=finish)]
+            return sse_event(CompletionStreamResponse(id="c", model="fake", choices=choices, usage=usage))
+
+        async def events():
+            if chat:  # OpenAI's first chat chunk carries the role and no text: not a token
+                yield sse_event(ChatCompletionStreamResponse(id="c", model="fake", choices=[
+                    ChatCompletionStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
+            await asyncio.sleep(TTFT_S)
+            for i in range(TOKENS):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                yield chunk(f" t{i}", "length" if i == TOKENS - 1 else None)
+            yield chunk(None, usage=UsageInfo.of(7, TOKENS))
+            self.served += 1
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+    def metrics(self):
+        n = self.served
+        text = (
+            "# HELP ray_k3_serve_handoff_seconds seconds to move one request's cache state\n"
+            "# TYPE ray_k3_serve_handoff_seconds histogram\n"
+            f'ray_k3_serve_handoff_seconds_bucket{{le="0.05",model="fake"}} {n}\n'
+            f'ray_k3_serve_handoff_seconds_sum{{model="fake"}} {n * HANDOFF_S}\n'
+            f'ray_k3_serve_handoff_seconds_count{{model="fake"}} {n}\n'
+            "# TYPE ray_k3_serve_generation_tokens_total counter\n"
+            f'ray_k3_serve_generation_tokens_total{{model="fake",role="decode"}} {n * TOKENS}\n'
+            "# TYPE ray_k3_serve_num_requests_running gauge\n"
+            f'ray_k3_serve_num_requests_running{{model="fake"}} {n % 3}\n'
+            "# TYPE ray_other_metric counter\n"
+            "ray_other_metric 5\n")
+        return PlainTextResponse(text)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    srv = FakeServer()
+    server = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    srv.url = f"http://127.0.0.1:{server.config.port}"
+    yield srv
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def bench_config(fake, **kw) -> BenchConfig:
+    return BenchConfig(**{"base_url": fake.url, "num_prompts": 6, "max_concurrency": 3, "input_len": 8,
+                          "output_len": TOKENS, **kw})
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_measures_the_known_delays(fake, endpoint):
+    fake.count, fake.fail = 0, {2}
+    ticks = []
+    cfg = bench_config(fake, endpoint=endpoint, slo_ttft_ms=5000)
+    s = asyncio.run(run_benchmark(cfg, progress=lambda: ticks.append(1)))
+    assert len(ticks) == 6
+    assert (s["completed"], s["failed"]) == (5, 1)
+    assert s["errors"] == {"HTTP 503: overloaded, try later": 1}
+    assert s["config"]["model"] == "fake"  # found through GET /v1/models
+    ttft, itl, tpot, e2e = s["ttft_ms"], s["itl_ms"], s["tpot_ms"], s["e2e_ms"]
+    assert TTFT_S * 1e3 <= ttft["p50"] <= (TTFT_S + SLACK_S) * 1e3, ttft
+    assert (ITL_S - 0.02) * 1e3 <= itl["p50"] <= (ITL_S + SLACK_S) * 1e3, itl
+    assert (ITL_S - 0.02) * 1e3 <= tpot["mean"] <= (ITL_S + SLACK_S) * 1e3, tpot
+    expected_e2e = TTFT_S + (TOKENS - 1) * ITL_S
+    assert expected_e2e * 1e3 <= e2e["p50"] <= (expected_e2e + 2 * SLACK_S) * 1e3, e2e
+    assert ttft["p50"] <= ttft["p90"] <= ttft["p99"]
+    assert (s["total_output_tokens"], s["total_input_tokens"]) == (5 * TOKENS, 5 * 7)  # from usage
+    assert s["goodput"]["good_requests"] == 5 and s["goodput"]["fraction"] == round(5 / 6, 4)
+    assert s["request_throughput"] == pytest.approx(5 / s["duration_s"], rel=0.01)
+
+
+def test_bench_poisson_rate_spreads_the_requests(fake):
+    fake.count, fake.fail = 0, set()
+    s = asyncio.run(run_benchmark(bench_config(fake, request_rate=10.0, max_concurrency=None,
+                                               slo_ttft_ms=1.0)))
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert s["goodput"]["good_requests"] == 0  # a 1 ms TTFT is out of reach
+    assert s["config"]["request_rate"] == 10.0
+
+
+def test_server_metrics_deltas_and_handoff_share(fake):
+    fake.count, fake.fail = 0, {1}
+    s = asyncio.run(run_benchmark(bench_config(fake, metrics_urls=[f"{fake.url}/metrics"], metrics_settle_s=0)))
+    m = s["server_metrics"]
+    assert m["ray_k3_serve_handoff_seconds"]["count"] == 5
+    assert m["ray_k3_serve_handoff_seconds"]["mean"] == pytest.approx(HANDOFF_S)
+    assert m["ray_k3_serve_generation_tokens_total"] == 5 * TOKENS
+    assert "ray_k3_serve_num_requests_running" not in m and "ray_other_metric" not in m  # gauge; not k3_serve
+    assert m["handoff_share_of_ttft"] == pytest.approx(HANDOFF_S / (s["ttft_ms"]["mean"] / 1e3), rel=1e-3)
+
+
+def test_parse_prometheus():
+    text = ('# HELP x_total a counter\n# TYPE x_total counter\nx_total{a="1"} 2\nx_total{a="}"} 3.5 1700000000\n'
+            '# TYPE g gauge\ng 7\nplain 1e3\nbroken{a="1"}\n')
+    assert parse_prometheus(text) == {"x_total": 5.5, "g": 7.0, "plain": 1000.0}
+    assert parse_prometheus(text, skip_gauges=True) == {"x_total": 5.5, "plain": 1000.0}
+
+
+def test_side_by_side_runs_the_same_workload_on_each_target(fake):
+    fake.count, fake.fail = 0, set()
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = asyncio.run(run_side_by_side(bench_config(fake, model="fake", timeout_s=5),
+                                       {"up": fake.url, "down": dead}))
+    assert list(out["runs"]) == ["up", "down"]
+    up, down = out["runs"]["up"], out["runs"]["down"]
+    assert (up["completed"], down["failed"]) == (6, 6)
+    assert (up["config"]["base_url"], down["config"]["base_url"]) == (fake.url, dead)
+    with pytest.raises(ValueError):
+        asyncio.run(run_side_by_side(bench_config(fake), {}))
+
+
+def test_connection_refused_is_counted_not_raised():
+    cfg = BenchConfig(base_url=f"http://127.0.0.1:{free_port()}", model="m", num_prompts=2, input_len=2,
+                      output_len=2, timeout_s=5)
+    s = asyncio.run(run_benchmark(cfg))
+    assert (s["completed"], s["failed"]) == (0, 2) and "ConnectError" in next(iter(s["errors"]))
+    assert s["ttft_ms"]["p50"] is None
+
+
+def test_shared_prefix_prompts_share_their_group_prefix():
+    cfg = BenchConfig(base_url="http://x", dataset="shared-prefix", num_prompts=8, num_prefix_groups=2,
+                      prefix_len=20, input_len=5)
+    prompts = make_prompts(cfg)
+    heads = [" ".join(p.split()[:20]) for p in prompts]
+    assert heads[0::2] == [heads[0]] * 4 and heads[1::2] == [heads[1]] * 4 and heads[0] != heads[1]
+    assert all(len(p.split()) == 25 for p in prompts)
+    assert len(set(prompts)) == 8 and prompts == make_prompts(cfg)
+    assert all(len(p.split()) == 5 for p in make_prompts(cfg.model_copy(update={"dataset": "random"})))
+
+
+@pytest.mark.parametrize("rate", [2.0, float("inf")])
+def test_arrival_gaps(rate):
+    gaps = arrival_gaps(4000, rate, random.Random(0))
+    if rate == float("inf"):
+        assert gaps == [0.0] * 4000
+    else:
+        assert sum(gaps) / len(gaps) == pytest.approx(1 / rate, rel=0.06)
+
+
+def test_summarize_tpot_and_goodput():
+    fast = RequestResult(ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=5, itl_s=[0.1] * 4)
+    slow = RequestResult(ok=True, ttft_s=0.3, e2e_s=2.3, output_tokens=5, itl_s=[0.5] * 4)
+    s = summarize([fast, slow, RequestResult(ok=False, error="boom")], 2.0, slo_ttft_ms=200, slo_tpot_ms=200)
+    assert s["tpot_ms"]["mean"] == pytest.approx(300.0)
+    assert s["goodput"]["good_requests"] == 1 and s["errors"] == {"boom": 1}
+    assert summarize([fast], 1.0)["goodput"] is None
+    with pytest.raises(ValueError):
+        summarize([fast], 0.0)
+
+
+@pytest.mark.parametrize("bad", [dict(base_url="127.0.0.1:8000"), dict(base_url="http://x", request_rate=0),
+                                 dict(base_url="http://x", dataset="sharegpt")])
+def test_bench_config_refuses(bad):
+    with pytest.raises(ValueError):
+        BenchConfig(**bad)
+
+
+# ---- soak -----------------------------------------------------------------------------------------
+
+def test_soak_short_run_counts_errors_and_samples_rss(fake):
+    fake.count, fake.fail = 0, {3}
+    me = psutil.Process(os.getpid())
+    cfg = SoakConfig(base_url=fake.url, clients=4, duration_s=3.0, input_len=4, output_len=TOKENS, warmup_s=0.5,
+                     rss_interval_s=0.25, max_rss_growth=0.5)
+    s = asyncio.run(run_soak(cfg, lambda: {f"pytest({me.pid})": me.memory_info().rss}))
+    # each client runs ~0.5 s requests back to back for 3 s
+    assert s["completed"] >= 4 * 4 and s["failed"] == 1 and not s["zero_errors"]
+    rss = s["rss"]
+    assert len(rss["t_s"]) >= 8 and rss["t_s"] == sorted(rss["t_s"])
+    assert list(rss["per_process_mb"]) == [f"pytest({me.pid})"] and all(x > 10 for x in rss["total_mb"])
+    assert rss["flat"] is True, rss  # this process does not grow by half in 3 s
+
+
+@pytest.mark.parametrize("totals,flat", [
+    ([100] * 20, True),
+    ([100 + i for i in range(20)], False),  # +19% from first to last fifth
+    ([200] * 5 + [100] * 15, True),         # the warm-up is ignored
+])
+def test_rss_verdict(totals, flat):
+    v = rss_verdict([float(i) for i in range(20)], [t * 2**20 for t in totals], warmup_s=5, max_growth=0.05)
+    assert v["flat"] is flat
+    assert rss_verdict([0.0, 1.0], [1, 1], warmup_s=0, max_growth=0.05)["flat"] is None

@@ -1,0 +1,234 @@
+"""One request's failure is its own: sampling that cannot work, a forward that raises, reused
+ids, bad batches of prompts. Each case here failed before the engine was made exception-safe."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine, RequestFailed, SamplingParams
+from k3.serve.engine.detokenizer import StopMatcher
+
+POISON = 4095  # a token id the test models below treat as fatal
+GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+
+
+def prompts(n, seed, lo=5, hi=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 4000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+class Poisoned(nn.Module):
+    """The tiny model, but a forward whose input holds POISON raises (mode "raise"), or every
+    logits row sampled for a sequence that has consumed POISON is NaN (mode "nan")."""
+
+    def __init__(self, model, mode):
+        super().__init__()
+        self.inner, self.cfg, self.mode = model, model.cfg, mode
+        self.poisoned_slots: set[int] = set()
+
+    def forward(self, input_ids, cache=None, logits_at=None, **kw):
+        if self.mode == "raise" and bool((input_ids == POISON).any()):
+            raise RuntimeError("kernel failure on poisoned input")
+        out = self.inner(input_ids, cache=cache, logits_at=logits_at, **kw)
+        if self.mode == "nan":
+            cu, slots, ctx = cache.cu_seqlens.tolist(), cache.kda_slots.tolist(), cache.context_lens.tolist()
+            for i, slot in enumerate(slots):
+                if ctx[i] == 0:  # a new sequence in this slot
+                    self.poisoned_slots.discard(slot)
+                if bool((input_ids[0, cu[i]:cu[i + 1]] == POISON).any()):
+                    self.poisoned_slots.add(slot)
+            for j, r in enumerate(logits_at.tolist()):
+                i = next(i for i in range(len(cu) - 1) if cu[i] <= r < cu[i + 1])
+                if slots[i] in self.poisoned_slots:
+                    out.logits[j] = float("nan")
+        return out
+
+
+def run_all(eng, reqs):
+    """reqs: [(prompt, params)] -> {request id: final output}, stepping until all end."""
+    ids = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(reqs)]
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    return [final[r] for r in ids]
+
+
+def same_output(a, b):
+    assert a.token_ids == b.token_ids
+    assert [e["token"] for e in a.logprobs] == [e["token"] for e in b.logprobs]
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert abs(x["logprob"] - y["logprob"]) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["raise", "nan"])
+@pytest.mark.parametrize("where", ["prompt", "late in a long prompt"])
+def test_a_failing_request_fails_alone(tiny_model, mode, where):
+    good = prompts(5, seed=1)
+    bad = prompts(1, seed=2, lo=30, hi=31)[0]
+    bad[5 if where == "prompt" else 28] = POISON
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=24, page_size=8, snapshot_interval=1)
+    eng = LLMEngine(Poisoned(tiny_model, mode), cfg)
+    before = eng.stats()
+    reqs = [(p, GREEDY) for p in good[:2]] + [(bad, GREEDY)] + [(p, GREEDY) for p in good[2:]]
+    outs = run_all(eng, reqs)
+    failed = outs[2]
+    assert failed.finish_reason == "error" and failed.error and not failed.token_ids
+    ref = run_all(LLMEngine(tiny_model, cfg), [(p, GREEDY) for p in good])
+    for got, want in zip(outs[:2] + outs[3:], ref):
+        assert got.finish_reason == "length"
+        same_output(got, want)
+    after = eng.stats()
+    assert after["pages_in_use"] == 0 and after["running_slots_free"] == before["running_slots_free"]
+    assert after["running"] == after["waiting"] == 0
+    # the engine keeps serving, and the failed id is free again
+    assert run_all(eng, [(good[0], GREEDY)])[0].token_ids == ref[0].token_ids
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_vanishing_temperature_is_greedy(tiny_model, temperature):
+    p = prompts(3, seed=3)
+    eng = LLMEngine(tiny_model)
+    want = [o.token_ids for o in eng.generate(p, SamplingParams(max_tokens=8, temperature=0))]
+    got = [o.token_ids for o in eng.generate(p, SamplingParams(max_tokens=8, temperature=temperature))]
+    assert got == want
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("inf")), ("temperature", float("nan")),
+                                         ("temperature", 1e9), ("top_p", float("nan")), ("seed", 2**64),
+                                         ("seed", -1), ("max_tokens", True), ("logprobs", False)])
+def test_unusable_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_every_token_banned_fails_the_request_alone(tiny_model):
+    # min_tokens bans the stop ids; a request that bans the whole vocabulary cannot sample
+    eng = LLMEngine(tiny_model)
+    vocab = list(range(tiny_model.cfg.vocab_size))
+    outs = run_all(eng, [([1, 2, 3], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=vocab)),
+                         ([4, 5, 6], SamplingParams(max_tokens=3, temperature=0))])
+    assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length"
+
+
+def test_empty_request_id_and_bad_generate_batches_change_nothing(tiny_model):
+    eng = LLMEngine(tiny_model)
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        eng.generate([[1, 2], [99999], [3]], GREEDY)
+    assert not eng.has_unfinished()
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        eng.generate([[1], [2], [3]], [GREEDY, GREEDY])
+    assert not eng.has_unfinished()
+    assert eng.step_seconds.maxlen is not None  # a long-lived server keeps a bounded history
+
+
+def test_concurrent_duplicate_ids_are_refused(tiny_model):
+    eng = LLMEngine(tiny_model)
+    accepted, barrier = [], threading.Barrier(4)
+
+    def add():
+        barrier.wait()
+        for _ in range(50):
+            try:
+                eng.add_request("same", [1, 2, 3], SamplingParams(max_tokens=2))
+                accepted.append(1)
+            except ValueError:
+                pass
+
+    def stepper():  # applies the pending queue while the others add
+        barrier.wait()
+        for _ in range(50):
+            eng.step()
+
+    threads = [threading.Thread(target=add) for _ in range(3)] + [threading.Thread(target=stepper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    while eng.has_unfinished():
+        eng.step()
+    # "same" may be reused only after its previous request ended; never two at once
+    assert 1 <= len(accepted) and eng.stats()["running"] == 0
+
+
+def test_async_reused_id_never_touches_the_new_stream(tiny_model):
+    aeng = AsyncEngine(LLMEngine(tiny_model))
+
+    async def run():
+        old = aeng.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0), request_id="x")
+        outs = [o async for o in _take_until_finished(old)]
+        assert outs[-1].finished
+        # the old stream has delivered its last output but is not closed yet: "x" is still held
+        with pytest.raises(ValueError, match="already in use"):
+            await aeng.generate([4, 5], SamplingParams(max_tokens=2), request_id="x").__anext__()
+        await old.aclose()
+        new = [o async for o in aeng.generate([4, 5, 6], SamplingParams(max_tokens=5, temperature=0),
+                                              request_id="x")]
+        return new
+
+    new = asyncio.run(asyncio.wait_for(run(), 60))
+    assert new[-1].finished and len(new[-1].token_ids) == 5
+
+
+async def _take_until_finished(agen):
+    while True:
+        o = await agen.__anext__()
+        yield o
+        if o.finished:
+            return
+
+
+def test_async_error_reaches_only_its_own_stream(tiny_model):
+    aeng = AsyncEngine(LLMEngine(Poisoned(tiny_model, "raise"), EngineConfig(max_num_seqs=4)))
+
+    async def one(prompt):
+        return [o async for o in aeng.generate(prompt, SamplingParams(max_tokens=6, temperature=0))]
+
+    async def run():
+        return await asyncio.gather(one([1, 2, 3]), one([5, POISON, 7]), one([8, 9]), return_exceptions=True)
+
+    ok1, bad, ok2 = asyncio.run(asyncio.wait_for(run(), 60))
+    assert isinstance(bad, RequestFailed)
+    assert ok1[-1].finished and ok2[-1].finished and len(ok1[-1].token_ids) == 6
+
+
+def test_stop_strings_match_the_earliest_position():
+    m = StopMatcher(["s", " "], include=False)
+    text, hit = m.feed("ab cs")
+    assert hit and text == "ab"
+    m = StopMatcher(["bc", "abcd"], include=True)  # both could end at once: the earliest start wins
+    text, hit = m.feed("xabcd")
+    assert hit and text == "xabcd"
+
+
+def test_snapshot_due_in_an_all_decode_step_is_taken(tiny_model):
+    # 16-token prompt, page 8, a snapshot every page, a 15-token budget: the 16th prompt token
+    # arrives alone, in a step that is all decode.
+    cfg = EngineConfig(page_size=8, snapshot_interval=1, max_num_batched_tokens=15)
+    eng = LLMEngine(tiny_model, cfg)
+    p = prompts(1, seed=4, lo=16, hi=17)[0]
+    eng.generate([p], SamplingParams(max_tokens=2, temperature=0))
+    hit = eng.generate([p + [7, 7]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert hit.cached_tokens == 16
+
+
+def test_readmission_after_preemption_is_not_a_new_prefix_query(tiny_model):
+    from k3.serve.engine.cache_manager import CacheManager
+
+    full = CacheManager(tiny_model.cfg, EngineConfig(max_num_seqs=4, page_size=8))
+    cfg = EngineConfig(max_num_seqs=4, page_size=8, snapshot_memory_fraction=0.0,
+                       cache_memory_bytes=4 * full.slot_bytes + 14 * full.page_bytes)
+    eng = LLMEngine(tiny_model, cfg)
+    ps = prompts(4, seed=5, lo=28, hi=32)
+    eng.generate(ps, SamplingParams(max_tokens=20, temperature=0))
+    s = eng.stats()
+    assert s["preemptions"] > 0
+    assert s["prefix_query_tokens"] == sum(len(p) for p in ps)

@@ -1,0 +1,426 @@
+"""The OpenAI protocol models, sampling arguments, errors and handlers (no engine, no Ray)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from k3.serve.engine import SamplingParams
+from k3.serve.errors import OpenAIError, api_key_dependency, install_error_handlers, param_from_loc, require_model
+from k3.serve.protocol import (
+    SSE_DONE,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ImageURLPart,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    VideoURLPart,
+    chat_logprobs,
+    completion_logprobs,
+    sampling_kwargs,
+    sse_error,
+    sse_event,
+)
+
+KEY = "sk-test-123"
+
+
+def completion(**kw):
+    return {"model": "k3-tiny", "prompt": "def f(", **kw}
+
+
+def chat(content="hi", **kw):
+    return {"model": "k3-tiny", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def error_param(model, body) -> str | None:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    deepest = max(e.value.errors(), key=lambda er: len(er["loc"]))
+    return param_from_loc(deepest["loc"])
+
+
+# ---- requests: good bodies ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    completion(),
+    completion(prompt=[1, 2, 3], max_tokens=None),
+    completion(temperature=0, top_p=0.5, top_k=-1, seed=3, stop="\n", n=2, logprobs=5, user="u"),
+    completion(stop=["a", "b"], stream=True, stream_options={"include_usage": True}, ignore_eos=True,
+               min_tokens=2, stop_token_ids=[7], presence_penalty=0, frequency_penalty=0.0, echo=False),
+])
+def test_completion_request_accepts(body):
+    req = CompletionRequest.model_validate(body)
+    assert req.model == "k3-tiny"
+
+
+@pytest.mark.parametrize("body", [
+    chat(),
+    chat([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+          {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}]),
+    {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                                {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]},
+    chat(max_tokens=4, max_completion_tokens=8, logprobs=True, top_logprobs=20, stream=True,
+         stream_options={"include_usage": False}, seed=0, stop=["x"]),
+])
+def test_chat_request_accepts(body):
+    req = ChatCompletionRequest.model_validate(body)
+    assert req.messages[-1].role in ("user", "assistant")
+
+
+def test_chat_message_text_and_media_keep_the_parts():
+    req = ChatCompletionRequest.model_validate(chat(
+        [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u1"}},
+         {"type": "text", "text": "and"}, {"type": "video_url", "video_url": {"url": "u2"}}]))
+    assert req.messages[0].text() == "look\nand"
+    media = req.media()
+    assert [type(p) for p in media] == [ImageURLPart, VideoURLPart]
+    assert [media[0].image_url.url, media[1].video_url.url] == ["u1", "u2"]
+    assert ChatCompletionRequest.model_validate(chat()).media() == []
+
+
+# ---- requests: bad bodies name the field -----------------------------------------------------
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x"}, "model"),
+    (completion(prompt=""), "prompt"),
+    (completion(prompt=[]), "prompt"),
+    (completion(prompt=[1, -2]), "prompt"),
+    (completion(prompt=5), "prompt"),
+    (completion(max_tokens=0), "max_tokens"),
+    (completion(temperature=-0.1), "temperature"),
+    (completion(temperature=2.5), "temperature"),
+    (completion(top_p=0), "top_p"),
+    (completion(top_p=1.01), "top_p"),
+    (completion(top_k=-2), "top_k"),
+    (completion(logprobs=21), "logprobs"),
+    (completion(n=0), "n"),
+    (completion(stop=["ok", ""]), "stop"),
+    (completion(echo=True), "echo"),
+    (completion(presence_penalty=0.5), "presence_penalty"),
+    (completion(frequency_penalty=-1), "frequency_penalty"),
+    (completion(best_of=2), "best_of"),
+    (completion(max_tokens="many"), "max_tokens"),
+    (completion(seed=2**63), "seed"),
+    (completion(seed=-1), "seed"),
+    (completion(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
+    (completion(stream_options={"include_usage": True}), None),  # needs stream=true: a model-level rule
+])
+def test_completion_request_refuses(body, param):
+    assert error_param(CompletionRequest, body) == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+    (chat([{"type": "text", "text": 3}]), "messages[0].content[0].text"),
+    (chat([{"type": "image_url", "image_url": {}}]), "messages[0].content[0].image_url.url"),
+    (chat([{"type": "audio", "audio": {}}]), "messages[0].content[0]"),
+    (chat(max_completion_tokens=0), "max_completion_tokens"),
+    (chat(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (chat(top_logprobs=2), None),  # needs logprobs=true
+    (chat(logprobs=3), "logprobs"),
+    (chat(echo=False), "echo"),  # chat has no echo field at all
+])
+def test_chat_request_refuses(body, param):
+    assert error_param(ChatCompletionRequest, body) == param
+
+
+@pytest.mark.parametrize("loc,param", [
+    (("body", "max_tokens"), "max_tokens"),
+    (("body", "messages", 2, "content", "str"), "messages[2].content"),
+    (("body", "prompt", "list[int]", 0), "prompt[0]"),
+    (("body",), None),
+    (("query", "limit"), "limit"),
+])
+def test_param_from_loc(loc, param):
+    assert param_from_loc(loc) == param
+
+
+# ---- sampling arguments --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body,prompt_len,max_tokens", [
+    (completion(), 10, 16),               # OpenAI's completion default
+    (completion(max_tokens=None), 10, 54),  # up to the context
+    (completion(max_tokens=54), 10, 54),
+    (chat(), 10, 54),                     # chat: up to the context
+    (chat(max_tokens=5), 10, 5),
+    (chat(max_tokens=5, max_completion_tokens=7), 10, 7),  # max_completion_tokens wins
+])
+def test_sampling_kwargs_max_tokens(body, prompt_len, max_tokens):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    kw = sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len)
+    assert kw["max_tokens"] == max_tokens
+    SamplingParams(**kw)  # the engine takes every key
+
+
+@pytest.mark.parametrize("body,prompt_len,param", [
+    (completion(), 64, "prompt"),
+    (completion(max_tokens=55), 10, "prompt"),
+    (chat(), 70, "messages"),
+    (chat(max_completion_tokens=60), 10, "messages"),
+])
+def test_sampling_kwargs_context_length_exceeded(body, prompt_len, param):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(OpenAIError) as e:
+        sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", param)
+    assert "64" in e.value.message
+
+
+def test_sampling_kwargs_maps_openai_fields():
+    kw = sampling_kwargs(CompletionRequest.model_validate(completion(
+        temperature=0, top_p=0.9, top_k=-1, seed=5, stop="END", logprobs=3, n=3, min_tokens=2, ignore_eos=True,
+        stop_token_ids=[9])), max_model_len=128, prompt_len=4, choice_index=2)
+    assert kw == {"max_tokens": 16, "min_tokens": 2, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 7,
+                  "stop": ["END"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 3,
+                  "include_stop_str_in_output": False}
+    SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("logprobs,top_logprobs,expect", [(False, None, None), (True, None, 0), (True, 4, 4)])
+def test_sampling_kwargs_chat_logprobs(logprobs, top_logprobs, expect):
+    req = ChatCompletionRequest.model_validate(chat(logprobs=logprobs, top_logprobs=top_logprobs))
+    assert sampling_kwargs(req, max_model_len=32, prompt_len=3)["logprobs"] == expect
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_model_len=0, prompt_len=1), dict(max_model_len=8, prompt_len=-1),
+                                    dict(max_model_len=8, prompt_len=1, choice_index=1)])
+def test_sampling_kwargs_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        sampling_kwargs(CompletionRequest.model_validate(completion()), **kwargs)
+
+
+def test_sampling_kwargs_min_tokens_over_max_tokens_is_a_400():
+    with pytest.raises(OpenAIError) as e:
+        sampling_kwargs(CompletionRequest.model_validate(completion(min_tokens=20)), max_model_len=64, prompt_len=1)
+    assert (e.value.status, e.value.param) == (400, "min_tokens")
+
+
+# ---- responses and stream chunks -----------------------------------------------------------------
+
+def test_completion_response_shape():
+    r = CompletionResponse(model="m", choices=[CompletionChoice(
+        index=0, text="ab", finish_reason="length",
+        logprobs=CompletionLogprobs(tokens=["a", "b"], token_logprobs=[-0.1, -0.2],
+                                    top_logprobs=[{"a": -0.1}, {"b": -0.2}], text_offset=[0, 1]))],
+        usage=UsageInfo.of(3, 2))
+    d = json.loads(r.model_dump_json())
+    assert d["id"].startswith("cmpl-") and d["object"] == "text_completion" and isinstance(d["created"], int)
+    assert d["choices"][0] == {"index": 0, "text": "ab", "finish_reason": "length",
+                               "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                            "top_logprobs": [{"a": -0.1}, {"b": -0.2}], "text_offset": [0, 1]}}
+    assert d["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_chat_response_shape():
+    lp = ChatLogprobs(content=[ChatTokenLogprob(token="a", logprob=-0.5, bytes=[97],
+                                                top_logprobs=[TopLogprob(token="a", logprob=-0.5, bytes=[97])])])
+    r = ChatCompletionResponse(model="m", choices=[ChatCompletionChoice(
+        index=0, message=ChatResponseMessage(content="a"), logprobs=lp, finish_reason="stop")],
+        usage=UsageInfo.of(4, 1))
+    d = json.loads(r.model_dump_json())
+    assert d["id"].startswith("chatcmpl-") and d["object"] == "chat.completion"
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": "a"}
+    assert d["choices"][0]["logprobs"]["content"][0] == {
+        "token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}
+
+
+def test_usage_total_is_checked():
+    with pytest.raises(ValidationError, match="total_tokens"):
+        UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=3)
+
+
+def test_stream_chunks_frame_as_sse():
+    first = ChatCompletionStreamResponse(id="chatcmpl-1", model="m", choices=[
+        ChatCompletionStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+    usage = ChatCompletionStreamResponse(id="chatcmpl-1", model="m", choices=[], usage=UsageInfo.of(2, 3))
+    for chunk in (first, usage):
+        ev = sse_event(chunk)
+        assert ev.startswith("data: ") and ev.endswith("\n\n") and "\n" not in ev[:-2]
+        d = json.loads(ev[len("data: "):])
+        assert d["object"] == "chat.completion.chunk" and d["id"] == "chatcmpl-1"
+    assert json.loads(sse_event(usage)[6:])["usage"]["total_tokens"] == 5
+    assert json.loads(sse_event(first)[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert sse_event({"a": 1}) == 'data: {"a":1}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    assert json.loads(sse_error(OpenAIError("boom", status=500))[6:])["error"]["message"] == "boom"
+
+
+def test_model_list_shape():
+    d = ModelList(data=[ModelCard(id="k3-tiny", max_model_len=512)]).model_dump()
+    assert d["object"] == "list" and d["data"][0]["object"] == "model" and d["data"][0]["id"] == "k3-tiny"
+
+
+# ---- errors through a FastAPI app ----------------------------------------------------------------
+
+def make_app(api_key: str | None = KEY) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    auth = [Depends(api_key_dependency(api_key))]
+
+    @app.get("/health")
+    def health():
+        return {}
+
+    @app.get("/v1/models", dependencies=auth)
+    def models() -> ModelList:
+        return ModelList(data=[ModelCard(id="k3-tiny")])
+
+    @app.post("/v1/completions", dependencies=auth)
+    def completions(req: CompletionRequest) -> CompletionResponse:
+        require_model(req.model, ["k3-tiny"])
+        kw = sampling_kwargs(req, max_model_len=32, prompt_len=len(req.prompt))
+        SamplingParams(**kw)
+        return CompletionResponse(model=req.model, choices=[CompletionChoice(index=0, text="x", finish_reason="stop")])
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    def chat_completions(req: ChatCompletionRequest):
+        raise RuntimeError("secret internal detail")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(make_app(), raise_server_exceptions=False) as c:
+        yield c
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def assert_openai_error(resp, status, type_=None, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if type_ is not None:
+        assert body["error"]["type"] == type_
+    assert body["error"]["param"] == param
+    assert body["error"]["code"] == code
+
+
+@pytest.mark.parametrize("kind,status,type_,param,code", [
+    ("malformed_json", 400, "invalid_request_error", None, None),
+    ("no_body", 400, "invalid_request_error", None, None),
+    ("missing_field", 400, "invalid_request_error", "prompt", None),
+    ("wrong_type", 400, "invalid_request_error", "max_tokens", None),
+    ("max_tokens_0", 400, "invalid_request_error", "max_tokens", None),
+    ("temperature", 400, "invalid_request_error", "temperature", None),
+    ("top_p", 400, "invalid_request_error", "top_p", None),
+    ("unknown_model", 404, "invalid_request_error", "model", "model_not_found"),
+    ("too_long", 400, "invalid_request_error", "prompt", "context_length_exceeded"),
+    ("no_key", 401, "authentication_error", None, "invalid_api_key"),
+    ("wrong_key", 401, "authentication_error", None, "invalid_api_key"),
+    ("internal", 500, "internal_error", None, "internal_error"),
+    ("no_route", 404, "not_found_error", None, None),
+])
+def test_errors_through_the_app(client, kind, status, type_, param, code):
+    def post(body, headers=AUTH, path="/v1/completions"):
+        return client.post(path, json=body, headers=headers)
+
+    resp = {
+        "malformed_json": lambda: client.post("/v1/completions", content=b'{"model": "k3-tiny", "prompt": ',
+                                              headers={**AUTH, "Content-Type": "application/json"}),
+        "no_body": lambda: client.post("/v1/completions", headers=AUTH),
+        "missing_field": lambda: post({"model": "k3-tiny"}),
+        "wrong_type": lambda: post(completion(max_tokens="ten")),
+        "max_tokens_0": lambda: post(completion(max_tokens=0)),
+        "temperature": lambda: post(completion(temperature=-1)),
+        "top_p": lambda: post(completion(top_p=1.5)),
+        "unknown_model": lambda: post(completion(model="gpt-4")),
+        "too_long": lambda: post(completion(prompt=list(range(40)))),
+        "no_key": lambda: post(completion(), headers={}),
+        "wrong_key": lambda: post(completion(), headers={"Authorization": "Bearer sk-wrong"}),
+        "internal": lambda: post(chat(), path="/v1/chat/completions"),
+        "no_route": lambda: client.get("/v1/nothing", headers=AUTH),
+    }[kind]()
+    assert_openai_error(resp, status, type_, param, code)
+    assert "secret internal detail" not in resp.text and "Traceback" not in resp.text
+    # and the server keeps serving
+    assert client.post("/v1/completions", json=completion(), headers=AUTH).status_code == 200
+
+
+def test_api_key_optional_and_health_open(client):
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "k3-tiny"
+    assert client.get("/v1/models", headers={"Authorization": "Basic abc"}).status_code == 401
+    with TestClient(make_app(api_key=None)) as open_client:
+        assert open_client.post("/v1/completions", json=completion()).status_code == 200
+    with pytest.raises(ValueError):
+        api_key_dependency("")
+
+
+def test_openapi_document_declares_bearer(client):
+    doc = client.get("/openapi.json").json()
+    assert any(s.get("scheme") == "bearer" for s in doc["components"]["securitySchemes"].values())
+    assert "CompletionRequest" in doc["components"]["schemas"]
+
+
+@pytest.mark.parametrize("status", [399, 600])
+def test_openai_error_status_checked(status):
+    with pytest.raises(ValueError):
+        OpenAIError("x", status=status)
+
+
+# ---- the engine's logprobs in OpenAI's shapes ----------------------------------------------------
+
+TOKEN_BYTES = {1: b"He", 2: b"llo", 3: b"\xc3", 4: b"\xa9", 5: b"!"}  # 3 + 4: "é" split over two tokens
+ENTRIES = [{"token": 1, "logprob": -0.1, "top": {1: -0.1, 5: -2.5}},
+           {"token": 2, "logprob": -0.2, "top": {2: -0.2, 1: -3.0}},
+           {"token": 3, "logprob": -0.3, "top": {3: -0.3, 5: -1.5}}]
+
+
+def test_chat_logprobs_from_engine_entries():
+    lp = chat_logprobs(ENTRIES, TOKEN_BYTES.__getitem__)
+    assert [c.token for c in lp.content] == ["He", "llo", "\ufffd"]
+    assert lp.content[2].bytes == [0xC3]  # the exact byte, though the text cannot show it
+    assert [(t.token, t.logprob) for t in lp.content[0].top_logprobs] == [("He", -0.1), ("!", -2.5)]
+    no_top = chat_logprobs([{"token": 5, "logprob": -0.5}], TOKEN_BYTES.__getitem__)
+    assert no_top.content[0].top_logprobs == [] and no_top.content[0].token == "!"
+
+
+def test_completion_logprobs_from_engine_entries():
+    lp = completion_logprobs(ENTRIES[:2], TOKEN_BYTES.__getitem__, text_offset=10)
+    assert lp.tokens == ["He", "llo"] and lp.token_logprobs == [-0.1, -0.2] and lp.text_offset == [10, 12]
+    assert lp.top_logprobs[0] == {"He": -0.1, "!": -2.5}
+    chosen_only = completion_logprobs([{"token": 5, "logprob": -0.5}], TOKEN_BYTES.__getitem__)
+    assert chosen_only.top_logprobs == [{"!": -0.5}]  # logprobs=0: the chosen token alone
+
+
+def test_logprobs_with_the_k3_tokenizer_table():
+    from k3.platform.tokenizer import train_bpe
+    from k3.serve.engine.detokenizer import Detokenizer
+
+    tok = train_bpe(["héllo wörld, def f(x): return x"] * 20, vocab_size=300)
+    table = Detokenizer(tok).table
+    ids = tok.encode("héllo wörld").ids
+    lp = chat_logprobs([{"token": i, "logprob": -1.0} for i in ids], table.__getitem__)
+    assert bytes(b for c in lp.content for b in c.bytes).decode() == "héllo wörld"
+
+
+def test_choice_seeds_stay_in_range():
+    req = CompletionRequest.model_validate(completion(seed=2**63 - 1, n=3))
+    seeds = [sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i)["seed"] for i in range(3)]
+    assert seeds == [2**63 - 1, 0, 1]
+    for i in range(3):
+        SamplingParams(**sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i))
