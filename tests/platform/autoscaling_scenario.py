@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -57,6 +58,8 @@ def event(msg: str) -> None:
 
 
 T0 = time.time()
+# SIGTERM (the test's timeout) ends the scenario through `finally`, which stops the head and Prometheus
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 cfg = yaml.safe_load((REPO / "cluster" / "local-autoscaling.yaml").read_text())
 cfg["idle_timeout_minutes"] = args.idle_timeout_min
 # two worker nodes at most: enough to show scale-up (training needs 2 CPUs, the head has 1) with
