@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test lint bench bench-kernels clean
+.PHONY: venv demo test lint bench bench-kernels prometheus clean
 
 venv: $(STAMP)
 
@@ -19,16 +19,28 @@ $(STAMP): pyproject.toml
 	# torch is pinned to the CPU wheel that lies on this machine's disk; installing it first
 	# keeps any later dependency from pulling a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,ray,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,ray,bench,monitor]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# Prometheus from Debian's package, without root: used from PATH when there, else unpacked into
+# .cache/prometheus (k3.platform.ops.prometheus looks in both places).
+PROM_DIR := .cache/prometheus
+$(PROM_DIR)/.installed:
+	mkdir -p $(PROM_DIR)
+	if command -v prometheus >/dev/null; then touch $@; else \
+	  (apt-get download prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get download prometheus)) && \
+	  mv prometheus_*.deb $(PROM_DIR)/ && dpkg-deb -x $(PROM_DIR)/prometheus_*.deb $(PROM_DIR)/root && \
+	  $(PROM_DIR)/root/usr/bin/prometheus --version >/dev/null && touch $@; fi
+
+prometheus: $(PROM_DIR)/.installed
+
+demo: $(STAMP) $(PROM_DIR)/.installed
 	$(BIN)/python jobs/demo.py
 
 lint: $(STAMP)
 	.ci/lint-imports
 
-test: $(STAMP)
+test: $(STAMP) $(PROM_DIR)/.installed
 	.ci/lint-imports
 	$(BIN)/python -m pytest -q tests
 

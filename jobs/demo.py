@@ -8,8 +8,8 @@ nothing is downloaded), submit the pretraining job with `ray job submit` (k3-tin
 expert parallelism 2, Quantile Balancing through the coordinator actor), which prints its
 summary and a sample from the final checkpoint; then serve that checkpoint on the same cluster,
 disaggregated (1 prefill + 1 decode replica, the cache handed over through the object store),
-stream an answer to a chat request made with the official `openai` client, shut Serve down, and
-stop the cluster it started.
+stream an answer to a chat request made with the official `openai` client, shut Serve down,
+stop the cluster it started, and write the run's HTML report (`k3 report`), printing its path.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from k3.platform.local_ray import LocalRayHead
+from k3.platform.ops.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,4 +111,7 @@ finally:
     # 5. Stop the cluster this script started (and only it).
     head.stop()
     print("demo: Ray stopped", flush=True)
+# 6. The run's report: loss, tokens/s, MaxVio and router bias spread per layer (HTML + PNG).
+if rc == 0:
+    print(f"demo: run report {write_report(Path(args.runs) / args.name)}", flush=True)
 sys.exit(rc)

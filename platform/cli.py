@@ -4,12 +4,23 @@
     k3 params --preset k3 --release-layout   also count the K3 release's tensor layout
     k3 presets                          list the presets
     k3 config --preset k3-tiny          print a preset's config as JSON
+    k3 cluster up|status|down           the local autoscaling Ray cluster (cluster/local-autoscaling.yaml)
+    k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
+    k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
+    k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
+    k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
+    k3 report RUN_DIR                   an HTML page with PNG plots of a pretraining run
+
+Operational commands print one line `k3: error: ...` and exit 1 on bad input or an unreachable
+service, leaving nothing they started running.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from k3.model.config import PRESETS, get_preset
 from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
@@ -63,6 +74,86 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+MONITOR_STATE = Path(".cache") / "k3-monitor" / "state.json"
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from k3.platform.ops import cluster
+
+    if args.action == "rayservice":
+        from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
+
+        print(dump_manifest(rayservice_manifest(args.base, args.serve_config)), end="")
+    elif args.action == "up":
+        st = cluster.up(args.config, args.state)
+        print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
+              f"  session dir {st['session_dir']}\n"
+              f"  submit jobs with: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={st['token_path']} "
+              f"ray job submit --address {st['address']} ...")
+    elif args.action == "status":
+        print(cluster.status(args.state), end="")
+    else:
+        print("k3 cluster down: stopped" if cluster.down(args.state) else "k3 cluster down: was not running")
+    return 0
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from k3.platform.ops.dashboards import push_dashboards, write_dashboards
+    from k3.platform.ops.prometheus import Prometheus
+
+    state = Path(args.state)
+    if args.action == "dashboards":
+        for p in write_dashboards(args.out):
+            print(p)
+        return 0
+    if args.action == "push":
+        for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
+            print(f"pushed {r.get('uid')}: {r.get('url')}")
+        return 0
+    if args.action == "down":
+        if not state.exists():
+            print("k3 monitor down: was not running")
+            return 0
+        Prometheus.from_state(json.loads(state.read_text())).stop()
+        state.unlink()
+        print("k3 monitor down: stopped")
+        return 0
+    if state.exists() and Prometheus.from_state(json.loads(state.read_text())).alive():
+        raise ValueError(f"Prometheus already runs (see {state}): `k3 monitor down` first")
+    if args.grafana_url and not os.environ.get("GRAFANA_TOKEN"):
+        raise ValueError("GRAFANA_URL is set but GRAFANA_TOKEN is not: the dashboards cannot be pushed")
+    session = args.session_dir
+    if session is None:
+        from k3.platform.ops.cluster import recorded_head
+
+        head = recorded_head(args.cluster_state)
+        if not head.alive():
+            raise ValueError(f"the k3 cluster recorded in {args.cluster_state} is not running: `k3 cluster up` first")
+        session = str(head.session_dir)
+    prom = Prometheus(session, state.parent / "prometheus", scrape_interval_s=args.scrape_interval).start()
+    try:
+        if args.grafana_url:
+            for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
+                print(f"pushed {r.get('uid')}: {r.get('url')}")
+    except BaseException:
+        prom.stop()  # nothing half-started stays running
+        raise
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps(prom.state(), indent=2) + "\n")
+    print(f"k3 monitor up: Prometheus {prom.url} (pid {prom.pid}) scraping {session}\n"
+          f"  for the Ray dashboard's embedded Grafana panels, start Ray with:\n"
+          f"  RAY_PROMETHEUS_HOST={prom.url}\n"
+          f"  RAY_GRAFANA_HOST={args.grafana_url or 'http://127.0.0.1:3000'}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from k3.platform.ops.report import write_report
+
+    print(write_report(args.run_dir, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="k3: train and serve Kimi K3-architecture models on Ray")
     sub = p.add_subparsers(dest="command", required=True)
@@ -77,11 +168,45 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("config", help="print a preset's config as JSON")
     sp.add_argument("--preset", required=True, choices=sorted(PRESETS))
     sp.set_defaults(func=cmd_config)
+
+    sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
+    sp.add_argument("action", choices=["up", "status", "down", "rayservice"])
+    sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
+    sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
+    sp.add_argument("--base", default="cluster/kuberay/rayservice.yaml", help="rayservice: the RayService base")
+    sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
+                    help="where the running cluster is recorded")
+    sp.set_defaults(func=cmd_cluster)
+
+    sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")
+    sp.add_argument("action", choices=["up", "down", "dashboards", "push"])
+    sp.add_argument("--cluster-state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
+                    help="the cluster to scrape (written by `k3 cluster up`)")
+    sp.add_argument("--session-dir", help="scrape this Ray session directory instead")
+    sp.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between scrapes")
+    sp.add_argument("--state", default=str(MONITOR_STATE), help="where the running Prometheus is recorded")
+    sp.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"), help="Grafana to push to ($GRAFANA_URL)")
+    sp.add_argument("--out", default="cluster/grafana", help="dashboards: output directory")
+    sp.set_defaults(func=cmd_monitor)
+
+    sp = sub.add_parser("report", help="HTML page with PNG plots of a pretraining run")
+    sp.add_argument("run_dir", help="the run's directory (storage path / run name)")
+    sp.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    sp.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("cluster", "monitor", "report"):
+        from k3.platform.ops.dashboards import GrafanaPushError
+        from k3.platform.ops.prometheus import PrometheusError
+
+        try:
+            return args.func(args)
+        except (ValueError, PrometheusError, GrafanaPushError, TimeoutError, RuntimeError) as e:
+            print(f"k3: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 1
     return args.func(args)
 
 

@@ -3,6 +3,9 @@
     with LocalRayHead(num_cpus=2) as head:
         rc = head.submit_job(["python", "jobs/pretrain.py", ...], working_dir=repo)
 
+    # an autoscaling laptop cluster (Ray's fake multi-node provider; worker nodes come and go)
+    with LocalRayHead(autoscaling_config="cluster/local-autoscaling.yaml") as head: ...
+
     init_local_ray(num_cpus=2)   # in-process: a private `ray.init` on loopback
 
 Used by `make demo` and by the tests that exercise the CLI path a user takes (`ray job submit`
@@ -21,10 +24,17 @@ machine, and this module does all three:
   connections; a submission that still races the agent's registration is retried.
 
 Never `ray stop`: it ends every Ray process on the machine. `ray start --block` tears down
-what it started when its process group gets SIGTERM, which is what `stop()` sends.
+what it started when its process group gets SIGTERM, which is what `stop()` sends; the
+autoscaler's fake worker nodes are started by the head's monitor inside that process group and
+go with it.
+
+The `ray` CLI runs as `python -m ray.scripts.scripts` under this interpreter, so the cluster's
+processes import the same k3 as the caller (a venv that layers another venv's packages has no
+`ray` script of its own, and the other venv's script would import that venv's k3).
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -34,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 NO_AGENT = "No available agent"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
@@ -66,25 +78,43 @@ def _port_open(port: int) -> bool:
 
 
 class LocalRayHead:
-    """A one-node Ray cluster on 127.0.0.1 owned by this process.
+    """A Ray cluster on 127.0.0.1 owned by this process: one node, or an autoscaling one.
 
     Args:
-        num_cpus: CPUs the node advertises.
+        num_cpus: CPUs the node advertises (taken from the head node type when
+            `autoscaling_config` is given).
         workdir: where the token and the node's log go (a fresh temporary folder by default).
         env: extra environment for the node and for every client command run through it.
         start_timeout_s: how long `start()` waits for the job server and the job agent.
+        autoscaling_config: a fake multi-node cluster YAML (cluster/local-autoscaling.yaml):
+            checked first (k3.platform.ops.cluster.load_autoscaling_config), then a copy pointing
+            the provider at this head's GCS port is handed to `ray start --autoscaling-config`.
+        autoscaler_update_s: seconds between the autoscaler's passes (Ray's default is 5).
     """
 
     def __init__(self, num_cpus: int = 2, workdir: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 180.0):
+                 env: dict[str, str] | None = None, start_timeout_s: float = 180.0,
+                 autoscaling_config: str | os.PathLike | None = None, autoscaler_update_s: int = 5):
+        self.cluster_config = None
+        if autoscaling_config is not None:
+            from .ops.cluster import load_autoscaling_config
+
+            self.cluster_config = load_autoscaling_config(autoscaling_config)
+            head = self.cluster_config["available_node_types"][self.cluster_config["head_node_type"]]
+            num_cpus = head["resources"].get("CPU", 0)
         if num_cpus < 1:
             raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
         self.num_cpus = num_cpus
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="k3-ray-"))
+        self.workdir = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="k3-ray-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.start_timeout_s = start_timeout_s
         self.bin = Path(sys.executable).parent
+        self.ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
         self.token_path = self.workdir / "ray_token"
+        # Ray's temp dir of its own (short: socket paths have a 107-byte limit), so this cluster's
+        # session directory (logs, Prometheus service-discovery file) is not shared with another
+        # Ray on the machine the way /tmp/ray/session_latest is.
+        self.temp_dir = Path(tempfile.gettempdir()) / f"k3r-{secrets.token_hex(4)}"
         self.log_path = self.workdir / "ray.log"
         self.ports = {name: free_port() for name in (
             "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -94,7 +124,10 @@ class LocalRayHead:
                     LOOPBACK_ENV: "0", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         self.env.pop("RAY_ADDRESS", None)
+        if self.cluster_config is not None:
+            self.env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": str(autoscaler_update_s)})
         self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None  # the `ray start --block` process, leader of its process group
 
     @property
     def address(self) -> str:
@@ -106,22 +139,48 @@ class LocalRayHead:
         """The GCS address, for `ray.init(address=...)` and `ray start --address`."""
         return f"127.0.0.1:{self.ports['port']}"
 
+    @property
+    def session_dir(self) -> Path:
+        """This cluster's Ray session directory (logs, `prom_metrics_service_discovery.json`)."""
+        return self.temp_dir / "session_latest"
+
     def ray(self, *args: str, **kw) -> subprocess.CompletedProcess:
         """Run the `ray` CLI against this cluster's environment (token, loopback)."""
-        return subprocess.run([str(self.bin / "ray"), *args], env=self.env, capture_output=True, text=True, **kw)
+        return subprocess.run([*self.ray_cli, *args], env=self.env, capture_output=True, text=True, **kw)
+
+    def autoscaling_args(self) -> list[str]:
+        """Write the cluster YAML with the provider pointed at this head's GCS port (the fake
+        provider assumes 6379 otherwise); the head's other resources go to `--resources`."""
+        cfg = {**self.cluster_config, "provider": {**self.cluster_config["provider"], "gcs_address": self.gcs_address}}
+        path = self.workdir / "autoscaling.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        args = [f"--autoscaling-config={path}"]
+        head = dict(cfg["available_node_types"][cfg["head_node_type"]]["resources"])
+        head.pop("CPU", None)
+        if "GPU" in head:
+            args += ["--num-gpus", str(head.pop("GPU"))]
+        if "object_store_memory" in head:
+            args += ["--object-store-memory", str(head.pop("object_store_memory"))]
+        if head:
+            args += ["--resources", json.dumps(head)]
+        return args
 
     def start(self) -> "LocalRayHead":
-        if self.proc is not None:
+        if self.proc is not None or self.pid is not None:
             raise RuntimeError("this LocalRayHead is already started")
         self.token_path.write_text(secrets.token_hex(32))
-        cmd = [str(self.bin / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [*self.ray_cli, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(self.num_cpus),
-               "--disable-usage-stats"]
+               "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
         for name, port in self.ports.items():
             cmd += [f"--{name}", str(port)]
+        if self.cluster_config is not None:
+            cmd += self.autoscaling_args()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        self.pid = self.proc.pid
         try:
             self._wait_ready()
         except BaseException:
@@ -150,7 +209,7 @@ class LocalRayHead:
         A submission refused because the head's job agent has not registered yet is retried for
         up to `retry_s`; any other failure is returned as it is.
         """
-        cmd = [str(self.bin / "ray"), "job", "submit", "--address", self.address]
+        cmd = [*self.ray_cli, "job", "submit", "--address", self.address]
         if working_dir is not None:
             cmd += ["--working-dir", str(working_dir)]
         cmd += ["--", *entrypoint]
@@ -170,15 +229,49 @@ class LocalRayHead:
                 return subprocess.CompletedProcess(cmd, rc, out, "")
             time.sleep(3.0)
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+    def state(self) -> dict:
+        """What another process needs to reach or stop this head (`k3 cluster up` saves it)."""
+        return {"pid": self.pid, "workdir": str(self.workdir), "ports": self.ports, "num_cpus": self.num_cpus,
+                "autoscaling": self.cluster_config is not None, "address": self.address,
+                "gcs_address": self.gcs_address, "token_path": str(self.token_path),
+                "session_dir": str(self.session_dir), "temp_dir": str(self.temp_dir)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "LocalRayHead":
+        """A handle on a head started by another process (`k3 cluster status|down`)."""
+        head = cls(num_cpus=state["num_cpus"], workdir=state["workdir"])
+        head.ports = dict(state["ports"])
+        head.temp_dir = Path(state["temp_dir"])
+        if state.get("autoscaling"):
+            head.env["RAY_FAKE_CLUSTER"] = "1"
+        head.pid = state["pid"]
+        return head
+
+    def alive(self) -> bool:
+        """Whether any process of the head's process group still runs."""
+        if self.pid is None:
+            return False
+        if self.proc is not None:
+            self.proc.poll()  # reap the leader once it has exited, so the group check below is true
         try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM to the head's process group (SIGKILL to what is left after 60 s); a no-op when
+        nothing of it runs."""
+        if not self.alive():
+            return
+        os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.time() + 60
+        while self.alive() and time.time() < deadline:
+            time.sleep(0.5)
+        if self.alive():
+            os.killpg(self.pid, signal.SIGKILL)
+            while self.alive() and time.time() < deadline + 10:
+                time.sleep(0.2)
 
     def __enter__(self) -> "LocalRayHead":
         return self.start()

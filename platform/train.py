@@ -380,8 +380,12 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             local_balancer.step()
             model.set_router_bias(local_balancer.bias().to(device))
         tokens = batch.numel() * world
+        # router bias spread (max - min) per MoE layer after this step (`k3 report` plots it over time)
+        bias = torch.stack([gate.bias.detach() for gate in gates]) if gates else None
+        bias_spread = (bias.max(1).values - bias.min(1).values).tolist() if bias is not None else []
         history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio, "tokens": tokens,
-                        "step_s": time.perf_counter() - t0, "wait_s": t0_wait, "all_to_all_s": a2a_s})
+                        "step_s": time.perf_counter() - t0, "wait_s": t0_wait, "all_to_all_s": a2a_s,
+                        "bias_spread": bias_spread})
         tokens_since += tokens
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.log_every == 0 or last or (step + 1) % cfg.checkpoint_every == 0:
@@ -389,12 +393,10 @@ def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to
             tps = tokens_since / (now - t_last)
             dense_norm = engine.get_global_grad_norm()
             gnorm = math.sqrt(float(dense_norm or 0.0) ** 2 + expert_norm ** 2)
-            bias = torch.stack([gate.bias for gate in gates]) if gates else None
-            spread = (bias.max(1).values - bias.min(1).values).tolist() if bias is not None else []
             report = {"step": step + 1, "loss": mean_loss, "lr": lr, "tokens_per_s": tps,
                       "grad_norm": gnorm,
                       "maxvio_mean": sum(maxvio) / len(maxvio) if maxvio else 0.0, "maxvio": maxvio,
-                      "bias_spread": spread, "epoch": epoch, "compute_s": compute_s, "coordinator_wait_s": wait_s,
+                      "bias_spread": bias_spread, "epoch": epoch, "compute_s": compute_s, "coordinator_wait_s": wait_s,
                       "all_to_all_s": a2a_s}
             metrics.update(report)
             if rank == 0:

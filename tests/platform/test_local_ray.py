@@ -19,3 +19,21 @@ def test_every_port_is_chosen_and_distinct(tmp_path):
 def test_bad_cpu_count_is_refused(tmp_path):
     with pytest.raises(ValueError, match="num_cpus"):
         LocalRayHead(num_cpus=0, workdir=tmp_path)
+
+
+def test_autoscaling_head_points_the_provider_at_its_own_gcs(tmp_path):
+    import yaml
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    head = LocalRayHead(autoscaling_config=repo / "cluster" / "local-autoscaling.yaml", workdir=tmp_path,
+                        autoscaler_update_s=1)
+    assert head.num_cpus == 1  # the YAML's head node type, not the default
+    assert head.env["RAY_FAKE_CLUSTER"] == "1" and head.env["AUTOSCALER_UPDATE_INTERVAL_S"] == "1"
+    args = head.autoscaling_args()
+    (path,) = [a.split("=", 1)[1] for a in args if a.startswith("--autoscaling-config=")]
+    written = yaml.safe_load(open(path))
+    assert written["provider"]["gcs_address"] == head.gcs_address  # not the provider's default 6379
+    # a second process reaches (and would stop) the same head from its recorded state
+    again = LocalRayHead.from_state({**head.state(), "pid": None})
+    assert again.gcs_address == head.gcs_address and again.session_dir == head.session_dir
+    assert not again.alive()

@@ -1,0 +1,162 @@
+"""Cluster YAMLs: checked before anything starts, and the local autoscaling cluster's lifecycle.
+
+    cfg = load_autoscaling_config("cluster/local-autoscaling.yaml")   # fake multi-node, laptop
+    cfg = load_cloud_config("cluster/aws-gpu.yaml")                    # what `ray up` would run
+
+Both raise ValueError with one line naming the file and the field: an unknown node type, a
+resource that is not a non-negative integer, or whatever Ray's own schema check
+(`ray.autoscaler._private.util.validate_config` against the wheel's `ray-schema.json`) refuses.
+`up()`, `status()` and `down()` are `k3 cluster up|status|down`: one local autoscaling head per
+state file, stopped by its process group (never `ray stop`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider names its head node type this way
+DEFAULT_STATE = Path(".cache") / "k3-cluster" / "state.json"
+
+
+def _read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p}: no such cluster YAML")
+    try:
+        cfg = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a mapping at the top level, got {type(cfg).__name__}")
+    return cfg
+
+
+def check_node_types(cfg: dict, where: str) -> None:
+    """Node types named consistently, resources integers, worker bounds ordered."""
+    types = cfg.get("available_node_types")
+    if not isinstance(types, dict) or not types:
+        raise ValueError(f"{where}: available_node_types must name at least one node type")
+    head = cfg.get("head_node_type")
+    if head not in types:
+        raise ValueError(f"{where}: head_node_type {head!r} is not a node type; known: {sorted(types)}")
+    for name, spec in types.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: available_node_types.{name} must be a mapping")
+        for res, v in (spec.get("resources") or {}).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: available_node_types.{name}.resources.{res} must be a non-negative "
+                                 f"integer, got {v!r}")
+        lo, hi = spec.get("min_workers", 0), spec.get("max_workers", cfg.get("max_workers", 0))
+        for key, v in (("min_workers", lo), ("max_workers", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: available_node_types.{name}.{key} must be a non-negative integer, "
+                                 f"got {v!r}")
+        if lo > hi:
+            raise ValueError(f"{where}: available_node_types.{name}: min_workers {lo} > max_workers {hi}")
+
+
+def ray_validate(cfg: dict, where: str) -> None:
+    """Ray's own check (jsonschema against ray-schema.json plus its cross-field rules), one line."""
+    import jsonschema
+    from ray.autoscaler._private.util import validate_config
+
+    try:
+        validate_config(cfg)
+    except jsonschema.ValidationError as e:
+        field = ".".join(str(x) for x in e.absolute_path) or "<top level>"
+        raise ValueError(f"{where}: {field}: {' '.join(e.message.split())} (Ray's cluster schema)") from None
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+def load_autoscaling_config(path: str | os.PathLike) -> dict:
+    """The local fake multi-node cluster YAML, checked; returned as `ray start` will read it."""
+    where = str(path)
+    cfg = _read_yaml(path)
+    provider = cfg.get("provider") or {}
+    if provider.get("type") != "fake_multinode":
+        raise ValueError(f"{where}: provider.type must be 'fake_multinode' for a local autoscaling cluster, "
+                         f"got {provider.get('type')!r}")
+    check_node_types(cfg, where)
+    if cfg["head_node_type"] != FAKE_HEAD_TYPE:
+        raise ValueError(f"{where}: head_node_type must be {FAKE_HEAD_TYPE!r} (the fake provider's head), "
+                         f"got {cfg['head_node_type']!r}")
+    head_cpu = cfg["available_node_types"][FAKE_HEAD_TYPE].get("resources", {}).get("CPU", 0)
+    if head_cpu < 1:
+        raise ValueError(f"{where}: available_node_types.{FAKE_HEAD_TYPE}.resources.CPU must be >= 1")
+    # The monitor reads the file as given: Ray's check on the raw file is the one that matters.
+    ray_validate(cfg, where)
+    return cfg
+
+
+def load_cloud_config(path: str | os.PathLike) -> dict:
+    """A cloud cluster YAML (`ray up`), checked the way `ray up` checks it: Ray fills in its
+    provider's defaults (`prepare_config`), then validates against its schema."""
+    from ray.autoscaler._private.util import prepare_config
+
+    where = str(path)
+    cfg = _read_yaml(path)
+    check_node_types(cfg, where)
+    try:
+        full = prepare_config(copy.deepcopy(cfg))
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
+    ray_validate(full, where)
+    return full
+
+
+# -- the local autoscaling cluster: k3 cluster up | status | down --------------------------------
+def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE, env: dict | None = None,
+       autoscaler_update_s: int = 5) -> dict:
+    """Start the local autoscaling head (returns its state, also written to `state_path`); refused
+    while a head recorded there still runs."""
+    from k3.platform.local_ray import LocalRayHead
+
+    state_path = Path(state_path).resolve()  # the token path in the state must not depend on the cwd
+    if state_path.exists():
+        old = json.loads(state_path.read_text())
+        if LocalRayHead.from_state(old).alive():
+            raise ValueError(f"a k3 cluster already runs (pid {old['pid']}, {old['address']}): `k3 cluster down` first")
+    head = LocalRayHead(autoscaling_config=config, workdir=state_path.parent / f"head-{int(time.time())}",
+                        env=env, autoscaler_update_s=autoscaler_update_s)
+    head.start()  # stops what it started if it does not come up
+    state = head.state()
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    state_path.write_text(json.dumps(state, indent=2) + "\n")
+    return state
+
+
+def recorded_head(state_path: str | os.PathLike = DEFAULT_STATE):
+    """A handle on the head `k3 cluster up` recorded in state_path (ValueError when there is none)."""
+    from k3.platform.local_ray import LocalRayHead
+
+    p = Path(state_path)
+    if not p.exists():
+        raise ValueError(f"no k3 cluster recorded in {p}: start one with `k3 cluster up`")
+    return LocalRayHead.from_state(json.loads(p.read_text()))
+
+
+def status(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
+    """`ray status` of the recorded cluster (nodes by type, pending demand)."""
+    head = recorded_head(state_path)
+    if not head.alive():
+        raise ValueError(f"the k3 cluster recorded in {state_path} (pid {head.pid}) is not running")
+    out = head.ray("status", "--address", head.gcs_address, timeout=60)
+    if out.returncode != 0:
+        last = ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"ray status failed: {last}")
+    return f"head pid {head.pid}, dashboard {head.address}, GCS {head.gcs_address}\n{out.stdout}"
+
+
+def down(state_path: str | os.PathLike = DEFAULT_STATE) -> bool:
+    """Stop the recorded cluster's process group; True when something was running."""
+    head = recorded_head(state_path)
+    was = head.alive()
+    head.stop()
+    Path(state_path).unlink()
+    return was
