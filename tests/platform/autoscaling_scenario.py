@@ -9,8 +9,8 @@ environment: the head writes its token to DIR/head/ray_token.)
 On cluster/local-autoscaling.yaml (idle timeout shortened): start the autoscaling head and a
 Prometheus scraping it; submit the pretraining job with more workers than the head holds and watch
 worker nodes come; wait until they go; deploy a Serve app whose autoscaling asks for more replicas
-than the head holds (it exports every k3_serve_* metric of k3.platform.metrics.SERVE_METRICS from
-real ray.util.metrics objects) and make requests over HTTP; evaluate every panel query of the
+than the head holds (k3's disaggregated Serve app on k3-tiny, whose replicas export the
+k3_serve_* metrics of k3.platform.metrics.SERVE_METRICS) and make requests over HTTP; evaluate every panel query of the
 shipped dashboards (cluster/grafana/*.json) through Prometheus's HTTP API; write `k3 report` for
 the run; stop everything it started. The observations go to --out as JSON; the test asserts.
 
@@ -158,67 +158,29 @@ try:
     result["scale_down_s"] = time.time() - t_job_end
     event(f"scaled down to the head {result['scale_down_s']:.0f} s after the job ended")
 
-    # 3. Serve: autoscaling asks for 2 replicas of 1 CPU; the head has 1.
-    from k3.platform.metrics import SERVE_METRICS
+    # 3. Serve: the real disaggregated app (k3-tiny, random weights); the decode deployment's
+    # autoscaling asks for 2 replicas of 1 CPU, and the head has 1.
+    from k3.serve.builder import build_pd_app
 
-    @serve.deployment(ray_actor_options={"num_cpus": 1},
-                      autoscaling_config={"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2})
-    class Emitter:
-        """Records every k3_serve_* metric from the SERVE_METRICS table for each request it serves."""
-
-        def __init__(self):
-            from ray.util.metrics import Counter, Gauge, Histogram
-
-            kinds = {"counter": Counter, "gauge": Gauge}
-            self.m = {}
-            for name, (kind, desc, tags, *buckets) in SERVE_METRICS.items():  # histograms carry buckets
-                if kind == "histogram":
-                    self.m[name] = Histogram(name, desc, boundaries=buckets[0], tag_keys=tags)
-                else:
-                    self.m[name] = kinds[kind](name, desc, tag_keys=tags)
-
-        async def __call__(self, request):
-            import asyncio
-
-            body = await request.json()
-            n, m = int(body["prompt_tokens"]), int(body["max_tokens"])
-            t = {"model": "k3-tiny", "role": "decode"}
-            t0 = time.perf_counter()
-            self.m["k3_serve_num_requests_running"].set(1, tags=t)
-            self.m["k3_serve_num_requests_waiting"].set(0, tags=t)
-            last = t0
-            for i in range(m):  # a stand-in decode loop: a few ms per token
-                await asyncio.sleep(0.003)
-                now = time.perf_counter()
-                if i == 0:
-                    self.m["k3_serve_time_to_first_token_seconds"].observe(now - t0, tags=t)
-                else:
-                    self.m["k3_serve_inter_token_latency_seconds"].observe(now - last, tags=t)
-                last = now
-            self.m["k3_serve_e2e_request_latency_seconds"].observe(time.perf_counter() - t0, tags=t)
-            self.m["k3_serve_prompt_tokens"].inc(n, tags=t)
-            self.m["k3_serve_generation_tokens"].inc(m, tags=t)
-            self.m["k3_serve_requests_finished"].inc(1, tags={**t, "finish_reason": "length"})
-            for source, hit in (("local", n // 2), ("pool", n // 4)):
-                self.m["k3_serve_prefix_cache_queries"].inc(n, tags={**t, "source": source})
-                self.m["k3_serve_prefix_cache_hits"].inc(hit, tags={**t, "source": source})
-            self.m["k3_serve_cache_usage_ratio"].set(min(1.0, (n + m) / 1024), tags=t)
-            self.m["k3_serve_handoff_bytes"].observe(float(n * 576 * 4), tags={"model": "k3-tiny"})
-            self.m["k3_serve_handoff_seconds"].observe(time.perf_counter() - t0, tags={"model": "k3-tiny"})
-            self.m["k3_serve_num_requests_running"].set(0, tags=t)
-            return {"tokens": m}
-
+    small = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}}
+    app = build_pd_app({
+        "model_id": "k3-tiny", "model": {"preset": "k3-tiny"}, "prefill": small, "ingress": small,
+        "engine": {"max_num_seqs": 4, "page_size": 16, "snapshot_interval": 1, "cache_memory_bytes": 16 * 2**20},
+        "decode": {"ray_actor_options": {"num_cpus": 1},
+                   "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2}}})
     http_port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
     t_serve = time.time()
     with NodeWatch() as w:
-        serve.run(Emitter.bind(), name="k3-emitter", route_prefix="/emit")
+        serve.run(app, name="k3", route_prefix="/")
         event("serve app running")
+        shared = list(range(100, 164))  # every request shares 4 pages: local prefix hits
         for i in range(12):
-            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/emit", method="POST",
-                                         data=json.dumps({"prompt_tokens": 32 + i, "max_tokens": 8}).encode())
-            with urllib.request.urlopen(req, timeout=30) as r:
-                assert json.loads(r.read())["tokens"] == 8
+            body = {"model": "k3-tiny", "prompt": shared + [7 + i], "max_tokens": 8, "temperature": 0}
+            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", method="POST",
+                                         data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.loads(r.read())["usage"]["completion_tokens"] == 8
             time.sleep(0.5)
         time.sleep(8)  # metrics report + scrape
     result["serve"] = {"max_nodes": w.max}

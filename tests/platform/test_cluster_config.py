@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "cluster" / "local-autoscaling.yaml"
 AWS = REPO / "cluster" / "aws-gpu.yaml"
 KUBERAY = REPO / "cluster" / "kuberay"
-SERVE_FIXTURE = Path(__file__).parent / "fixtures" / "serve_config.yaml"
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve" / "config.yaml"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 # json field names of KubeRay's ray.io/v1 Go types (ray-operator/apis/ray/v1/{raycluster,rayjob,rayservice}_types.go
@@ -161,29 +161,32 @@ def test_rayjob_runs_pretrain_on_the_same_cluster_spec():
 def test_rayservice_serve_config_v2_builds_the_same_app():
     from ray.serve.schema import ServeDeploySchema
 
-    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_FIXTURE)
+    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG)
     spec = doc["spec"]
     assert set(spec) <= RAYSERVICE_SPEC and "rayClusterSpec" not in spec
     check_cluster_spec(spec["rayClusterConfig"], "rayservice.yaml")
     assert isinstance(spec["serveConfigV2"], str)
     built = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
-    source = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_FIXTURE.read_text()))
+    source = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
     assert built == source
-    assert [a.import_path for a in built.applications] == ["k3.serve.app:build_app"]
+    assert [a.import_path for a in built.applications] == ["k3.serve.builder:app_builder"]
+    from k3.serve.builder import app_builder  # and the args build the application serve/config.yaml builds
+
+    assert app_builder(built.applications[0].args) is not None
 
 
 def test_rayservice_cli_prints_an_applicable_manifest(capsys):
-    rc = main(["cluster", "rayservice", "--serve-config", str(SERVE_FIXTURE), "--base", str(KUBERAY / "rayservice.yaml")])
+    rc = main(["cluster", "rayservice", "--serve-config", str(SERVE_CONFIG), "--base", str(KUBERAY / "rayservice.yaml")])
     out = capsys.readouterr().out
     assert rc == 0
     doc = yaml.safe_load(out)
     assert doc["kind"] == "RayService" and "serveConfigV2: |" in out
-    assert yaml.safe_load(doc["spec"]["serveConfigV2"]) == yaml.safe_load(SERVE_FIXTURE.read_text())
+    assert yaml.safe_load(doc["spec"]["serveConfigV2"]) == yaml.safe_load(SERVE_CONFIG.read_text())
 
 
 @pytest.mark.parametrize("bad, match", [
     ({"applications": [{"name": "k3"}]}, "not a Serve config.*import_path"),
-    ({"applications": [{"name": "k3", "import_path": "k3.serve.app:build_app",
+    ({"applications": [{"name": "k3", "import_path": "k3.serve.builder:app_builder",
                         "deployments": [{"name": "DecodeServer", "num_replicas": -3}]}]}, "not a Serve config"),
     ({"applications": "k3"}, "not a Serve config"),
 ])
