@@ -29,7 +29,7 @@ def app_config(tok_path, disaggregated):
     # decode autoscales from 1 replica: a burst of requests beyond 2 in flight adds one
     decode = {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 8, "autoscaling_config": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-        "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 1}}
+        "downscale_delay_s": 4, "look_back_period_s": 1}}
     return {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok_path},
             "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": decode, "llm": small,
             "ingress": ingress, "api_key_env": "K3_TEST_API_KEY"}
