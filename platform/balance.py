@@ -67,6 +67,15 @@ class BalanceConfig(BaseModel):
         "drops once they are within sampling noise, which averages the solve over batches.",
     )
     min_gain: float = Field(0.1, gt=0, le=1, description="gain='adaptive': lower bound of g.")
+    margins_after_step: bool = Field(
+        True,
+        description="quantile/quantile_hist in the training job: solve from the margins of a no-grad forward of "
+        "the step's batch under the weights the optimizer step just produced (one extra forward per step), not "
+        "from the training forward's. The bias is then solved for the router (and router inputs) that will use "
+        "it; at high learning rates the deep layers' routers move more per step than their tokens differ, and "
+        "a bias solved for the previous weights lets them collapse (docs/benchmarks.md, 'Quantile Balancing in "
+        "the training job').",
+    )
     loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
     aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
 

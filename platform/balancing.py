@@ -7,8 +7,10 @@ in `balance.METHODS`, the list the config validates against):
     check(train_cfg, model_cfg)      on the driver, before any worker starts (ValueError)
     begin_step(model) -> seconds     route this step with the bias in hand (QB: fetch it)
     extra_loss(routers) -> tensor    added to the training loss (aux_loss) or None
-    after_forward(step, routers)     QB through the coordinator: send this step's histograms
-    after_step(step, routers, loads) update the bias for the next step from global loads [L, E]
+    observe(model, step, routers)    QB: the margins to solve from; the Trainer passes those of a
+                                     no-grad forward under the updated weights when
+                                     `refreshed_margins` is True, else the training forward's
+    after_step(model, step, loads)   update the bias for the next step from global loads [L, E]
 
 plus `start()` (after a resume), `state_dict()`/`load_state_dict()` and `metrics()`. A bias is
 never computed from the batch it routes.
@@ -50,10 +52,15 @@ class BalanceStrategy:
     def extra_loss(self, routers) -> torch.Tensor | None:
         return None
 
-    def after_forward(self, step: int, routers) -> None:
-        pass
+    @property
+    def refreshed_margins(self) -> bool:
+        """Whether `observe` wants the margins of the batch re-run under the updated weights."""
+        return False
 
-    def after_step(self, model, step: int, routers, loads: torch.Tensor) -> None:
+    def observe(self, model, step: int, routers) -> None:
+        """Router outputs of this step's batch (see `refreshed_margins`)."""
+
+    def after_step(self, model, step: int, loads: torch.Tensor) -> None:
         """loads [L, E]: tokens per expert over all workers this step."""
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -87,7 +94,7 @@ class LossFree(BalanceStrategy):
 
     method = "loss_free"
 
-    def after_step(self, model, step: int, routers, loads: torch.Tensor) -> None:
+    def after_step(self, model, step: int, loads: torch.Tensor) -> None:
         b = _bias(model)
         new = torch.stack([loss_free_update(b[i], loads[i].to(b.device), self.config.loss_free_step)
                            for i in range(len(b))])
@@ -110,7 +117,11 @@ class QuantileExact(BalanceStrategy):
             raise ValueError("balance.method 'quantile' (exact) needs every token's margins in one process; with "
                              "more than one worker use 'quantile_hist' (the coordinator's histogram solve)")
 
-    def after_step(self, model, step: int, routers, loads: torch.Tensor) -> None:
+    @property
+    def refreshed_margins(self) -> bool:
+        return self.config.margins_after_step
+
+    def observe(self, model, step: int, routers) -> None:
         for i, r in enumerate(routers):
             self.balancer.observe(i, r.margins, r.counts)
         self.balancer.step()
@@ -125,8 +136,8 @@ class QuantileExact(BalanceStrategy):
 
 
 class QuantileHist(BalanceStrategy):
-    """QB through the BalanceCoordinator actor: histograms out after the forward, the solved
-    bias collected at the start of the next step (the round trip overlaps the backward)."""
+    """QB through the BalanceCoordinator actor: histograms out once the step's margins are in
+    hand, the solved bias collected at the start of the next step."""
 
     method = "quantile_hist"
     needs_coordinator = True
@@ -154,10 +165,14 @@ class QuantileHist(BalanceStrategy):
         model.set_router_bias(self.client.fetch().bias.to(self.device))
         return time.perf_counter() - t0
 
-    def after_forward(self, step: int, routers) -> None:
+    @property
+    def refreshed_margins(self) -> bool:
+        return self.config.margins_after_step
+
+    def observe(self, model, step: int, routers) -> None:
         hist = torch.stack([self.client.histogram(i, r.margins) for i, r in enumerate(routers)])
         counts = torch.stack([r.counts for r in routers])
-        self.client.report(step, hist, counts)  # non-blocking; collected before the next step
+        self.client.report(step, hist, counts)  # non-blocking; collected at the start of the next step
 
     def state_dict(self) -> dict[str, Any] | None:
         import ray

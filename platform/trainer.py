@@ -161,6 +161,12 @@ class Trainer:
         """The model on one batch -> CausalLMOutput with router outputs."""
         return self.engine(batch["input_ids"], labels=batch["labels"], collect_router=True)
 
+    @torch.no_grad()
+    def forward_routers(self, batch: dict[str, torch.Tensor]) -> list:
+        """Router outputs of the batch under the current weights, without the LM head or loss
+        (what balancing solves from after the optimizer step)."""
+        return self.model.model(batch["input_ids"], collect_router=True)[1]
+
     # -- one step -------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         for g in list(self.engine.optimizer.param_groups) + list(self.expert_opt.param_groups):
@@ -181,7 +187,8 @@ class Trainer:
         extra = self.balance.extra_loss(routers)
         if extra is not None:
             loss = loss + extra
-        self.balance.after_forward(step, routers)
+        if not self.balance.refreshed_margins:
+            self.balance.observe(self.model, step, routers)
         self.engine.backward(loss)
         self._expert_sq = self.ep.reduce_grads()
         if cfg.optimizer == "muon":  # DeepSpeed's clip is off (see ds_config); experts by their own norm
@@ -194,6 +201,8 @@ class Trainer:
             self.ep.scale_grads(clip_factor(grad_norm, cfg.grad_clip))
         self.expert_opt.step()
         self.expert_opt.zero_grad(set_to_none=True)
+        if self.balance.refreshed_margins:  # the batch's margins under the weights that will route next
+            self.balance.observe(self.model, step, self.forward_routers(batch))
         # Step statistics over all workers, reduced where the process group can (NCCL takes only
         # CUDA tensors), then read on the host.
         counts = (torch.stack([r.counts for r in routers]).float() if routers
@@ -204,7 +213,7 @@ class Trainer:
         stats = stats.cpu()
         loads = stats[1:].reshape(len(routers), -1) if routers else torch.zeros(0, 0)
         maxvio = (loads.max(1).values / loads.mean(1) - 1).tolist() if routers else []
-        self.balance.after_step(self.model, step, routers, loads)
+        self.balance.after_step(self.model, step, loads)
         return StepResult(loss=float(stats[0]) / self.world, grad_norm=grad_norm, lr=lr, maxvio=maxvio,
                           tokens=batch["input_ids"].numel() * self.world, step_s=time.perf_counter() - t0,
                           wait_s=wait_s, all_to_all_s=self.ep.all_to_all_seconds())
