@@ -144,6 +144,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.data
     import ray.train
 
+    from .extensions import wait_for_extension_locks
     from .metrics import TrainMetrics
     from .trainer import Trainer
 
@@ -153,6 +154,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("K3_THREADS_PER_WORKER", "1"))))
+    wait_for_extension_locks()  # init_distributed may build DeepSpeed's shm op
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.use_gpu else torch.device("cpu")
     trainer = Trainer(cfg, rank, world, device).build()

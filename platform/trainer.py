@@ -113,8 +113,11 @@ class Trainer:
     def build(self) -> "Trainer":
         import deepspeed
 
+        from .extensions import wait_for_extension_locks
+
         cfg = self.cfg
         mcfg = cfg.model_cfg()
+        wait_for_extension_locks()  # DeepSpeed may build an op below: never on a dead build's lock
         model = build_model(mcfg, self.ep_rank, self.ep_size, seed=cfg.seed, device=str(self.device))
         model.model.gradient_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)
