@@ -125,7 +125,14 @@ def _quiet_worker_logs() -> None:
     import warnings
 
     warnings.simplefilter("once")
-    for name in ("ray.train", "ray.train.v2", "ray.train._internal", "deepspeed", "DeepSpeed"):
+    names = ["deepspeed", "DeepSpeed"]
+    try:  # Ray Train logs every report's whole metrics dict at INFO, on a logger named by its file path
+        from ray.train.v2._internal.execution import context as train_context
+
+        names.append(train_context.__file__)
+    except ImportError:  # another Ray layout: its lines stay
+        pass
+    for name in names:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
