@@ -44,20 +44,26 @@ def plot(out: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     lrs = sorted({r["lr"] for r in out["runs"].values()})
-    fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4), sharey=True)
-    for ax, lr in zip(axes if len(lrs) > 1 else [axes], lrs):
+    methods = list(dict.fromkeys(label.split(", lr")[0] for label in out["runs"]))
+    color = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in every panel
+    fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4), sharey=True, squeeze=False)
+    axes = list(axes[0])
+    for ax, lr in zip(axes, lrs):
         for label, r in out["runs"].items():
             if r["lr"] == lr:
                 mv = r["maxvio_second_half_per_layer"]
-                ax.plot(range(1, len(mv) + 1), mv, marker="o", label=label.split(", lr")[0])
+                method = label.split(", lr")[0]
+                ax.plot(range(1, len(mv) + 1), mv, marker="o", color=color[method], label=method)
+        ax.set_xticks(range(1, max(len(r["maxvio_second_half_per_layer"]) for r in out["runs"].values()) + 1))
         ax.axhline(out["noise_floor_maxvio"], color="k", ls="--", lw=1, label="fair-random floor")
         ax.axhline(2 * out["noise_floor_maxvio"], color="k", ls=":", lw=1, label="2x floor")
         ax.set_title(f"lr {lr:g}, 2 workers, ep_size 2")
         ax.set_xlabel("MoE layer")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-    (axes[0] if len(lrs) > 1 else axes).set_ylabel("MaxVio, mean over 2nd half")
-    (axes[-1] if len(lrs) > 1 else axes).legend(fontsize=8)
+    axes[0].set_ylabel("MaxVio, mean over 2nd half")
+    for ax in axes:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
