@@ -65,6 +65,16 @@ class RouterOutput:
     margins: torch.Tensor
 
 
+def select_experts(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one definition of expert selection and Quantile Balancing margins.
+
+    scores [N, E], bias [E] -> (topk_idx [N, k], margins [N, E] = scores - alpha), alpha_t the
+    (k+1)-th largest biased score of token t: token t picks e  <=>  margins[t, e] + bias[e] > 0.
+    """
+    top_vals, top_idx = (scores + bias.to(scores.dtype)).topk(k + 1, dim=-1)
+    return top_idx[:, :k], scores - top_vals[:, k:]
+
+
 class Router(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
@@ -83,10 +93,7 @@ class Router(nn.Module):
         """x: [N, D] -> RouterOutput."""
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         with torch.no_grad():
-            biased = scores.detach() + self.bias.float()
-            top_vals, top_idx = biased.topk(self.top_k + 1, dim=-1)
-            idx = top_idx[:, : self.top_k]
-            margins = scores.detach() - top_vals[:, self.top_k:]
+            idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
             counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         w = scores.gather(1, idx)
         if self.cfg.moe_renormalize:

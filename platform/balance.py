@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from k3.kernels.qb_histogram import qb_histogram
+from k3.model.moe import select_experts
 
 METHODS = ("quantile", "quantile_hist", "loss_free", "aux_loss", "none")
 
@@ -37,7 +38,7 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["quantile", "quantile_hist", "loss_free", "aux_loss", "none"] = Field(
+    method: Literal[METHODS] = Field(
         "quantile_hist",
         description="quantile: exact QB on one process's margins; quantile_hist: QB from margin "
         "histograms (what the distributed coordinator runs); loss_free: DeepSeek-V3 sign update of "
@@ -67,6 +68,15 @@ class BalanceConfig(BaseModel):
         "drops once they are within sampling noise, which averages the solve over batches.",
     )
     min_gain: float = Field(0.1, gt=0, le=1, description="gain='adaptive': lower bound of g.")
+    margins_after_step: bool = Field(
+        True,
+        description="quantile/quantile_hist in the training job: solve from the margins of a no-grad forward of "
+        "the step's batch under the weights the optimizer step just produced (one extra forward per step), not "
+        "from the training forward's. The bias is then solved for the router (and router inputs) that will use "
+        "it; at high learning rates the deep layers' routers move more per step than their tokens differ, and "
+        "a bias solved for the previous weights lets them collapse (docs/benchmarks.md, 'Quantile Balancing in "
+        "the training job').",
+    )
     loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
     aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
 
@@ -111,9 +121,8 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tenso
     scores [N, E], bias [E] -> (margins [N, E] = s - alpha, topk_idx [N, k]).
     """
     _check_scores(scores, bias, k)
-    top = torch.topk(scores + bias.to(scores.dtype), k + 1, dim=1)
-    alpha_N = top.values[:, k]
-    return scores - alpha_N[:, None], top.indices[:, :k]
+    idx, margins = select_experts(scores, bias, k)
+    return margins, idx
 
 
 def token_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
@@ -302,6 +311,17 @@ def adaptive_gain(loads: torch.Tensor, q: float, k: int, min_gain: float) -> flo
     return min(1.0, max(min_gain, 1.0 - 1.0 / z2)) if z2 > 0 else min_gain
 
 
+def blend(config: BalanceConfig, bias: torch.Tensor, solved: torch.Tensor, loads: torch.Tensor | None, q: float,
+          k: int) -> tuple[torch.Tensor, float]:
+    """The QB update b <- b + g (b_solve - b) for both solves; returns (new bias, g)."""
+    gain = 1.0
+    if config.gain == "adaptive":
+        if loads is None:
+            raise ValueError("gain='adaptive' needs the step's expert loads")
+        gain = adaptive_gain(loads, q, k, config.min_gain)
+    return bias + gain * (solved - bias), gain
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-layer histogram QB step, shared by the Balancer and the coordinator
 
@@ -357,13 +377,7 @@ def hist_step(
     coarse = thresholds
     if fine is not None:
         thresholds = histogram_thresholds(fine[0], fine[1], fine[2], q)[0]
-    solved = centred(-thresholds).float()
-    gain = 1.0
-    if config.gain == "adaptive":
-        if loads is None:
-            raise ValueError("gain='adaptive' needs the step's expert loads")
-        gain = adaptive_gain(loads, q, k, config.min_gain)
-    bias = state.bias + gain * (solved - state.bias)
+    bias, gain = blend(config, state.bias, centred(-thresholds).float(), loads, q, k)
     w = state.halfwidth
     if config.range_policy == "follow":
         moved = float((coarse - 0.5 * (state.lo + state.hi).double()).abs().max())
@@ -476,12 +490,9 @@ class Balancer:
         margins = torch.cat(p.margins) if len(p.margins) > 1 else p.margins[0]
         q = quantile_target(margins.shape[0], self.k, self.num_experts)
         thresholds = exact_thresholds(margins, q)
-        solved = centred(-thresholds).float()
-        gain = 1.0
-        if self.config.gain == "adaptive":
-            gain = adaptive_gain(p.loads, q, self.k, self.config.min_gain)
+        bias, gain = blend(self.config, self._bias[layer], centred(-thresholds).float(), p.loads, q, self.k)
         info.update(q=q, thresholds=thresholds, gain=gain)
-        return self._bias[layer] + gain * (solved - self._bias[layer])
+        return bias
 
     def _solve_hist(self, layer: int, p: _Pending, info: dict[str, Any]) -> torch.Tensor:
         state = self.hist_states[layer]

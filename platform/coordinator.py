@@ -5,13 +5,16 @@ Protocol, one round per training step t, all MoE layers at once:
 1. A worker registers once (`register(worker_id)`) and gets the latest `BiasUpdate`.
 2. At step t it routes layer l with `update.bias[l]`, bins that layer's margins over the window
    `update.lo[l], update.hi[l]` (`qb_histogram`, `update.bins` bins) and sends
-   `report(worker_id, t, hist [L, E, bins], counts [L, E], bias_step=update.step)`.
+   `report(worker_id, t, hist [L, E, bins], counts [L, E], bias_step=update.step)`. In the
+   training job the margins are, by default, those of a no-grad forward of step t's batch under
+   the weights step t produced (BalanceConfig.margins_after_step), routed with the same bias.
 3. Once every live worker has reported t, the coordinator sums the histograms, solves each layer
    (`k3.platform.balance.hist_step`) and publishes `BiasUpdate(step=t)`: the bias and the bin
    windows for step t+1. Margins depend on the bias they were routed with, so a report must be
    binned with the update of step t-1; any other is refused.
 4. Right after reporting, the worker launches `wait_bias.remote(t)` and collects it at the start
-   of step t+1, so the round trip overlaps with the rest of step t (`BalanceClient` does 2-4).
+   of step t+1, so the round trip overlaps with whatever the worker does in between
+   (`BalanceClient` does 2-4).
 
 Bin edges: the coordinator owns them. Each update carries the windows for the next step,
 centred on each expert's new selection boundary -b_e with a half-width per layer that follows

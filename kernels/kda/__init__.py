@@ -13,6 +13,7 @@ the same signatures.
 """
 from __future__ import annotations
 
+import math
 from typing import NoReturn
 
 import torch
@@ -24,6 +25,10 @@ from .reference import naive_kda_step, naive_recurrent_kda
 __all__ = ["chunk_kda", "kda_step", "naive_recurrent_kda", "naive_kda_step", "check_kda_inputs"]
 
 MAX_TRITON_HEAD_DIM = 256  # one [BT, K] block per program; fla has the same limit
+# exp(-88) is below fp32's smallest normal number: a gate under -88 decays the state to 0 as
+# surely as -inf does, and clamping there keeps the chunk's cumulative sums (and their
+# differences) finite and precise (-1e38 lost 27% of the result, -inf gave NaN)
+GATE_FLOOR = -88.0
 
 
 def _fail(name: str, msg: str) -> NoReturn:
@@ -52,6 +57,10 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> i
     if k.dim() != 4:
         _fail("k", f"must be [B, T, H, K], got shape {tuple(k.shape)}")
     B, T, H, K = k.shape
+    if H < 1 or K < 1:
+        _fail("k", f"needs at least one head and a head dim >= 1, got H={H}, K={K}")
+    if v.dim() == 4 and v.shape[-1] < 1:
+        _fail("v", f"needs a value head dim >= 1, got V={v.shape[-1]}")
     if q.shape != k.shape:
         _fail("q", f"shape {tuple(q.shape)} != k shape {tuple(k.shape)}")
     if g.shape != k.shape:
@@ -84,16 +93,23 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> i
     return N
 
 
-def _check_gate(g: torch.Tensor, lower_bound: float | None) -> None:
+def _check_gate(g: torch.Tensor, lower_bound: float | None) -> float:
     """g is a log-decay: <= 0, and >= lower_bound when one is promised (the fast diagonal blocks
-    rely on it; a broken promise would overflow instead of failing)."""
+    rely on it; a broken promise would overflow instead of failing). Returns min(g)."""
     if g.numel() == 0:
-        return
+        return 0.0
     lo, hi = (float(x) for x in torch.aminmax(g.detach()))
-    if not (hi <= 0.0):  # also catches NaN
+    if not (hi <= 0.0) or math.isnan(lo):  # also catches NaN
         _fail("g", f"must be a log-decay <= 0 everywhere, got max {hi}")
     if lower_bound is not None and lo < lower_bound:
         _fail("g", f"has values below lower_bound={lower_bound} (min {lo}); pass lower_bound=None for an unbounded gate")
+    return lo
+
+
+def _check_lower_bound(lower_bound) -> None:
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                    or not math.isfinite(lower_bound) or lower_bound >= 0):
+        _fail("lower_bound", f"must be None or a finite number < 0, got {lower_bound!r}")
 
 
 def chunk_kda(
@@ -131,13 +147,23 @@ def chunk_kda(
         chunk_size > 16 and chunk_size % 16
     ):
         _fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size!r}")
+    _check_lower_bound(lower_bound)
     path = _pick_backend(k, backend, {"k": k.shape[-1], "v": v.shape[-1]})
     # The dense diagonal sub-chunks are anchored mid-way, so e^(sub / 2 * |lb|) must stay far
     # inside fp32; the torch path's sub-chunk is min(chunk_size, 16), Triton's always 16.
     sub_chunk = 16 if path == "triton" else min(chunk_size, 16)
     if lower_bound is not None and lower_bound * sub_chunk < -80.0:
         lower_bound = None
-    _check_gate(g, lower_bound)
+    if _check_gate(g, lower_bound) < GATE_FLOOR:
+        g = g.clamp_min(GATE_FLOOR)
+    if k.shape[1] == 0:  # no tokens: nothing to compute, the state passes through
+        o = v.new_zeros(v.shape)
+        if not output_final_state:
+            return o, None
+        N = k.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        final = (initial_state.float().clone() if initial_state is not None
+                 else torch.zeros(N, k.shape[2], k.shape[3], v.shape[-1], device=k.device))
+        return o, final
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(k.device)
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -189,6 +215,10 @@ def kda_step(
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not x.is_floating_point():
             _fail(name, f"must be floating point, got {x.dtype}")
+    if H < 1 or K < 1 or v.shape[-1] < 1:
+        _fail("k" if H < 1 or K < 1 else "v", f"needs H, K, V >= 1, got H={H}, K={K}, V={v.shape[-1]}")
+    if g.numel() and not bool((g <= 0).all()):  # also catches NaN
+        _fail("g", f"must be a log-decay <= 0 everywhere, got max {float(g.max())}")
     if state_pool.dim() != 4 or state_pool.shape[1:] != (H, K, v.shape[-1]):
         _fail("state_pool", f"must be [P, {H}, {K}, {v.shape[-1]}], got {tuple(state_pool.shape)}")
     if state_pool.dtype != torch.float32:

@@ -133,7 +133,10 @@ def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bo
     if bounded:
         mid = Gr[..., s // 2:s // 2 + 1, :, :]
         blk = (Xr * (Gr - mid).exp2()).flatten(-3, -2) @ (Yr * (mid - Gr).exp2())[..., 0, :].transpose(-1, -2)
-        blk = blk.unflatten(-2, (s, Pn)) * torch.ones(s, s, device=X.device).tril()[:, None, :]
+        # where, not a 0/1 multiply: above the diagonal the products may overflow to inf (huge
+        # q with the gate at its bound) and inf * 0 would be NaN
+        keep = torch.ones(s, s, dtype=torch.bool, device=X.device).tril()[:, None, :]
+        blk = torch.where(keep, blk.unflatten(-2, (s, Pn)), 0.0)
     elif s > 4:
         blk = pair_products(Xr, Yr, Gr, False, max(1, s // 4))
     else:

@@ -53,6 +53,18 @@ def qb_histogram(
     if not bool((hi_E > lo_E).all()):
         bad = int(torch.nonzero(hi_E <= lo_E)[0])
         raise ValueError(f"qb_histogram: need hi > lo for every expert, expert {bad} has lo={float(lo_E[bad])}, hi={float(hi_E[bad])}")
+    # the bins are computed in fp32 (fp64 for fp64 margins): the window must survive that
+    dtype = torch.float64 if margins.dtype == torch.float64 else torch.float32
+    if dtype == torch.float32 and bins > 2**24:
+        raise ValueError(f"qb_histogram: bins must be <= 2^24 for {margins.dtype} margins (the last bin index "
+                         f"{bins - 1} is not exact in fp32, so clamped margins would land in the next expert's row), "
+                         f"got {bins}")
+    scale = bins / (hi_E.to(dtype) - lo_E.to(dtype))
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        bad = int(torch.nonzero(~torch.isfinite(scale) | (scale <= 0))[0])
+        raise ValueError(f"qb_histogram: lo and hi of expert {bad} ({float(lo_E[bad])!r}, {float(hi_E[bad])!r}) are "
+                         f"one window in fp64 but collapse in {dtype} (width {float(hi_E[bad].to(dtype) - lo_E[bad].to(dtype))}): "
+                         "widen the window or pass fp64 margins")
     if margins.numel() and bool(torch.isnan(margins).any()):  # +-inf is fine: it clamps
         raise ValueError("qb_histogram: margins contain NaN")
     if use_triton("qb_histogram", margins, None):

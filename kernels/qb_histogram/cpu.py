@@ -20,5 +20,5 @@ def qb_histogram_torch(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     rows = max(1, CHUNK_ELEMENTS // max(n_experts, 1))
     for start in range(0, n_tokens, rows):
         idx_NE = bin_index(margins[start : start + rows], lo, hi, bins).add_(offset_E)
-        counts += torch.bincount(idx_NE.view(-1), minlength=n_experts * bins)
+        counts += torch.bincount(idx_NE.reshape(-1), minlength=n_experts * bins)
     return counts.view(n_experts, bins)

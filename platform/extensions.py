@@ -1,0 +1,107 @@
+"""C++ extension builds (DeepSpeed's ops, through torch.utils.cpp_extension) that never hang.
+
+torch guards each build directory with a `lock` file (`torch.utils.file_baton.FileBaton`): the
+builder creates it with O_EXCL, keeps it open while compiling and deletes it at the end; every
+other process polls until the file is gone, with no time limit. A build killed midway (a job
+timeout, Ctrl-C, a preempted worker) leaves the file behind and every later job that needs that
+extension waits forever, silently.
+
+`wait_for_extension_locks()` runs before k3 lets DeepSpeed build or load anything: a lock that
+no live process holds open (Linux: /proc/<pid>/fd) is stale and removed, so the next build
+starts over; a lock a live process holds is waited for, up to `timeout_s`, then a TimeoutError
+names the lock, its holders and how to clear it. Where /proc cannot tell (another OS, or the
+extensions directory shared between machines), a lock older than `timeout_s` fails the same way.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def extensions_root() -> Path:
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, or torch's default root."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def extension_locks(root: Path | None = None) -> list[Path]:
+    """Every build lock under root (root/<name>/lock and root/<tag>/<name>/lock)."""
+    root = extensions_root() if root is None else Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(set(root.glob("*/lock")) | set(root.glob("*/*/lock")))
+
+
+def lock_holders(lock: Path) -> list[int] | None:
+    """PIDs that hold `lock` open, or None when this machine cannot tell (no /proc)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target = os.path.realpath(lock)
+    holders = []
+    for pid_dir in proc.iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                try:
+                    if os.readlink(fd) == target:
+                        holders.append(int(pid_dir.name))
+                        break
+                except OSError:
+                    continue
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return holders
+
+
+def clear_stale_extension_locks(root: Path | None = None) -> list[Path]:
+    """Remove every build lock that no live process holds open; returns the removed paths."""
+    removed = []
+    for lock in extension_locks(root):
+        if lock_holders(lock) == []:
+            try:
+                lock.unlink()
+                removed.append(lock)
+            except FileNotFoundError:  # its build just finished
+                pass
+    return removed
+
+
+def wait_for_extension_locks(root: Path | None = None, timeout_s: float = 900.0, poll_s: float = 0.5) -> list[Path]:
+    """Clear stale build locks and wait (at most timeout_s) for live builds; returns the locks
+    removed as stale. Raises TimeoutError naming a lock still held after timeout_s."""
+    removed = clear_stale_extension_locks(root)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = []
+        for lock in extension_locks(root):
+            holders = lock_holders(lock)
+            if holders == []:
+                try:
+                    lock.unlink()
+                    removed.append(lock)
+                except FileNotFoundError:
+                    pass
+                continue
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if holders is None and age < timeout_s:
+                continue  # cannot see its owner: only an old lock is suspect
+            pending.append((lock, holders))
+        if not pending:
+            return removed
+        if time.monotonic() >= deadline:
+            lock, holders = pending[0]
+            who = f"held open by pid(s) {holders}" if holders else "whose owner cannot be seen from here"
+            raise TimeoutError(
+                f"extension build lock {lock} ({who}) did not clear in {timeout_s:.0f}s; if no build of "
+                f"{lock.parent.name} is running, delete it (rm {lock}) and retry")
+        time.sleep(poll_s)

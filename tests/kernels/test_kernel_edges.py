@@ -1,0 +1,95 @@
+"""Adversarial inputs to the kernels' public functions: each gives the right result or a
+ValueError naming the argument (they used to raise RuntimeError, return NaN/inf or miscount)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.kernels.kda import chunk_kda, kda_step, naive_recurrent_kda
+from k3.kernels.qb_histogram import naive_qb_histogram, qb_histogram
+
+
+def _kda(T=20, H=2, K=8, V=8, seed=0):
+    g_ = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1)
+    v = torch.randn(1, T, H, V, generator=g_)
+    g = -torch.rand(1, T, H, K, generator=g_)
+    beta = torch.rand(1, T, H, generator=g_)
+    return q, k, v, g, beta
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_qb_histogram_non_contiguous_margins():
+    m = torch.randn(16, 64).t()  # [64, 16], transposed view
+    assert not m.is_contiguous()
+    lo, hi = torch.full((16,), -1.0), torch.full((16,), 1.0)
+    assert torch.equal(qb_histogram(m, lo, hi, 32), naive_qb_histogram(m.contiguous(), lo, hi, 32))
+
+
+@pytest.mark.parametrize("lo,hi", [(1.0, 1.0 + 1e-12), (1e8, 1e8 + 1)])
+def test_qb_histogram_window_that_collapses_in_fp32(lo, hi):
+    with pytest.raises(ValueError, match="lo and hi.*collapse"):
+        qb_histogram(torch.randn(10, 4), lo, hi, 16)
+    # in fp64 the same window is fine
+    assert int(qb_histogram(torch.randn(10, 4, dtype=torch.float64), lo, hi, 16).sum()) == 40
+
+
+def test_qb_histogram_more_bins_than_fp32_counts_exactly():
+    with pytest.raises(ValueError, match="bins must be <= 2\\^24"):
+        qb_histogram(torch.tensor([[5.0, 0.0]]), 0.0, 1.0, 2**24 + 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_kda_no_tokens(backend, with_state):
+    q, k, v, g, beta = _kda(T=0)
+    h0 = torch.randn(1, 2, 8, 8) if with_state else None
+    o, final = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend)
+    assert o.shape == v.shape
+    assert torch.equal(final, h0 if with_state else torch.zeros(1, 2, 8, 8))
+
+
+def test_chunk_kda_huge_q_with_gate_at_the_bound():
+    q, k, v, g, beta = _kda()
+    q, g = q * 1e8, torch.full_like(g, -5.0)
+    o, _ = chunk_kda(q, k, v, g, beta, lower_bound=-5.0)
+    assert torch.isfinite(o).all()
+    assert _rel(o, naive_recurrent_kda(q, k, v, g, beta)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("value", [float("-inf"), -1e38])
+def test_chunk_kda_unbounded_gate_far_below_fp32_underflow(value):
+    q, k, v, g, beta = _kda()
+    g[0, 3, 0, 0] = value
+    o, _ = chunk_kda(q, k, v, g, beta)
+    want = naive_recurrent_kda(q, k, v, g, beta)[0]  # exp(g) = 0: the state's channel resets
+    assert torch.isfinite(o).all() and _rel(o, want) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [float("nan"), float("-inf"), 0.0, 1.0])
+def test_chunk_kda_bad_lower_bound(lower_bound):
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda(*_kda(), lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("dims,name", [(dict(H=0), "k"), (dict(K=0), "k"), (dict(V=0), "v")])
+def test_chunk_kda_empty_head_dims(dims, name):
+    with pytest.raises(ValueError, match=f"kda: {name} needs"):
+        chunk_kda(*_kda(**dims))
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan")])
+def test_kda_step_checks_the_gate(bad):
+    N, H, K, V = 2, 2, 8, 8
+    g = -torch.rand(N, H, K)
+    g[1, 0, 3] = bad
+    pool = torch.zeros(4, H, K, V)
+    with pytest.raises(ValueError, match="kda: g must be a log-decay"):
+        kda_step(torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, H, V), g, torch.rand(N, H), pool,
+                 torch.tensor([0, 1]))
+    assert torch.equal(pool, torch.zeros(4, H, K, V))

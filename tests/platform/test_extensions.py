@@ -1,0 +1,61 @@
+"""A C++ extension build killed midway must not make the next job wait forever on its lock."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from torch.utils.file_baton import FileBaton
+
+from k3.platform.extensions import clear_stale_extension_locks, lock_holders, wait_for_extension_locks
+
+# What torch.utils.cpp_extension does around a build: take the baton on <dir>/<name>/lock, keep it
+# open while compiling (here: sleeping), release it at the end.
+BUILD = """
+import sys, time
+from torch.utils.file_baton import FileBaton
+b = FileBaton(sys.argv[1])
+assert b.try_acquire()
+print("compiling", flush=True)
+time.sleep(120)
+b.release()
+"""
+
+
+@pytest.fixture
+def building(tmp_path):
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "compiling"
+    yield tmp_path, lock, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_live_build_is_waited_for_then_named_in_a_timeout(building):
+    root, lock, proc = building
+    assert lock_holders(lock) == [proc.pid]
+    assert clear_stale_extension_locks(root) == [] and lock.exists()  # a live build keeps its lock
+    with pytest.raises(TimeoutError, match=f"{lock}.*pid\\(s\\) \\[{proc.pid}\\].*rm {lock}"):
+        wait_for_extension_locks(root, timeout_s=0.5, poll_s=0.1)
+
+
+def test_build_killed_midway_leaves_a_lock_the_next_run_clears(building):
+    root, lock, proc = building
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert lock.exists(), "the killed build left no lock: nothing to test"
+    # without k3: torch's wait on this lock never returns
+    waiter = threading.Thread(target=FileBaton(str(lock), wait_seconds=0.05).wait, daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive(), "torch's FileBaton.wait returned on a dead build's lock"
+    # with k3: the next run removes the stale lock and its build takes the baton at once
+    assert wait_for_extension_locks(root, timeout_s=5) == [lock]
+    nxt = FileBaton(str(lock))
+    assert nxt.try_acquire()
+    nxt.release()
