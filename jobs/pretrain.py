@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from k3.platform.balance import METHODS
 from k3.platform.local_ray import init_local_ray
 from k3.platform.train import TrainConfig, load_checkpoint_model
 
@@ -32,7 +33,7 @@ p.add_argument("--micro-batch", type=int, help="sequences per worker per step")
 p.add_argument("--steps", type=int, help="optimizer steps")
 p.add_argument("--lr", type=float, help="peak learning rate")
 p.add_argument("--optimizer", choices=["adamw", "muon"])
-p.add_argument("--balance", choices=["quantile", "quantile_hist", "loss_free", "aux_loss", "none"],
+p.add_argument("--balance", choices=METHODS,
                help="expert balancing method")
 p.add_argument("--activation-checkpointing", action="store_true", default=None)
 p.add_argument("--checkpoint-every", type=int)
@@ -94,13 +95,12 @@ print("summary " + json.dumps(summary))
 if args.summary_json:
     Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")
 if args.sample:
-    from tokenizers import Tokenizer
-
     from k3.model import SamplingConfig, generate
+    from k3.platform.tokenizer import load_tokenizer
 
     with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
         model = load_checkpoint_model(d)
-        tok = Tokenizer.from_file(str(Path(d) / "k3" / "tokenizer.json"))
+        tok = load_tokenizer(Path(d) / "k3" / "tokenizer.json")
     prompt = tok.encode("def ").ids
     new = generate(model, [prompt], SamplingConfig(max_new_tokens=args.sample, temperature=0.8, top_p=0.95,
                                                     seed=cfg.seed))[0]

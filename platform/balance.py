@@ -37,7 +37,7 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["quantile", "quantile_hist", "loss_free", "aux_loss", "none"] = Field(
+    method: Literal[METHODS] = Field(
         "quantile_hist",
         description="quantile: exact QB on one process's margins; quantile_hist: QB from margin "
         "histograms (what the distributed coordinator runs); loss_free: DeepSeek-V3 sign update of "

@@ -6,7 +6,6 @@ corpus; the manifest records which version it came from.
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -25,13 +24,6 @@ class Corpus:
     def texts(self):
         for f in self.files:
             yield f.read_text(encoding="utf-8", errors="replace")
-
-    def fingerprint(self) -> str:
-        h = hashlib.sha256(self.source.encode())
-        for f in self.files:
-            h.update(str(f).encode())
-            h.update(str(f.stat().st_size).encode())
-        return h.hexdigest()[:16]
 
 
 def stdlib_corpus(max_bytes: int = 8_000_000) -> Corpus:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .balancing import strategy_class
 from .train import TrainConfig, summarize, train_loop_per_worker
 
 
@@ -36,7 +37,7 @@ def fit(cfg: TrainConfig) -> dict:
     # The balance coordinator: a named actor that outlives worker restarts.
     coordinator = None
     n_moe = mcfg.mlp_types.count("moe")
-    if cfg.balance.method == "quantile_hist" and n_moe:
+    if strategy_class(cfg.balance.method).needs_coordinator and n_moe:
         coordinator = get_or_create_coordinator(
             cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
             config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))

@@ -1,4 +1,4 @@
-"""Optimizer and schedule shared by the local demo and the Ray training workers."""
+"""Parameter groups and the learning-rate schedule of the training workers."""
 from __future__ import annotations
 
 import math
@@ -18,20 +18,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
 
 
-def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:
-    if lr <= 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=1e-8)
-
-
 def cosine_lr(step: int, total_steps: int, warmup_steps: int, peak: float, min_ratio: float = 0.1) -> float:
     """Linear warmup to peak, cosine decay to min_ratio * peak at total_steps."""
     if warmup_steps and step < warmup_steps:
         return peak * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for g in opt.param_groups:
-        g["lr"] = lr

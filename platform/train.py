@@ -1,10 +1,9 @@
-"""Distributed pretraining: what each Ray Train worker runs, and the config it runs from.
+"""Distributed pretraining: the config, what each Ray Train worker runs, and checkpoints.
 
-A worker builds the model holding only its experts (k3.platform.ep), wraps it with DeepSpeed
-(ZeRO-1/2; fp32 on CPU, bf16 on GPU), routes tokens to experts by all-to-all, reads its split
-of the token shards through Ray Data, balances experts through the BalanceCoordinator (the
-bias for step t+1 is requested right after step t's forward and collected before step t+1),
-and reports metrics and checkpoints through `ray.train.report`.
+A worker builds a `k3.platform.trainer.Trainer` (its model shard holding only its experts,
+DeepSpeed ZeRO-1/2 for the rest, one balancing strategy), feeds it its split of the token
+shards through Ray Data, prints one log line per `log_every` steps and reports metrics and
+checkpoints through `ray.train.report`.
 
 Checkpoint layout (one directory per checkpoint; Ray Train merges every worker's files and
 registers the checkpoint only once all are persisted, so a half-written one is never "latest"):
@@ -12,13 +11,13 @@ registers the checkpoint only once all are persisted, so a half-written one is n
     ds/...                      DeepSpeed engine state (ZeRO optimizer partitions per rank)
     k3/config.json              K3Config
     k3/shared.pt                every non-expert parameter and buffer (rank 0)
-    k3/experts-ep{r}-of-{n}.pt  routed experts of expert-parallel rank r (one rank per r)
-    k3/state.pt                 step, data position, coordinator state, losses so far
+    k3/experts-ep{r}-of-{n}.pt  routed experts + their AdamW state of expert-parallel rank r,
+                                by full parameter name (k3.platform.ep; loads with any ep_size)
+    k3/state.pt                 step, losses so far, the balancing strategy's state
     k3/tokenizer.json           the tokenizer the data was made with
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -33,9 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3.model import K3Config, K3ForCausalLM, get_preset
 from k3.model.config import PRESETS
 
-from .balance import BalanceConfig, Balancer, loss_free_update, switch_aux_loss
+from .balance import BalanceConfig
+from .balancing import strategy_class
 from .data import read_manifest
-from .optim import cosine_lr
+from .ep import read_all_experts
 
 
 class TrainConfig(BaseModel):
@@ -55,15 +55,17 @@ class TrainConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine).")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
-    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip of the one global gradient norm (every parameter of "
+                             "every rank, experts included; with optimizer='muon' see there).")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="AdamW, or Muon for the dense matrices + AdamW for the rest (DeepSpeed's Muon; its "
-        "gradient clipping is off and grad_norm then reports the orthogonalised update's norm; Muon wants a larger "
-        "peak lr than AdamW, ~0.02).")
+        "adamw", description="AdamW, or Muon for the dense matrices + AdamW for the rest (DeepSpeed's Muon). With "
+        "Muon, DeepSpeed orthogonalises the matrix gradients before it measures a norm, so its clip is off, the "
+        "experts are clipped at grad_clip by their own norm, and grad_norm reports sqrt(orthogonalised-update "
+        "norm^2 + expert norm^2); Muon wants a larger peak lr than AdamW, ~0.02.")
     activation_checkpointing: bool = Field(False, description="Recompute sub-layers in backward.")
     balance: BalanceConfig = Field(default_factory=BalanceConfig, description="Expert balancing method and knobs.")
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and at the end).")
-    log_every: int = Field(10, ge=1, description="Steps between progress lines and metric reports.")
+    log_every: int = Field(10, ge=1, description="Steps between log lines and metric reports.")
     storage_path: str = Field("runs", description="Where Ray Train persists checkpoints.")
     name: str = Field("k3-pretrain", description="Run name (a directory under storage_path).")
     resume: bool = Field(False, description="Continue from the run's latest checkpoint.")
@@ -94,32 +96,12 @@ class TrainConfig(BaseModel):
         if per_step > m.num_sequences:
             raise ValueError(f"micro_batch x num_workers = {per_step} sequences per step, but the data has only "
                              f"{m.num_sequences}")
-        if self.balance.method in ("quantile", "quantile_hist") and cfg.num_experts_per_token >= cfg.num_experts:
-            raise ValueError("quantile balancing needs num_experts_per_token < num_experts")
-        if self.balance.method == "quantile" and self.num_workers > 1:
-            raise ValueError("balance.method 'quantile' (exact) needs every token's margins in one process; with "
-                             "more than one worker use 'quantile_hist' (the coordinator's histogram solve)")
+        if "moe" in cfg.mlp_types:
+            strategy_class(self.balance.method).check(self, cfg)
         return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
 
 
-# -- checkpoint files ---------------------------------------------------------------------------
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def save_model_files(model: K3ForCausalLM, out: Path, rank: int, ep_rank: int, ep_size: int,
-                     edp_rank: int, expert_opt: torch.optim.Optimizer | None = None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    if rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in state.items() if not _is_expert(k)}, out / "shared.pt")
-        (out / "config.json").write_text(model.cfg.to_json() + "\n")
-    if edp_rank == 0:
-        torch.save({"weights": {k: v.detach().cpu() for k, v in state.items() if _is_expert(k)},
-                    "optimizer": expert_opt.state_dict() if expert_opt is not None else None},
-                   out / f"experts-ep{ep_rank}-of-{ep_size}.pt")
-
-
+# -- checkpoints as one model -------------------------------------------------------------------
 def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalLM:
     """A training checkpoint as one single-process K3ForCausalLM (all experts), for eval/serving."""
     root = Path(path)
@@ -128,14 +110,7 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalL
         raise ValueError(f"{path}: not a k3 training checkpoint (no k3/config.json)")
     cfg = K3Config.from_json(k3dir / "config.json")
     state = torch.load(k3dir / "shared.pt", map_location=device)
-    parts = sorted(k3dir.glob("experts-ep*-of-*.pt"), key=lambda p: int(p.name.split("-")[1][2:]))
-    if parts:
-        n = int(parts[0].name.rsplit("-of-", 1)[1][:-3])
-        if len(parts) != n:
-            raise ValueError(f"{path}: expected {n} expert files, found {len(parts)}")
-        shards = [torch.load(p, map_location=device, weights_only=False)["weights"] for p in parts]
-        for key in shards[0]:
-            state[key] = torch.cat([s[key] for s in shards], dim=0)
+    state.update(read_all_experts(k3dir, map_location=device)[0])
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     model.load_state_dict(state, strict=True, assign=True)
@@ -143,275 +118,113 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalL
 
 
 # -- the worker ---------------------------------------------------------------------------------
-def _ep_groups(rank: int, world: int, ep: int):
-    """(expert-parallel group of this rank, expert-data-parallel group of this rank).
+def _quiet_worker_logs() -> None:
+    """One log line per interval: no per-report metric dicts from Ray Train, no warning repeated
+    every step (each is shown once)."""
+    import logging
+    import warnings
 
-    EP groups are consecutive ranks [0..ep), [ep..2ep), ...; the ranks holding the same experts
-    (same rank % ep) form the expert-data-parallel groups. Every rank creates every group, as
-    torch.distributed requires."""
-    import torch.distributed as dist
-
-    ep_group = edp_group = None
-    for start in range(0, world, ep):
-        g = dist.new_group(list(range(start, start + ep)))
-        if start <= rank < start + ep:
-            ep_group = g
-    for r in range(ep):
-        g = dist.new_group(list(range(r, world, ep)))
-        if rank % ep == r:
-            edp_group = g
-    return ep_group, edp_group
+    warnings.simplefilter("once")
+    for name in ("ray.train", "ray.train.v2", "ray.train._internal", "deepspeed", "DeepSpeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _reduce_and_clip_experts(experts: list, edp_group, world: int, max_norm: float) -> float:
-    """Sum expert gradients over the ranks holding the same experts, divide by the world size,
-    clip them by their own global norm (over all experts of all ranks); returns that norm."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in experts if p.grad is not None]
-    if not grads:
-        return 0.0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if edp_group is not None and dist.get_world_size(edp_group) > 1:
-        dist.all_reduce(flat, group=edp_group)
-    flat.div_(world)
-    sq = flat.double().pow(2).sum().reshape(1)
-    if world > 1:  # each expert is held once per EP group: sum over one EP group's worth of ranks
-        n_edp = dist.get_world_size(edp_group) if edp_group is not None else 1
-        dist.all_reduce(sq)
-        sq /= n_edp
-    norm = float(sq.sqrt())
-    if norm > max_norm:
-        flat.mul_(max_norm / (norm + 1e-6))
-    off = 0
-    for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
-        off += g.numel()
-    return norm
+def log_line(r, step: int, total: int, tps: float, elapsed_s: float, steps_done: int) -> str:
+    """One training log line: step, loss, tokens/s, lr, grad norm, worst-layer MaxVio, ETA."""
+    eta = elapsed_s / max(1, steps_done) * (total - step)
+    worst = max(range(len(r.maxvio)), key=lambda i: r.maxvio[i]) if r.maxvio else None
+    mv = f"maxvio {r.maxvio[worst]:.2f}@L{worst}" if worst is not None else "maxvio -"
+    return (f"step {step:5d}/{total}  loss {r.loss:.4f}  tok/s {tps:,.0f}  lr {r.lr:.2e}  grad_norm "
+            f"{r.grad_norm:.3f}  {mv}  eta {int(eta) // 60}m{int(eta) % 60:02d}s")
 
 
-
-def _ds_config(cfg: TrainConfig) -> dict:
-    c: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": False},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.use_gpu:
-        c["bf16"] = {"enabled": True}
-    if cfg.optimizer == "muon":
-        # DeepSpeed orthogonalises Muon's matrix gradients (Newton-Schulz) before it measures and
-        # clips the gradient norm, so its clip would shrink updates whose size Newton-Schulz has
-        # already set (a norm near sqrt(min(rows, cols)) per matrix, ~100 over k3-tiny); leave it off. The
-        # experts, outside DeepSpeed, are still clipped at grad_clip.
-        c["gradient_clipping"] = 0.0
-        c["optimizer"] = {"type": "Muon", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-                                                     "momentum": 0.95, "betas": [0.9, 0.95]}}
-    return c
-
-
-def train_loop_per_worker(loop_config: dict) -> None:  # noqa: C901 - one top-to-bottom loop reads best
+def train_loop_per_worker(loop_config: dict) -> None:
     import deepspeed
     import ray
     import ray.data
     import ray.train
-    import torch.distributed as dist
 
-    from .coordinator import BalanceClient
-    from .ep import apply_expert_parallel, build_model, expert_parameters
     from .metrics import TrainMetrics
-    from .optim import param_groups
+    from .trainer import Trainer
 
+    _quiet_worker_logs()
     cfg = TrainConfig(**loop_config["config"])
     splits = loop_config["splits"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("K3_THREADS_PER_WORKER", "1"))))
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
-    if rank == 0:
-        print(f"rank 0: torch.distributed rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
-              flush=True)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.use_gpu else torch.device("cpu")
+    trainer = Trainer(cfg, rank, world, device).build()
 
-    # Model: only this rank's experts, the same values as a single-device model from this seed.
-    mcfg = cfg.model_cfg()
-    ep = cfg.ep_size
-    ep_rank, edp_rank = rank % ep, rank // ep
-    model = build_model(mcfg, ep_rank, ep, seed=cfg.seed, device=str(device))
-    model.model.gradient_checkpointing = cfg.activation_checkpointing
-    # Routed experts stay outside DeepSpeed: its ZeRO optimizer averages every parameter it owns
-    # over all data-parallel ranks, which would mix different ranks' different experts. They get
-    # their own AdamW; their gradients are summed over the ranks holding the same experts and
-    # divided by the world size, which is the data-parallel mean whatever ep_size is.
-    experts = expert_parameters(model)
-    expert_ids = {id(p) for p in experts}
-    ep_dispatch, edp_group = [], None
-    if ep > 1:
-        ep_group, edp_group = _ep_groups(rank, world, ep)
-        ep_dispatch = apply_expert_parallel(model, ep_group, ep)
-    elif world > 1:
-        edp_group = dist.group.WORLD
-    for n, p in model.named_parameters():
-        p.use_muon = p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n and cfg.optimizer == "muon"
-    groups_ = [{**g, "params": [p for p in g["params"] if id(p) not in expert_ids]}
-               for g in param_groups(model, cfg.weight_decay)]
-    groups_ = [g for g in groups_ if g["params"]]
-    optimizer = torch.optim.AdamW(groups_, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8) if cfg.optimizer == "adamw" else None
-    expert_opt = torch.optim.AdamW(experts, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
-    own_experts = [p.detach().clone() for p in experts]
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=_ds_config(cfg),
-                                           model_parameters=groups_ if optimizer is None else None)
-    with torch.no_grad():  # DeepSpeed broadcast every module parameter from rank 0; experts are per rank
-        for p, v in zip(experts, own_experts):
-            p.copy_(v)
-    del own_experts
-
-    # Resume: DeepSpeed state, data position, losses so far, the coordinator's state.
-    start_step, history, coord_state = 0, [], None
+    start_step, history = 0, []
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            engine.load_checkpoint(d, tag="ds", load_module_strict=False)
-            ex = torch.load(Path(d) / "k3" / f"experts-ep{ep_rank}-of-{ep}.pt", weights_only=False)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if id(p) in expert_ids:
-                        p.copy_(ex["weights"][n])
-            expert_opt.load_state_dict(ex["optimizer"])
-            st = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
-            start_step, history, coord_state = st["step"], st["history"], st.get("coordinator")
-    gates = [layer.mlp.gate for layer in model.model.layers if layer.is_moe]  # the routers, in layer order
-    method = cfg.balance.method if gates else "none"
-    coordinator = ray.get_actor(cfg.coordinator_name) if method == "quantile_hist" else None
-    local_balancer = None
-    if method == "quantile":  # one worker: the exact solve in-process
-        local_balancer = Balancer(cfg.balance, len(gates), mcfg.num_experts, mcfg.num_experts_per_token)
-    if coordinator is not None and rank == 0 and coord_state is not None:
-        ray.get(coordinator.load_state_dict.remote(coord_state))  # back to the checkpoint's step
-    dist.barrier()
-    client = BalanceClient(coordinator, f"rank-{rank}") if coordinator is not None else None
+            st = trainer.load(Path(d))
+            start_step, history = st["step"], st["history"]
+    trainer.start()
 
     # Data: this worker's split, a fixed order per epoch, so a resumed run sees the same batches.
     ray.data.DataContext.get_current().enable_progress_bars = False
     shard = splits[rank]
-    rows = shard.count()
-    per_epoch = rows // cfg.micro_batch
+    per_epoch = shard.count() // cfg.micro_batch
     if per_epoch == 0:
-        raise ValueError(f"worker {rank}: {rows} sequences cannot fill one micro batch of {cfg.micro_batch}")
+        raise ValueError(f"worker {rank}: too few sequences for one micro batch of {cfg.micro_batch}")
 
     def batches(epoch: int, skip: int):
-        it = shard.iter_torch_batches(batch_size=cfg.micro_batch, drop_last=True, local_shuffle_buffer_size=4 * cfg.micro_batch,
+        it = shard.iter_torch_batches(batch_size=cfg.micro_batch, drop_last=True,
+                                      local_shuffle_buffer_size=4 * cfg.micro_batch,
                                       local_shuffle_seed=cfg.seed * 1000 + epoch, dtypes=torch.long)
         for i, b in enumerate(it):
             if i >= skip:
-                yield b["tokens"]
+                yield b
 
     metrics = TrainMetrics(enabled=rank == 0)
     epoch, pos = divmod(start_step, per_epoch)
     data = batches(epoch, pos)
-    t_last, tokens_since, compute_s, wait_s = time.perf_counter(), 0, 0.0, 0.0
+    t_start = t_last = time.perf_counter()
+    tokens_since, compute_s, wait_s = 0, 0.0, 0.0
     for step in range(start_step, cfg.steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
             os._exit(1)  # fault drill: the restarted group resumes from the last checkpoint
         try:
-            batch = next(data)
+            raw = next(data)
         except StopIteration:
             epoch += 1
             data = batches(epoch, 0)
-            batch = next(data)
-        batch = batch.to(device)
-        lr = cosine_lr(step, cfg.steps, cfg.warmup_steps, cfg.lr, cfg.min_lr_ratio)
-        for g in list(engine.optimizer.param_groups) + list(expert_opt.param_groups):
-            g["lr"] = lr
-        t0 = time.perf_counter()
-        if client is not None:  # the bias solved from the previous step's reports (at the start: the one in hand)
-            model.set_router_bias(client.fetch().bias.to(device))
-        t1 = time.perf_counter()
-        t0_wait = t1 - t0
-        wait_s += t0_wait
-        for d in ep_dispatch:
-            d.last_a2a_seconds = 0.0
-        out = engine(batch, labels=batch, collect_router=True)
-        loss = out.loss
-        if method == "aux_loss":
-            loss = loss + sum(switch_aux_loss(r.scores, r.topk_idx, cfg.balance.aux_loss_coef) for r in out.router)
-        counts = torch.stack([r.counts for r in out.router]) if out.router else torch.zeros(0)
-        if client is not None:
-            hist = torch.stack([client.histogram(i, r.margins) for i, r in enumerate(out.router)])
-            client.report(step, hist, counts)  # non-blocking; collected before the next step
-        engine.backward(loss)
-        expert_norm = _reduce_and_clip_experts(experts, edp_group, world, cfg.grad_clip)
-        engine.step()
-        expert_opt.step()
-        expert_opt.zero_grad(set_to_none=True)
-        compute_s += time.perf_counter() - t1
-        a2a_s = sum(d.last_a2a_seconds for d in ep_dispatch)
-        # Step metrics: mean loss over workers, global expert loads.
-        # Reduced where the process group can (NCCL takes only CUDA tensors), then read on the host.
-        stats = torch.cat([out.loss.detach().reshape(1).float(), counts.float().reshape(-1).to(device)])
-        dist.all_reduce(stats)
-        stats = stats.cpu()
-        mean_loss = float(stats[0]) / world
-        loads = stats[1:].reshape(len(gates), -1) if gates else None
-        maxvio = (loads.max(1).values / loads.mean(1) - 1).tolist() if loads is not None else []
-        # Biases for the next step (never this one): loss-free from the global loads, the same on
-        # every rank; exact QB from this process's margins.
-        if method == "loss_free":
-            with torch.no_grad():
-                for gate, l_loads in zip(gates, loads):
-                    gate.bias.copy_(loss_free_update(gate.bias, l_loads.to(device), cfg.balance.loss_free_step))
-        elif local_balancer is not None:
-            for i, r in enumerate(out.router):
-                local_balancer.observe(i, r.margins, r.counts)
-            local_balancer.step()
-            model.set_router_bias(local_balancer.bias().to(device))
-        tokens = batch.numel() * world
-        history.append({"step": step + 1, "loss": mean_loss, "maxvio": maxvio, "tokens": tokens,
-                        "step_s": time.perf_counter() - t0, "wait_s": t0_wait, "all_to_all_s": a2a_s})
-        tokens_since += tokens
+            raw = next(data)
+        r = trainer.train_step(trainer.make_batch(raw), step)
+        history.append({"step": step + 1, "loss": r.loss, "maxvio": r.maxvio, "tokens": r.tokens, "lr": r.lr,
+                        "grad_norm": r.grad_norm, "step_s": r.step_s, "wait_s": r.wait_s,
+                        "all_to_all_s": r.all_to_all_s})
+        tokens_since += r.tokens
+        compute_s += r.step_s - r.wait_s
+        wait_s += r.wait_s
         last = step + 1 == cfg.steps
-        if (step + 1) % cfg.log_every == 0 or last or (step + 1) % cfg.checkpoint_every == 0:
-            now = time.perf_counter()
-            tps = tokens_since / (now - t_last)
-            dense_norm = engine.get_global_grad_norm()
-            gnorm = math.sqrt(float(dense_norm or 0.0) ** 2 + expert_norm ** 2)
-            bias = torch.stack([gate.bias for gate in gates]) if gates else None
-            spread = (bias.max(1).values - bias.min(1).values).tolist() if bias is not None else []
-            report = {"step": step + 1, "loss": mean_loss, "lr": lr, "tokens_per_s": tps,
-                      "grad_norm": gnorm,
-                      "maxvio_mean": sum(maxvio) / len(maxvio) if maxvio else 0.0, "maxvio": maxvio,
-                      "bias_spread": spread, "epoch": epoch, "compute_s": compute_s, "coordinator_wait_s": wait_s,
-                      "all_to_all_s": a2a_s}
-            metrics.update(report)
-            if rank == 0:
-                print(f"step {step + 1:5d}/{cfg.steps}  loss {mean_loss:.4f}  lr {lr:.2e}  grad_norm "
-                      f"{report['grad_norm']:.3f}  tok/s {tps:,.0f}  maxvio {report['maxvio_mean']:.3f}  "
-                      f"coord_wait {wait_s:.2f}s", flush=True)
-            t_last, tokens_since, compute_s, wait_s = now, 0, 0.0, 0.0
-            checkpoint = None
-            tmp = None
-            if (step + 1) % cfg.checkpoint_every == 0 or last:
-                t_ck = time.perf_counter()
-                tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{rank}-"))
-                engine.save_checkpoint(str(tmp), tag="ds")
-                save_model_files(model, tmp / "k3", rank, ep_rank, ep, edp_rank, expert_opt)
-                if rank == 0:
-                    coord = ray.get(coordinator.state_dict.remote()) if coordinator is not None else None
-                    torch.save({"step": step + 1, "history": history, "coordinator": coord,
-                                "config": cfg.model_dump()}, tmp / "k3" / "state.pt")
-                    tok = Path(cfg.data) / "tokenizer.json"
-                    if tok.exists():
-                        shutil.copy(tok, tmp / "k3" / "tokenizer.json")
-                report["checkpoint_s"] = time.perf_counter() - t_ck
-                metrics.update({"checkpoint_s": report["checkpoint_s"]})
-                checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
-            ray.train.report(report, checkpoint=checkpoint)
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+        save = (step + 1) % cfg.checkpoint_every == 0 or last
+        if not ((step + 1) % cfg.log_every == 0 or last or save):
+            continue
+        now = time.perf_counter()
+        tps = tokens_since / (now - t_last)
+        report = {"step": step + 1, "loss": r.loss, "lr": r.lr, "tokens_per_s": tps, "grad_norm": r.grad_norm,
+                  "maxvio_mean": sum(r.maxvio) / len(r.maxvio) if r.maxvio else 0.0, "maxvio": r.maxvio,
+                  **trainer.balance.metrics(trainer.model), "epoch": epoch, "compute_s": compute_s,
+                  "coordinator_wait_s": wait_s, "all_to_all_s": r.all_to_all_s}
+        if rank == 0:
+            print(log_line(r, step + 1, cfg.steps, tps, now - t_start, step + 1 - start_step), flush=True)
+        t_last, tokens_since, compute_s, wait_s = now, 0, 0.0, 0.0
+        checkpoint, tmp = None, None
+        if save:
+            t_ck = time.perf_counter()
+            tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{rank}-"))
+            trainer.save(tmp, {"step": step + 1, "history": history}, tokenizer=Path(cfg.data) / "tokenizer.json")
+            report["checkpoint_s"] = time.perf_counter() - t_ck
+            checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
+        metrics.update(report)
+        ray.train.report(report, checkpoint=checkpoint)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def summarize(history: list[dict]) -> dict:
@@ -424,11 +237,3 @@ def summarize(history: list[dict]) -> dict:
             "maxvio_final_per_layer": last["maxvio"],
             "maxvio_tail_mean_per_layer": [sum(h["maxvio"][i] for h in tail) / len(tail) for i in range(n)],
             "loss_is_finite": all(math.isfinite(h["loss"]) for h in history)}
-
-
-def read_history(checkpoint_dir: str | Path) -> list[dict]:
-    return torch.load(Path(checkpoint_dir) / "k3" / "state.pt", weights_only=False)["history"]
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
