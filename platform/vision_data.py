@@ -234,3 +234,40 @@ def classify_digits(model: torch.nn.Module, encoder: ExampleEncoder, rows: Seque
         model.train(was_training)
     return {f"{k}_top1": (h / n if n else None) for k, (h, n) in hits.items()} | \
         {f"{k}_count": n for k, (_, n) in hits.items()}
+
+
+class MediaSchedule:
+    """Which steps train on image/video examples and which on text, and the examples of each
+    media step. Every text_every-th step (1-based) is a text step, the rest media steps, the same
+    on every rank (the ranks' tower and MoE collectives stay in step). A worker draws its
+    examples from its own slice of the media rows with a generator seeded by (seed, step, rank),
+    so a resumed run draws the same batches."""
+
+    def __init__(self, rows: Sequence[dict], encoder: ExampleEncoder, micro_batch: int, text_every: int,
+                 seed: int, rank: int, world: int) -> None:
+        if text_every < 1 or micro_batch < 1:
+            raise ValueError(f"text_every and media micro_batch must be >= 1, got {text_every}, {micro_batch}")
+        self.rows = list(rows)[rank::world]
+        if len(self.rows) < micro_batch:
+            raise ValueError(f"worker {rank}: {len(self.rows)} media rows cannot fill a batch of {micro_batch}")
+        self.encoder, self.micro_batch, self.text_every = encoder, micro_batch, text_every
+        self.seed, self.rank = seed, rank
+
+    def is_text_step(self, step: int) -> bool:
+        return (step + 1) % self.text_every == 0
+
+    def text_steps_before(self, step: int) -> int:
+        """Text batches consumed by steps [0, step): where a resumed run's text reader starts."""
+        return step // self.text_every
+
+    def examples(self, step: int) -> list[Example]:
+        rng = np.random.default_rng([self.seed, step, self.rank])
+        return [self.encoder.example(self.rows[i]) for i in rng.choice(len(self.rows), self.micro_batch, replace=False)]
+
+
+def read_vision_info(data_dir: str | Path) -> dict:
+    """media.json of a data directory; ValueError when the media set was never written."""
+    p = Path(data_dir) / MEDIA_DIR / "media.json"
+    if not p.exists():
+        raise ValueError(f"{data_dir} has no media set (no {p}): run jobs/prepare_data.py --vision")
+    return json.loads(p.read_text())

@@ -84,7 +84,7 @@ def test_time_embedding_only_when_more_than_one_frame():
     omega = 1.0 / 10000.0 ** (torch.arange(D // 2).double() / (D / 2))
     ref_time = torch.cat([(torch.arange(4).double()[:, None] * omega).sin(),
                           (torch.arange(4).double()[:, None] * omega).cos()], dim=1).float()
-    torch.testing.assert_close(pe.time_weight, ref_time)
+    torch.testing.assert_close(pe.time_table(), ref_time)
     zeros = lambda n: torch.zeros(n, D)  # noqa: E731
     with torch.no_grad():
         one = pe(zeros(8 * 8), [(1, 8, 8)])
@@ -163,7 +163,7 @@ def tower_reference(model: K3ForConditionalGeneration, pv: torch.Tensor, grid) -
     t, h, w = grid
     x = F.conv2d(pv, vt.patch_embed.proj.weight, stride=14).flatten(1)
     pos = bilinear_reference(vt.patch_embed.pos_emb.weight, h, w).view(h * w, -1)
-    x = x + (pos if t == 1 else (pos[None] + vt.patch_embed.pos_emb.time_weight[:t, None]).reshape(-1, x.shape[1]))
+    x = x + (pos if t == 1 else (pos[None] + vt.patch_embed.pos_emb.time_table()[:t, None]).reshape(-1, x.shape[1]))
     ang = torch.stack([rope_reference(r, c, cfg.head_dim) for _ in range(t) for r in range(h) for c in range(w)])
     H, K = cfg.vt_num_attention_heads, cfg.head_dim
     for blk in vt.encoder.blocks:
