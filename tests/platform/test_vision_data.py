@@ -11,7 +11,7 @@ from PIL import Image
 from k3.model import K3ForConditionalGeneration, get_preset
 from k3.platform.tokenizer import train_bpe
 from k3.platform.vision_data import (
-    ExampleEncoder, classify_digits, collate, read_vision_rows, write_vision_set,
+    ExampleEncoder, MediaSchedule, classify_digits, collate, read_vision_rows, write_vision_set,
 )
 
 
@@ -70,6 +70,19 @@ def test_classify_digits_counts_each_kind(media_set, encoder):
     res = classify_digits(model, encoder, read_vision_rows(media_set[0], "heldout"), batch=7)
     assert res["image_count"] == 12 and res["video_count"] == 4
     assert 0.0 <= res["image_top1"] <= 1.0 and 0.0 <= res["video_top1"] <= 1.0
+
+
+def test_media_schedule_steps_slices_and_resume(media_set, encoder):
+    rows = read_vision_rows(media_set[0], "train")
+    scheds = [MediaSchedule(rows, encoder, micro_batch=3, text_every=3, seed=1, rank=r, world=2) for r in range(2)]
+    assert [scheds[0].is_text_step(s) for s in range(6)] == [False, False, True, False, False, True]
+    assert [scheds[0].text_steps_before(s) for s in (0, 2, 3, 6, 7)] == [0, 0, 1, 2, 2]
+    a, b = scheds[0].examples(4), scheds[0].examples(4)
+    assert [e.ids for e in a] == [e.ids for e in b]  # the same step draws the same examples (resume)
+    assert [e.ids for e in a] != [e.ids for e in scheds[0].examples(5)]
+    assert scheds[0].rows == rows[0::2] and scheds[1].rows == rows[1::2]  # the ranks split the rows
+    with pytest.raises(ValueError, match="cannot fill a batch"):
+        MediaSchedule(rows[:4], encoder, micro_batch=3, text_every=2, seed=0, rank=0, world=2)
 
 
 def test_bad_settings_are_refused(tmp_path):
