@@ -62,7 +62,8 @@ finally:
     head.stop()
 
 summary = json.loads(summary_path.read_text())
-cmd = [sys.executable, str(REPO / "jobs" / "eval_vision.py"), "--checkpoint", summary["checkpoint"], "--data", args.data]
+cmd = [sys.executable, str(REPO / "jobs" / "eval_vision.py"), "--checkpoint", summary["checkpoint"],
+       "--data", args.data]
 if args.eval_limit:
     cmd += ["--limit", str(args.eval_limit)]
 ev = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)

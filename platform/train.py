@@ -45,7 +45,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, kimi-linear-48b-a3b).")
+    preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
+                        "kimi-linear-48b-a3b).")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
     data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py.")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one model shard each).")
@@ -106,8 +107,8 @@ class TrainConfig(BaseModel):
             strategy_class(self.balance.method).check(self, cfg)
         if cfg.vision_config is not None:
             if m.special_ids.get("media_pad") != cfg.media_placeholder_token_id:
-                raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the model "
-                                 f"expects {cfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
+                raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the "
+                                 f"model expects {cfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
             info = read_vision_info(self.data)
             if self.text_every > 1 and info["counts"]["train"]["rows"] < self.media_micro_batch * self.num_workers:
                 raise ValueError(f"media_micro_batch x num_workers = {self.media_micro_batch * self.num_workers} "

@@ -102,7 +102,7 @@ def test_tower_replicated_text_step_reaches_it_and_checkpoint_loads(run):
     assert not torch.equal(model.vision_tower.patch_embed.proj.weight, init.vision_tower.patch_embed.proj.weight)
 
 
-def test_config_checks_the_media_set(tmp_path, run):
+def test_config_checks_the_media_set(run):
     _, data = run
     assert _cfg(data).check()["vocab_size"] <= 300
     with pytest.raises(ValueError, match="examples per step"):

@@ -38,7 +38,8 @@ def test_media_set_contents_and_rerun_is_a_no_op(media_set):
     assert len(clip["frames"]) == 4 and clip["fps"] == 2.0 and clip["caption"].endswith(f"#{clip['label']}.")
     frames = [np.asarray(Image.open(io.BytesIO(f))) for f in clip["frames"]]
     assert all(f.shape == (56, 56, 3) for f in frames) and not all((a == frames[0]).all() for a in frames[1:])
-    sizes = sorted({Image.open(io.BytesIO(r["frames"][0])).size for r in rows if r["kind"] == "image" and r["label"] >= 0})
+    digits = [r for r in rows if r["kind"] == "image" and r["label"] >= 0]
+    sizes = sorted({Image.open(io.BytesIO(r["frames"][0])).size for r in digits})
     assert sizes == [(28, 28), (42, 42), (56, 56)]
     assert max(Image.open(io.BytesIO(r["frames"][0])).size[0] for r in rows if r["label"] < 0) == 1411
     held = {r["frames"][0] for r in read_vision_rows(out, "heldout")}
