@@ -32,6 +32,7 @@ p.add_argument("--data", default=str(REPO / "data" / "bundled-vl"), help="prepar
 p.add_argument("--runs", default=str(REPO / "runs"), help="checkpoint storage")
 p.add_argument("--name", default=f"vision-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
 p.add_argument("--eval-limit", type=int, default=None, help="evaluate only the first N held-out rows")
+p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default: at the end)")
 args = p.parse_args()
 
 env = {"DS_ACCELERATOR": "cpu",
@@ -49,7 +50,8 @@ try:
     entry = ["python", "jobs/pretrain.py", "--data", args.data, "--preset", "k3-tiny-vl", "--num-workers", "2",
              "--ep-size", "2", "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch",
              str(args.micro_batch), "--media-micro-batch", str(args.media_micro_batch), "--text-every",
-             str(args.text_every), "--lr", str(args.lr), "--log-every", "10", "--checkpoint-every", str(args.steps),
+             str(args.text_every), "--lr", str(args.lr), "--log-every", "10", "--checkpoint-every",
+             str(args.checkpoint_every or args.steps),
              "--storage-path", args.runs, "--name", args.name, "--sample", "0", "--summary-json", str(summary_path)]
     print(f"bench_vision: ray job submit --address {head.address} --working-dir {REPO} -- " + " ".join(entry),
           flush=True)
