@@ -1,10 +1,13 @@
 """Prepare training data: train a byte-level BPE tokenizer and write token shards as Parquet.
 
     python jobs/prepare_data.py [--input bundled|DIR|FILE.jsonl|FILE.parquet] [--out data/bundled]
-                                [--vocab-size 4096] [--seq-len 256]
+                                [--vocab-size 4096] [--seq-len 256] [--vision]
 
-The default input is the bundled corpus (the Python standard library's own source). Rerunning
-with the same input and settings does nothing. Prints the manifest as JSON.
+The default input is the bundled corpus (the Python standard library's own source). --vision
+also writes the bundled image-text and video-text set (scikit-learn digits at several sizes,
+4-frame moving-digit clips, scikit-image photos; Parquet with PNG bytes) under <out>/media/,
+which a multimodal preset (k3-tiny-vl) trains on mixed with the text. Rerunning with the same
+input and settings does nothing. Prints the manifest as JSON.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ p.add_argument("--seq-len", type=int, default=256, help="tokens per training seq
 p.add_argument("--rows-per-shard", type=int, default=1024, help="sequences per Parquet shard")
 p.add_argument("--max-bytes", type=int, default=None, help="use at most this many bytes of text")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
+p.add_argument("--vision", action="store_true", help="also write the bundled image/video-text set (<out>/media)")
+p.add_argument("--heldout-digits", type=int, default=300, help="digits kept out of training for eval_vision")
 args = p.parse_args()
 try:
     manifest, wrote = prepare(args.input, args.out, args.vocab_size, args.seq_len, args.rows_per_shard,
@@ -31,4 +36,13 @@ except ValueError as e:
     sys.exit(f"prepare_data: {e}")
 print(("wrote" if wrote else "up to date:") + f" {manifest.num_sequences} sequences, {manifest.num_tokens:,} tokens, "
       f"{len(manifest.shards)} shards in {args.out}", file=sys.stderr)
-print(json.dumps(asdict(manifest), indent=2))
+out = asdict(manifest)
+if args.vision:
+    from k3.platform.vision_data import write_vision_set
+
+    try:
+        out["media"] = write_vision_set(args.out, heldout=args.heldout_digits)
+    except ValueError as e:
+        sys.exit(f"prepare_data: {e}")
+    print(f"media set: {out['media']['counts']}", file=sys.stderr)
+print(json.dumps(out, indent=2))

@@ -47,6 +47,8 @@ p.add_argument("--max-failures", type=int)
 p.add_argument("--seed", type=int)
 p.add_argument("--use-gpu", action="store_true", default=None)
 p.add_argument("--fail-at-step", type=int, help="testing: one worker exits at this step (fault drill)")
+p.add_argument("--media-micro-batch", type=int, help="multimodal presets: image/video examples per worker per step")
+p.add_argument("--text-every", type=int, help="multimodal presets: every N-th step is a text batch (1: text only)")
 p.add_argument("--sample", type=int, default=64, help="tokens to sample from the final checkpoint (0: none)")
 p.add_argument("--summary-json", help="also write the summary here")
 args = p.parse_args()
@@ -60,7 +62,8 @@ for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "da
                   ("checkpoint_every", "checkpoint_every"), ("log_every", "log_every"),
                   ("storage_path", "storage_path"), ("name", "name"), ("resume", "resume"),
                   ("max_failures", "max_failures"), ("seed", "seed"), ("use_gpu", "use_gpu"),
-                  ("fail_at_step", "fail_at_step")]:
+                  ("fail_at_step", "fail_at_step"), ("media_micro_batch", "media_micro_batch"),
+                  ("text_every", "text_every")]:
     if getattr(args, flag) is not None:
         fields[key] = getattr(args, flag)
 if args.balance:

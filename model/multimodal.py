@@ -37,7 +37,20 @@ class K3ForConditionalGeneration(nn.Module):
         self.mm_projector = PatchMergerV2(cfg.vision_config)
         if not any(p.is_meta for p in self.parameters()):
             init_vision_(self.vision_tower, cfg.initializer_range)
-            init_vision_(self.mm_projector, cfg.initializer_range)
+            init_vision_(self.mm_projector, cfg.initializer_range)  # the language model initialised itself
+
+    @property
+    def model(self):
+        """The decoder stack (K3Model), as on K3ForCausalLM: code that walks `model.model.layers`
+        (expert placement, balancing, activation checkpointing) takes either class."""
+        return self.language_model.model
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Fresh initialisation of every parameter (the language model's rule, then the tower's)."""
+        self.language_model.reset_parameters()
+        init_vision_(self.vision_tower, self.cfg.initializer_range)
+        init_vision_(self.mm_projector, self.cfg.initializer_range)
 
     # -- media ------------------------------------------------------------------------------
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | list) -> list[torch.Tensor]:

@@ -55,8 +55,11 @@ class DividedFixedPosEmb(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.vt_hidden_size))
         self.mode = cfg.pos_emb_interpolation_mode
         self.max_frames = cfg.init_pos_emb_time
-        self.register_buffer("time_weight", sincos_time_table(cfg.init_pos_emb_time, cfg.vt_hidden_size),
-                             persistent=False)  # fixed: recomputed, never loaded or saved
+
+    def time_table(self) -> torch.Tensor:
+        """[init_pos_emb_time, D] fixed sin-cos rows. Computed, not a buffer: nothing to load or
+        save, and a model built on the meta device needs no re-initialisation of it."""
+        return sincos_time_table(self.max_frames, self.weight.shape[-1]).to(self.weight.device)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
@@ -76,7 +79,7 @@ class DividedFixedPosEmb(nn.Module):
                 raise ValueError(f"grid has {t} frames; a chunk holds at most init_pos_emb_time={self.max_frames}")
             pos = self.spatial(h, w)
             if t > 1:
-                pos = pos.unsqueeze(0) + self.time_weight[:t, None, :].to(pos.dtype)  # [t, h*w, D]
+                pos = pos.unsqueeze(0) + self.time_table()[:t, None, :].to(pos.dtype)  # [t, h*w, D]
             parts.append(pos.reshape(-1, pos.shape[-1]))
         return x_ND + torch.cat(parts).to(x_ND.dtype)
 
@@ -93,27 +96,25 @@ class PatchEmbed(nn.Module):
         return self.pos_emb(x, grids)
 
 
-class Rope2D(nn.Module):
+class Rope2D:
     """2D rotary positions per head over (row, column). Channel pair j of a head rotates by
     col * f_{j//2} when j is even and row * f_{j//2} when j is odd, f_i = 10000^(-4i / head_dim);
     a pair is two adjacent channels. The angle depends only on the patch's own (row, column)
     and repeats over the frames of a chunk."""
 
     def __init__(self, head_dim: int, max_grid: int) -> None:
-        super().__init__()
         self.head_dim, self.max_grid = head_dim, max_grid
-        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, head_dim, 4).float() / head_dim),
-                             persistent=False)
 
-    def angles(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+    def angles(self, grids: list[tuple[int, int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, head_dim / 2] rotation angles for the packed patches (fp32)."""
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, self.head_dim, 4, device=device).float() / self.head_dim)
         parts = []
         for t, h, w in grids:
             if h > self.max_grid or w > self.max_grid:
                 raise ValueError(f"grid {h}x{w} exceeds the rotary table's {self.max_grid} patches per side")
-            rows = torch.arange(h, device=self.inv_freq.device).repeat_interleave(w).float()
-            cols = torch.arange(w, device=self.inv_freq.device).repeat(h).float()
-            ang = torch.stack([cols[:, None] * self.inv_freq, rows[:, None] * self.inv_freq], dim=-1)
+            rows = torch.arange(h, device=device).repeat_interleave(w).float()
+            cols = torch.arange(w, device=device).repeat(h).float()
+            ang = torch.stack([cols[:, None] * inv_freq, rows[:, None] * inv_freq], dim=-1)
             parts.append(ang.flatten(1).repeat(t, 1))  # [t*h*w, head_dim / 2], (col, row) interleaved
         return torch.cat(parts)
 
@@ -185,7 +186,7 @@ class VisionEncoder(nn.Module):
         self.final_layernorm = RMSNorm(cfg.vt_hidden_size, cfg.vt_rms_norm_eps)
 
     def forward(self, x_ND: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        angles, lengths = self.rope_2d.angles(grids), item_lengths(grids)
+        angles, lengths = self.rope_2d.angles(grids, x_ND.device), item_lengths(grids)
         for block in self.blocks:
             x_ND = block(x_ND, angles, lengths)
         return self.final_layernorm(x_ND)

@@ -63,7 +63,8 @@ class K3VisionConfig:
              f"{self.qkv_hidden_size} is not divisible by vt_num_attention_heads={self.vt_num_attention_heads}")
         need(self.head_dim % 4 == 0, "qkv_hidden_size",
              f"head dim {self.head_dim} must be divisible by 4 (2D rotary: a (row, column) pair per 4 channels)")
-        need(self.vt_hidden_size % 2 == 0, "vt_hidden_size", f"must be even (sin-cos time table), got {self.vt_hidden_size}")
+        need(self.vt_hidden_size % 2 == 0, "vt_hidden_size",
+             f"must be even (sin-cos time table), got {self.vt_hidden_size}")
         need(len(self.merge_kernel_size) == 2 and all(isinstance(k, int) and k > 0 for k in self.merge_kernel_size),
              "merge_kernel_size", f"must be two positive ints, got {self.merge_kernel_size!r}")
         need(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",

@@ -33,7 +33,8 @@ from PIL import Image, UnidentifiedImageError
 
 from .vision_config import K3VisionConfig
 
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
+MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
+MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
 MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
 IMAGE_FORMATS = ("PNG", "JPEG")  # still images
 VIDEO_FORMATS = ("GIF", "PNG")  # animated GIF / APNG containers, decoded frame by frame

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .corpus import stdlib_corpus
-from .tokenizer import special_ids, tokenizer_hash, train_bpe
+from .tokenizer import SPECIAL_TOKENS, special_ids, tokenizer_hash, train_bpe
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
 MANIFEST = "manifest.json"
@@ -127,7 +127,9 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     out = Path(out_dir)
     kind, files = resolve_input(source)
     fp = fingerprint(kind, files)
-    settings = {"vocab_size": vocab_size, "seq_len": seq_len, "rows_per_shard": rows_per_shard, "max_bytes": max_bytes}
+    # The special tokens are a setting: data made before a new one (the media tokens) is rebuilt.
+    settings = {"vocab_size": vocab_size, "seq_len": seq_len, "rows_per_shard": rows_per_shard, "max_bytes": max_bytes,
+                "special_tokens": SPECIAL_TOKENS}
     if (out / MANIFEST).exists():
         try:
             old = read_manifest(out)

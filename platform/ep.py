@@ -59,12 +59,13 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def build_model(cfg, ep_rank: int = 0, ep_size: int = 1, seed: int = 0, device: str = "cpu"):
-    """A K3ForCausalLM holding only this rank's experts, initialised exactly as the full model
-    would be from the same seed (so ep_size changes placement, never values)."""
-    from k3.model import K3ForCausalLM
+    """A K3ForCausalLM (K3ForConditionalGeneration when cfg has a vision_config) holding only
+    this rank's experts, initialised exactly as the full model would be from the same seed (so
+    ep_size changes placement, never values)."""
+    from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)
     if ep_size > 1:
         shard_experts(model, ep_rank, ep_size)
     model.to_empty(device=device)

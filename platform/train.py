@@ -2,7 +2,8 @@
 
 A worker builds a `k3.platform.trainer.Trainer` (its model shard holding only its experts,
 DeepSpeed ZeRO-1/2 for the rest, one balancing strategy), feeds it its split of the token
-shards through Ray Data, prints one log line per `log_every` steps and reports metrics and
+shards through Ray Data (and, for a multimodal preset, image/video examples from its slice of
+the media set on the steps `MediaSchedule` names), prints one log line per `log_every` steps and reports metrics and
 checkpoints through `ray.train.report`.
 
 Checkpoint layout (one directory per checkpoint; Ray Train merges every worker's files and
@@ -29,7 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3.model import K3Config, K3ForCausalLM, get_preset
+from k3.model import K3Config, K3ForCausalLM, K3ForConditionalGeneration, get_preset
 from k3.model.config import PRESETS
 from k3.model.hf_k3 import pretrained_config
 
@@ -37,6 +38,7 @@ from .balance import BalanceConfig
 from .balancing import strategy_class
 from .data import read_manifest
 from .ep import read_all_experts
+from .vision_data import read_vision_info
 
 
 class TrainConfig(BaseModel):
@@ -44,7 +46,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, kimi-linear-48b-a3b).")
+    preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
+                        "kimi-linear-48b-a3b).")
     init_from: str | None = Field(None, description="Start from a checkpoint directory (a k3 model directory, the K3 "
                                   "release layout or Kimi Linear); its config.json replaces the preset.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
@@ -77,6 +80,10 @@ class TrainConfig(BaseModel):
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL, bf16).")
     coordinator_name: str = Field("k3-balance", description="Name of the BalanceCoordinator actor.")
     fail_at_step: int | None = Field(None, description="Testing: rank 1 exits at this step once (fault drill).")
+    media_micro_batch: int = Field(32, ge=1, description="Multimodal presets: image/video examples per worker per "
+                                   "media step (from <data>/media, jobs/prepare_data.py --vision).")
+    text_every: int = Field(4, ge=1, description="Multimodal presets: every text_every-th step is a text batch, the "
+                            "others image/video batches (1: text only). Text batches still run the vision tower.")
 
     def model_cfg(self) -> K3Config:
         if self.init_from:
@@ -105,12 +112,21 @@ class TrainConfig(BaseModel):
                              f"{m.num_sequences}")
         if "moe" in cfg.mlp_types:
             strategy_class(self.balance.method).check(self, cfg)
+        if cfg.vision_config is not None:
+            if m.special_ids.get("media_pad") != cfg.media_placeholder_token_id:
+                raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the "
+                                 f"model expects {cfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
+            info = read_vision_info(self.data)
+            if self.text_every > 1 and info["counts"]["train"]["rows"] < self.media_micro_batch * self.num_workers:
+                raise ValueError(f"media_micro_batch x num_workers = {self.media_micro_batch * self.num_workers} "
+                                 f"examples per step, but the media set has {info['counts']['train']['rows']}")
         return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
 
 
 # -- checkpoints as one model -------------------------------------------------------------------
-def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalLM:
-    """A training checkpoint as one single-process K3ForCausalLM (all experts), for eval/serving."""
+def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalLM | K3ForConditionalGeneration:
+    """A training checkpoint as one single-process model (all experts), for eval/serving:
+    K3ForConditionalGeneration when the config has a vision tower, else K3ForCausalLM."""
     root = Path(path)
     k3dir = root / "k3" if (root / "k3").is_dir() else root
     if not (k3dir / "config.json").exists():
@@ -119,7 +135,7 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalL
     state = torch.load(k3dir / "shared.pt", map_location=device)
     state.update(read_all_experts(k3dir, map_location=device)[0])
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
@@ -196,20 +212,24 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if i >= skip:
                 yield b
 
+    media = trainer.media_schedule() if trainer.multimodal and cfg.text_every > 1 else None
     metrics = TrainMetrics(enabled=rank == 0)
-    epoch, pos = divmod(start_step, per_epoch)
+    epoch, pos = divmod(media.text_steps_before(start_step) if media else start_step, per_epoch)
     data = batches(epoch, pos)
     t_start = t_last = time.perf_counter()
     tokens_since, compute_s, wait_s = 0, 0.0, 0.0
     for step in range(start_step, cfg.steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
             os._exit(1)  # fault drill: the restarted group resumes from the last checkpoint
-        try:
-            raw = next(data)
-        except StopIteration:
-            epoch += 1
-            data = batches(epoch, 0)
-            raw = next(data)
+        if media is not None and not media.is_text_step(step):
+            raw = {"examples": media.examples(step)}
+        else:
+            try:
+                raw = next(data)
+            except StopIteration:
+                epoch += 1
+                data = batches(epoch, 0)
+                raw = next(data)
         r = trainer.train_step(trainer.make_batch(raw), step)
         history.append({"step": step + 1, "loss": r.loss, "maxvio": r.maxvio, "tokens": r.tokens, "lr": r.lr,
                         "grad_norm": r.grad_norm, "step_s": r.step_s, "wait_s": r.wait_s,

@@ -31,8 +31,11 @@ import torch.distributed as dist
 from k3.model.hf_k3 import load_pretrained
 
 from .balancing import BalanceStrategy, strategy_class
+from .data import read_manifest
 from .ep import apply_expert_parallel, build_model, ep_groups, is_expert_param, load_experts, save_experts
 from .optim import cosine_lr, param_groups
+from .tokenizer import load_tokenizer
+from .vision_data import ExampleEncoder, MediaSchedule, collate, read_vision_rows
 
 
 def ds_config(cfg) -> dict:
@@ -110,6 +113,7 @@ class Trainer:
         self.ep_rank, self.edp_rank = rank % self.ep_size, rank // self.ep_size
         self.model = self.engine = self.expert_opt = self.ep = self.balance = None
         self._expert_sq = 0.0
+        self.pad_id = 0  # padding of media batches (masked out of the loss); media_schedule sets it
 
     # -- build ----------------------------------------------------------------------------------
     def build(self) -> "Trainer":
@@ -158,17 +162,44 @@ class Trainer:
         self.balance.start()
 
     # -- data -----------------------------------------------------------------------------------
-    def make_batch(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A data-loader batch ({"tokens": [B, T+1] int64}) -> the model's inputs on the device:
-        {"input_ids": [B, T'], "labels": [B, T']} (labels[t + 1] is the target of position t)."""
+    @property
+    def multimodal(self) -> bool:
+        return self.cfg.model_cfg().vision_config is not None
+
+    def media_schedule(self) -> MediaSchedule:
+        """This rank's image/video examples and the text/media step pattern (multimodal presets)."""
+        cfg = self.cfg
+        manifest = read_manifest(cfg.data)
+        tok = load_tokenizer(Path(cfg.data) / manifest.tokenizer)
+        ids = manifest.special_ids
+        self.pad_id = ids["pad"]
+        encoder = ExampleEncoder(lambda s: tok.encode(s).ids, tok.token_to_id, bos=ids["bos"], eos=ids["eos"])
+        return MediaSchedule(read_vision_rows(cfg.data, "train"), encoder, cfg.media_micro_batch, cfg.text_every,
+                             cfg.seed, self.rank, self.world)
+
+    def make_batch(self, raw: dict) -> dict[str, torch.Tensor]:
+        """A data-loader batch -> the model's inputs on the device.
+
+        Text: {"tokens": [B, T+1] int64} -> {"input_ids": [B, T'], "labels": [B, T']}
+        (labels[t + 1] is the target of position t). Media: {"examples": [Example, ...]} ->
+        right-padded input_ids/labels (-100 on padding) plus pixel_values [N, 3, p, p] and
+        grid_thws [M, 3] for the tower."""
+        if "examples" in raw:
+            b = collate(raw["examples"], pad_id=self.pad_id)
+            out = {"input_ids": b["input_ids"], "labels": b["labels"]}
+            if b["pixel_values"] is not None:
+                out |= {"pixel_values": b["pixel_values"], "grid_thws": b["grid_thws"]}
+            return {k: v.to(self.device) for k, v in out.items()}
         tokens = raw["tokens"].to(self.device, torch.long)
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got {tuple(tokens.shape)}")
         return {"input_ids": tokens, "labels": tokens}
 
     def forward(self, batch: dict[str, torch.Tensor]):
-        """The model on one batch -> CausalLMOutput with router outputs."""
-        return self.engine(batch["input_ids"], labels=batch["labels"], collect_router=True)
+        """The model on one batch -> CausalLMOutput with router outputs. A multimodal model runs
+        its tower on text batches too (zero-weighted), so every rank's gradients match."""
+        media = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
+        return self.engine(batch["input_ids"], labels=batch["labels"], collect_router=True, **media)
 
     @torch.no_grad()
     def forward_routers(self, batch: dict[str, torch.Tensor]) -> list:

@@ -84,7 +84,7 @@ def test_time_embedding_only_when_more_than_one_frame():
     omega = 1.0 / 10000.0 ** (torch.arange(D // 2).double() / (D / 2))
     ref_time = torch.cat([(torch.arange(4).double()[:, None] * omega).sin(),
                           (torch.arange(4).double()[:, None] * omega).cos()], dim=1).float()
-    torch.testing.assert_close(pe.time_weight, ref_time)
+    torch.testing.assert_close(pe.time_table(), ref_time)
     zeros = lambda n: torch.zeros(n, D)  # noqa: E731
     with torch.no_grad():
         one = pe(zeros(8 * 8), [(1, 8, 8)])
@@ -163,7 +163,7 @@ def tower_reference(model: K3ForConditionalGeneration, pv: torch.Tensor, grid) -
     t, h, w = grid
     x = F.conv2d(pv, vt.patch_embed.proj.weight, stride=14).flatten(1)
     pos = bilinear_reference(vt.patch_embed.pos_emb.weight, h, w).view(h * w, -1)
-    x = x + (pos if t == 1 else (pos[None] + vt.patch_embed.pos_emb.time_weight[:t, None]).reshape(-1, x.shape[1]))
+    x = x + (pos if t == 1 else (pos[None] + vt.patch_embed.pos_emb.time_table()[:t, None]).reshape(-1, x.shape[1]))
     ang = torch.stack([rope_reference(r, c, cfg.head_dim) for _ in range(t) for r in range(h) for c in range(w)])
     H, K = cfg.vt_num_attention_heads, cfg.head_dim
     for blk in vt.encoder.blocks:
@@ -280,3 +280,37 @@ def test_vision_config_round_trips_and_rejects_bad_fields():
         K3VisionConfig(qkv_hidden_size=1000)
     with pytest.raises(ValueError, match="text_hidden_size 7168 != hidden_size 128"):
         get_preset("k3-tiny").replace(vision_config=K3VisionConfig(), media_placeholder_token_id=6)
+
+
+def test_chunked_cached_prefill_with_media_rows_equals_full_forward():
+    """The serving contract: media encoded once per item, then each prefill chunk (several
+    sequences packed, a KV/state cache) gets the rows of the placeholders it holds, in order."""
+    from k3.model import HybridCache
+
+    model = tiny_model()
+    grids = {"a": [(1, 4, 6), (1, 2, 2)], "b": [(4, 4, 4)]}
+    seqs, rows, full = {}, {}, {}
+    with torch.no_grad():
+        for k, g in grids.items():
+            pv = patches(g, seed=len(k) + ord(k))
+            feats = model.encode_media(pv, g)
+            seqs[k] = prompt_ids([f.shape[0] for f in feats], seed=ord(k))[0]
+            rows[k] = torch.cat(feats)
+            full[k] = model(seqs[k][None], pv, g).logits[0]
+        cache = HybridCache(model.cfg, 2, 64)
+        cuts = {"a": [0, 5, len(seqs["a"])], "b": [0, 9, len(seqs["b"])]}  # chunks split placeholder runs
+        got = {"a": [], "b": []}
+        for c in range(2):
+            ids, media, lens = [], [], []
+            for k in ("a", "b"):
+                lo, hi = cuts[k][c], cuts[k][c + 1]
+                ids.append(seqs[k][lo:hi])
+                before = int((seqs[k][:lo] == PAD).sum())
+                media.append(rows[k][before:before + int((seqs[k][lo:hi] == PAD).sum())])
+                lens.append(hi - lo)
+            out = model(torch.cat(ids)[None], media_embeds=torch.cat(media), cache=cache.batch(lens)).logits[0]
+            cache.advance(lens)
+            got["a"].append(out[:lens[0]])
+            got["b"].append(out[lens[0]:])
+        for k in ("a", "b"):
+            assert_close(f"chunked {k}", torch.cat(got[k]), full[k], 1e-4)
