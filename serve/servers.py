@@ -222,7 +222,6 @@ class DecodeServer(EngineHost):
     async def _handoff(self, req: GenerateRequest):
         """(first output or None, state or None) from a prefill replica, retrying on failures that
         lose the state (its owner died, the replica died), never waiting without a bound."""
-        import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
         lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
