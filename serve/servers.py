@@ -16,6 +16,7 @@ a caller that goes away cancels the generator, which aborts the request in the e
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,8 @@ from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParam
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.prefix_pool import PrefixPool
 from k3.serve.router import prefix_route_key
+
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -86,7 +89,8 @@ class EngineHost:
 
     async def _report(self) -> None:
         while True:
-            s = self.engine.stats()
+            # read in the engine's step thread: the cache's dicts change while a step runs
+            s = await self.engine.call(self.engine.engine.stats)
             self.metrics.set("k3_serve_num_requests_running", s["running"])
             self.metrics.set("k3_serve_num_requests_waiting", s["waiting"])
             self.metrics.set("k3_serve_cache_usage_ratio", s["pages_in_use"] / max(1, s["pages_total"]))
@@ -103,8 +107,8 @@ class EngineHost:
         """Serve's health probe: the engine loop must not have died."""
         self.engine.check_health()
 
-    def stats(self) -> dict:
-        return {**self.engine.stats(), "pid": os.getpid(), "role": self.role}
+    async def stats(self) -> dict:
+        return {**await self.engine.call(self.engine.engine.stats), "pid": os.getpid(), "role": self.role}
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
@@ -195,7 +199,10 @@ class PrefillServer(EngineHost):
 
         self._start_reporting()
         if self.pool is not None:
-            await self._from_pool(req.prompt_token_ids)
+            try:
+                await self._from_pool(req.prompt_token_ids)
+            except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
+                logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
         final = None
         async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
                                               prefill_only=True):
