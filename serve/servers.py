@@ -162,8 +162,9 @@ class PrefillServer(EngineHost):
         """Load the prompt's prefix from the pool when it holds more than this replica does."""
         eng = self.engine.engine
         hashes = page_hashes(prompt, self.config.engine.page_size)
-        local = await self.engine.call(lambda: eng.local_resume_tokens(prompt))
-        depth = await self.pool.lookup.remote(hashes)
+        # what this replica holds and what the pool holds, asked at once
+        local, depth = await asyncio.gather(self.engine.call(lambda: eng.local_resume_tokens(prompt)),
+                                            self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
         if depth * self.config.engine.page_size <= local:
             return
@@ -241,8 +242,8 @@ class DecodeServer(EngineHost):
                     return reply["output"], None
                 t_fetch = time.perf_counter()
                 state = await asyncio.wait_for(reply["state"][0], self.config.handoff_timeout_s)
+                state.timings["fetch_s"] = time.perf_counter() - t_fetch
                 self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
-                self.metrics.observe("k3_serve_handoff_seconds", time.perf_counter() - t_fetch)
                 return reply["output"], state
             except lost as e:
                 last = e
@@ -261,5 +262,11 @@ class DecodeServer(EngineHost):
             yield first
             return
         params = SamplingParams(**req.sampling)
+        first_out = True
         async for out in self.engine.resume(req.prompt_token_ids, state, params):
+            if first_out:  # the state has been checked and loaded: the whole handoff is known
+                first_out = False
+                t = state.timings
+                self.metrics.observe("k3_serve_handoff_seconds",
+                                     t.get("export_s", 0.0) + t["fetch_s"] + t.get("check_s", 0.0))
             yield out

@@ -153,7 +153,9 @@ class LLMEngine:
         completely before anything is allocated: a mismatch raises ValueError and changes nothing."""
         params = params or SamplingParams()
         ids = self.validate(prompt_token_ids, params)
+        t0 = time.perf_counter()
         latents, kda = self._check_state(state, ids, params)
+        state.timings["check_s"] = time.perf_counter() - t0
         seq = self._new_sequence(request_id, ids, params)
         seq.hashes = list(state.page_hashes) if self.config.enable_prefix_caching else []
         seq.imported = {"latents": latents, "kda": kda, "first": (state.first_token, state.first_logprob)}
@@ -347,9 +349,10 @@ class LLMEngine:
         the generator as it stands after drawing it."""
         n = len(seq.prompt)
         assert seq.num_computed == n, "a prompt is exported right after its last token was computed"
+        t0 = time.perf_counter()
         gen = seq.generator.get_state().numpy().copy() if seq.generator is not None else None
         kda = self.cache.read_slot(seq.slot)
-        return HybridCacheState(
+        state = HybridCacheState(
             version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
             cache_dtype=self.config.dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
             page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size),
@@ -358,6 +361,8 @@ class LLMEngine:
             mla_latents={l: to_numpy(t) for l, t in self.cache.read_latents(seq.pages, n).items()},
             first_token=first, first_logprob=lp, generator_state=gen,
         ).seal()
+        state.timings["export_s"] = time.perf_counter() - t0
+        return state
 
     def _check_state(self, state, ids: list[int], params: SamplingParams):
         """Everything about a handed-over state that must hold before it is loaded."""

@@ -57,6 +57,9 @@ class HybridCacheState:
     first_logprob: dict | None  # {"token", "logprob", "top": {id: lp}} when logprobs were asked
     generator_state: np.ndarray | None  # uint8, the request's seeded generator after its first draw
     digest: bytes = field(default=b"")
+    # Bookkeeping outside the digest: seconds the exporter spent building and sealing the state
+    # ("export_s") and the importer spent checking and converting it ("check_s").
+    timings: dict[str, float] = field(default_factory=dict)
 
     def arrays(self) -> list[tuple[str, np.ndarray]]:
         out = [("prompt_token_ids", self.prompt_token_ids)]

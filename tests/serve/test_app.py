@@ -232,6 +232,78 @@ def test_a_prefill_replica_killed_mid_request_gives_a_retry_or_a_clean_error(app
     assert ok.status_code == 200, ok.text
 
 
+def _read_stream(url: str, body: dict, log: dict) -> None:
+    """Read one SSE completion stream into log: tokens seen, finish reason, error message, [DONE]."""
+    try:
+        with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as r:
+            log["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    log["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        log["error"] = event["error"]["message"]
+                    for c in event.get("choices", []):
+                        log["tokens"] = log.get("tokens", 0) + 1
+                        log["finish"] = c.get("finish_reason") or log.get("finish")
+    except httpx.HTTPError as e:  # a broken connection counts as a failure too, just not a clean one
+        log["broken"] = repr(e)
+
+
+def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, tokenizer, tmp_path):
+    import os
+    import threading
+    import time
+
+    import ray
+    from ray import serve
+
+    from k3.serve.builder import build_pd_app
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    cfg = app_config(str(tmp_path / "tokenizer.json"), True)
+    cfg["decode"] = {"num_replicas": 2, "max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": 0.1}}
+    cfg["prefix_pool_bytes"] = 0
+    serve.run(build_pd_app(cfg), name="pdkill", route_prefix="/pdkill")
+    try:
+        url = f"{serve_session}/pdkill/v1/completions"
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::pdkill#DecodeServer#")]
+        actors = [ray.get_actor(n, namespace="serve") for n in names]
+        pids = ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in actors])
+        assert len(set(pids)) == 2
+        logs = [{} for _ in range(6)]
+        threads = [threading.Thread(target=_read_stream, args=(url, {
+            "model": "k3-tiny", "prompt": rand(12, 500 + i), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}, logs[i])) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(log.get("tokens", 0) >= 2 for log in logs):
+            time.sleep(0.2)
+        assert all(log.get("tokens", 0) >= 2 for log in logs), logs  # every stream is decoding now
+        # each replica's streams in flight (Serve's own count of its ongoing requests)
+        ongoing = ray.get([a.get_num_ongoing_requests.remote() for a in actors])
+        running = dict(zip(pids, ongoing))
+        assert sum(ongoing) == 6, running
+        victim = max(running, key=running.get)
+        ray.kill(actors[pids.index(victim)], no_restart=True)
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a stream hung after its decode replica died"
+        failed = [log for log in logs if "error" in log or "broken" in log]
+        finished = [log for log in logs if log.get("finish") == "length" and log.get("done") and "error" not in log]
+        assert len(failed) == running[victim] and len(finished) == 6 - running[victim], logs
+        assert all(log["tokens"] == 400 for log in finished)
+        assert all("error" in log and log.get("done") for log in failed), logs  # a clean error event, then [DONE]
+        ok = httpx.post(url, json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        assert ok.status_code == 200, ok.text  # the surviving replica serves on
+    finally:
+        serve.delete("pdkill")
+
+
 def test_schemathesis_finds_no_server_error(apps):
     """Requests generated from the app's own OpenAPI document: none may get a 5xx."""
     import schemathesis

@@ -1,0 +1,148 @@
+"""Disaggregated vs aggregated serving, and the prefix pool vs recomputing, side by side in one run
+on a private local Ray (127.0.0.1); JSON out.
+
+    python jobs/bench_serve.py                      # k3-tiny, random weights, 2K-token prompts
+    python jobs/bench_serve.py --model-path runs/demo/model --prompt-words 2000 --out serve.json
+
+Both applications are deployed on one Serve instance, with the same engine settings: "pd"
+(Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
+through the object store, the prefix pool on) and "agg" (Ingress -> LLMServer). Then:
+
+1. `serve_bench`'s workload (random prompts of --prompt-words words, streamed) against each app
+   in turn, with the Ray node's metrics scraped before and after each run: the handoff's mean
+   seconds (export + object-store fetch + check/import) as a share of the mean TTFT the client saw.
+2. The pool: for each of --pool-groups long prefixes, one request at a time and greedy: a miss
+   (nothing cached anywhere), then, after the prefill replica's local prefix cache is dropped, a
+   request with the same prefix and another suffix (a hit only in the pool: the replica loads the
+   prefix's pages and KDA snapshot instead of recomputing them), then a third (a local hit). TTFT
+   of each, as the client measured it; the pool's hit tokens are read back from the replica to
+   show the hits were pool hits.
+
+Everything runs on this machine: one torch thread per replica; the 1-minute load average is
+written beside the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from k3.platform.local_ray import free_port, init_local_ray
+from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model-path", default=None, help="a k3 model directory (default: k3-tiny, random weights)")
+p.add_argument("--prompt-words", type=int, default=2000, help="words per prompt (about one token each)")
+p.add_argument("--output-len", type=int, default=16, help="max_tokens per request")
+p.add_argument("--num-prompts", type=int, default=12, help="requests per app in the side-by-side run")
+p.add_argument("--max-concurrency", type=int, default=1, help="requests in flight in the side-by-side run")
+p.add_argument("--pool-groups", type=int, default=4, help="distinct long prefixes in the pool run")
+p.add_argument("--suffix-words", type=int, default=16, help="pool run: words after the shared prefix")
+p.add_argument("--page-size", type=int, default=16)
+p.add_argument("--snapshot-interval", type=int, default=8, help="pages between saved KDA states")
+p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+args = p.parse_args()
+
+
+def tokenizer_path(workdir: Path) -> str:
+    """The model directory's tokenizer, or a BPE tokenizer trained here on Python's stdlib text
+    (the tiny preset's 4096-token vocabulary; a few seconds)."""
+    if args.model_path:
+        return str(Path(args.model_path) / "tokenizer.json")
+    from k3.platform.corpus import stdlib_corpus
+    from k3.platform.tokenizer import train_bpe
+
+    path = workdir / "tokenizer.json"
+    train_bpe(stdlib_corpus(3_000_000).texts(), vocab_size=4096).save(str(path))
+    return str(path)
+
+
+def app_config(tok: str, disaggregated: bool) -> dict:
+    one = {"num_replicas": 1, "max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0.1}}
+    model = {"path": args.model_path} if args.model_path else {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok}
+    return {"model_id": "k3", "model": model, "disaggregated": disaggregated,
+            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,
+                       "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20},
+            "prefill": one, "decode": one, "llm": one, "ingress": one}
+
+
+async def pool_run(base: str, prefill) -> dict:
+    """TTFT of a miss, a pool-only hit and a local hit per prefix group (greedy, one at a time)."""
+    cfg = BenchConfig(base_url=base, dataset="shared-prefix", prefix_len=args.prompt_words,
+                      input_len=args.suffix_words, num_prefix_groups=args.pool_groups,
+                      num_prompts=3 * args.pool_groups, output_len=args.output_len, ignore_eos=True, seed=7)
+    prompts = make_prompts(cfg)  # prompt i is group i % groups: three prompts per group, other suffixes
+    ttft: dict[str, list[float]] = {"miss": [], "pool_hit": [], "local_hit": []}
+    pool_tokens = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        url = f"{base}/v1/completions"
+        for g in range(args.pool_groups):
+            for kind, i in (("miss", g), ("pool_hit", g + args.pool_groups), ("local_hit", g + 2 * args.pool_groups)):
+                if kind == "pool_hit":
+                    await asyncio.sleep(1.5)  # the replica publishes to the pool after replying
+                    before = (await prefill.pool_stats.remote())["pool_hit_tokens"]
+                    await prefill.drop_local_prefix_cache.remote()
+                r = await stream_request(client, url, request_body(cfg, "k3", prompts[i]), {})
+                if not r.ok:
+                    raise SystemExit(f"pool run: {kind} request of group {g} failed: {r.error}")
+                ttft[kind].append(r.ttft_s * 1e3)
+                if kind == "pool_hit":
+                    pool_tokens.append((await prefill.pool_stats.remote())["pool_hit_tokens"] - before)
+    med = {k: round(statistics.median(v), 1) for k, v in ttft.items()}
+    return {"ttft_ms": {k: [round(x, 1) for x in v] for k, v in ttft.items()}, "ttft_ms_median": med,
+            "pool_hit_tokens_per_request": pool_tokens,
+            "miss_over_pool_hit": round(med["miss"] / med["pool_hit"], 2),
+            "miss_over_local_hit": round(med["miss"] / med["local_hit"], 2)}
+
+
+def main() -> dict:
+    import ray
+    from ray import serve
+
+    from k3.serve.builder import build_app, build_pd_app
+
+    metrics_port = free_port()
+    init_local_ray(num_cpus=2, _metrics_export_port=metrics_port, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+        with tempfile.TemporaryDirectory() as d:
+            tok = tokenizer_path(Path(d))
+            serve.run(build_pd_app(app_config(tok, True)), name="pd", route_prefix="/pd")
+            serve.run(build_app(app_config(tok, False)), name="agg", route_prefix="/agg")
+        prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
+        load_before = os.getloadavg()[0]
+        cfg = BenchConfig(base_url=base, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+                          input_len=args.prompt_words, output_len=args.output_len, ignore_eos=True,
+                          metrics_urls=[f"http://127.0.0.1:{metrics_port}/metrics"])
+        t0 = time.perf_counter()
+        side = asyncio.run(run_side_by_side(cfg, {"pd": f"{base}/pd", "agg": f"{base}/agg"}))
+        out = {"side_by_side": side}
+        pool = asyncio.run(pool_run(f"{base}/pd", prefill))
+        out["pool"] = pool
+        out["wall_s"] = round(time.perf_counter() - t0, 1)
+        out["load_avg_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return out
+
+
+summary = main()
+summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+summary["machine"] = {"cpu_count": os.cpu_count()}
+summary["args"] = vars(args) | {"out": str(args.out) if args.out else None}
+text = json.dumps(summary, indent=2)
+print(text)
+if args.out is not None:
+    args.out.write_text(text + "\n")
+sys.exit(0)
