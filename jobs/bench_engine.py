@@ -16,7 +16,9 @@
 6. chunk: a 512-token prefill chunk over 8K and 32K tokens of cached context (the MLA layers'
    absorbed form, the old path, vs the expanded form), beside that chunk's share of a one-shot
    prefill of the whole sequence.
-7. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
+7. snapshots: cold TTFT of a 2K-token prompt with KDA snapshots every 64 tokens, read in one
+   chunkwise pass vs piece by piece (the old path), and with no snapshots.
+8. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
    decode tokens/s at 1, 8 and 32 sequences against transformers' `generate` with the same batch,
    tokens compared.
 """
@@ -36,7 +38,7 @@ from k3.serve.engine.cache_manager import CacheManager
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-p.add_argument("--only", default="throughput,ttft,decode,handoff,chunk,vs_transformers",
+p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers",
                help="comma-separated sections to run")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
@@ -110,6 +112,34 @@ def ttft() -> dict:
     return {"prefix_tokens": prefix_len, "new_tokens": 32, "miss_s_median": round(statistics.median(miss), 4),
             "hit_s_median": round(statistics.median(hit), 4),
             "speedup": round(statistics.median(miss) / statistics.median(hit), 1)}
+
+
+def snapshots() -> dict:
+    """Cold TTFT of a 2,048-token prompt with KDA snapshots every 4 pages of 16 (one per 64-token
+    KDA chunk): read in the one chunkwise pass vs the piece-by-piece pass (one chunk_kda call per
+    snapshot) it replaced, and with no snapshots at all (prefix caching off). Medians of 3."""
+    from k3.model.kda import KimiDeltaAttention
+
+    one_pass = KimiDeltaAttention._chunk_reading_snapshots
+
+    def piecewise(self, q, k, v, g, beta, init, cu, packed_cu, qkv_in, state, offsets, cache):
+        return self._chunk_with_snapshots(q, k, v, g, beta, init, cu, qkv_in, state, offsets, cache)
+
+    prompt_len = 512 if args.quick else 2048
+    out = {}
+    for name, method, caching in (("one_pass", one_pass, True), ("piecewise", piecewise, True),
+                                  ("no_snapshots", one_pass, False)):
+        KimiDeltaAttention._chunk_reading_snapshots = method
+        try:
+            ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=4,
+                              enable_prefix_caching=caching)
+            times = [first_token_time(LLMEngine(tiny, ec), rand(prompt_len))[0] for _ in range(3)]
+        finally:
+            KimiDeltaAttention._chunk_reading_snapshots = one_pass
+        out[f"{name}_ttft_s_median"] = round(statistics.median(times), 4)
+    out["prompt_tokens"] = prompt_len
+    out["piecewise_over_one_pass"] = round(out["piecewise_ttft_s_median"] / out["one_pass_ttft_s_median"], 2)
+    return out
 
 
 def decode_and_bytes() -> tuple[dict, dict]:
@@ -291,6 +321,8 @@ if "throughput" in only:
     result["throughput"] = throughput()
 if "ttft" in only:
     result["ttft_prefix"] = ttft()
+if "snapshots" in only:
+    result["snapshots"] = snapshots()
 if "decode" in only:
     result["decode_step"], result["cache_bytes"] = decode_and_bytes()
 if "handoff" in only:

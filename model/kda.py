@@ -161,7 +161,12 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
         init = None if state is None else state.recurrent
-        if snapshot_offsets:
+        C = self.cfg.kda_chunk_size
+        if snapshot_offsets and x.device.type == "cpu" and all(o % C == 0 for v_ in snapshot_offsets.values()
+                                                               for o in v_):
+            o, final = self._chunk_reading_snapshots(q, k, v, g, beta, init, cu_seqlens, packed_cu,
+                                                     qkv_in.detach(), state, snapshot_offsets, cache)
+        elif snapshot_offsets:
             o, final = self._chunk_with_snapshots(q, k, v, g, beta, init, cu_seqlens, qkv_in.detach(), state,
                                                   snapshot_offsets, cache)
         else:
@@ -174,6 +179,29 @@ class KimiDeltaAttention(nn.Module):
             chunk_size=self.cfg.kda_chunk_size,
             lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
         )
+
+    def _snapshot_window(self, i: int, c: int, a: int, qkv_in: torch.Tensor, state) -> torch.Tensor:
+        """The conv state of sequence i (starting at flat token a) after its first c new tokens:
+        the last W-1 pre-conv inputs, reaching into the state it came in with."""
+        W1 = self.cfg.kda_conv_size - 1
+        conv0 = qkv_in.new_zeros(qkv_in.shape[1], W1) if state is None else state.conv[i].to(qkv_in.dtype)
+        return torch.cat([conv0, qkv_in[a:a + c].T], dim=-1)[:, -W1:].clone()
+
+    def _chunk_reading_snapshots(self, q, k, v, g, beta, init, cu_seqlens, packed_cu, qkv_in, state, offsets, cache):
+        """One pass over the whole batch; the asked-for states (at chunk boundaries) are read
+        where the pass crosses them (CPU path)."""
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        want = {i: sorted({o for o in offs if 0 < o <= lengths[i]}) for i, offs in offsets.items()}
+        o, final, states = chunk_kda(
+            q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=packed_cu,
+            chunk_size=self.cfg.kda_chunk_size,
+            lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
+            states_at={i: offs for i, offs in want.items() if offs},
+        )
+        a = cu_seqlens.tolist()
+        for (i, c), S in sorted(states.items()):
+            cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S, self._snapshot_window(i, c, a[i], qkv_in, state)))
+        return o, final
 
     def _chunk_with_snapshots(self, q, k, v, g, beta, init, cu_seqlens, qkv_in, state, offsets, cache):
         """Run each sequence piece by piece, cutting at the requested offsets, and record states.
@@ -194,14 +222,13 @@ class KimiDeltaAttention(nn.Module):
             if (b - a) and cuts and cuts[-1] != b - a:
                 cuts.append(b - a)
             prev = 0
-            conv0 = qkv_in.new_zeros(qkv_in.shape[1], W1) if state is None else state.conv[i].to(qkv_in.dtype)
             for c in cuts or ([b - a] if b > a else []):
                 sl = slice(a + prev, a + c)
                 o, S = self._chunk(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S, None)
                 outs.append(o)
                 if c in want:
-                    window = torch.cat([conv0, qkv_in[a:a + c].T], dim=-1)[:, -W1:]
-                    cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S[0].clone(), window.clone()))
+                    cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S[0].clone(),
+                                                                      self._snapshot_window(i, c, a, qkv_in, state)))
                 prev = c
             if S is None:  # an empty sequence keeps its state
                 S = init[i:i + 1] if init is not None else q.new_zeros(1, self.num_heads, self.head_dim,

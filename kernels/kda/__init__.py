@@ -126,7 +126,8 @@ def chunk_kda(
     lower_bound: float | None = None,
     *,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    states_at: dict[int, list[int]] | None = None,
+):
     """Chunkwise KDA over (packed) sequences, differentiable.
 
     Args:
@@ -139,8 +140,10 @@ def chunk_kda(
         chunk_size: a multiple of 16, or at most 16 (Triton: 16, 32 or 64, else 64).
         lower_bound: g >= lower_bound is guaranteed (K3's bounded gate); faster, same result.
         backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
+        states_at: {sequence: [token offsets, multiples of chunk_size]} (torch path, inference):
+            the states after those offsets as a third result {(sequence, offset): [H, K, V]}.
     Returns:
-        (o [B, T, H, V] in v's dtype, final state or None)
+        (o [B, T, H, V] in v's dtype, final state or None[, states])
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or (
@@ -156,6 +159,10 @@ def chunk_kda(
         lower_bound = None
     if _check_gate(g, lower_bound) < GATE_FLOOR:
         g = g.clamp_min(GATE_FLOOR)
+    if states_at is not None and path == "triton":
+        _fail("states_at", "is served by the torch path only (the Triton kernel keeps no chunk states)")
+    if k.shape[1] == 0 and states_at:
+        _fail("states_at", "asks for states of a batch without tokens")
     if k.shape[1] == 0:  # no tokens: nothing to compute, the state passes through
         o = v.new_zeros(v.shape)
         if not output_final_state:
@@ -172,6 +179,8 @@ def chunk_kda(
         from .triton import chunk_kda_triton
 
         return chunk_kda_triton(*args)
+    if states_at is not None:
+        return chunk_kda_torch(*args, states_at=states_at)
     return chunk_kda_torch(*args)
 
 

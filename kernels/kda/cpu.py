@@ -260,9 +260,11 @@ def _store(out: torch.Tensor, idx: torch.Tensor, tile: torch.Tensor) -> None:
     out.index_copy_(0, idx, tile.transpose(1, 2).reshape(-1, *out.shape[1:]))
 
 
-def _forward(q, k, v, g, beta, h0, lay: "ChunkLayout", scale: float, bounded: bool, save: bool):
+def _forward(q, k, v, g, beta, h0, lay: "ChunkLayout", scale: float, bounded: bool, save: bool,
+             want: frozenset[int] = frozenset()):
     """The forward pass (see _ChunkKDA). With save, returns the state entering every chunk
-    [M, H, K, V] for the backward; without, keeps one tile's worth at a time."""
+    [M, H, K, V] for the backward; without, keeps one tile's worth at a time. `want`: layout
+    chunk indices whose entering state is also returned ({m: [H, K, V]}, copies)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     flat = [x.reshape(B * T, H, x.shape[3] if x.dim() == 4 else 1) for x in (q, k, v, g, beta)]
@@ -270,6 +272,7 @@ def _forward(q, k, v, g, beta, h0, lay: "ChunkLayout", scale: float, bounded: bo
     S0_all = k.new_empty(lay.n_chunks, H, K, V, dtype=torch.float32) if save else None
     S = h0
     finished = []
+    kept: dict[int, torch.Tensor] = {}
     for c0, c1 in lay.tiles:
         m0, m1 = lay.ends[c0], lay.ends[c1]
         # S0 holds the states entering this tile's chunks, indexed from m0.
@@ -294,12 +297,13 @@ def _forward(q, k, v, g, beta, h0, lay: "ChunkLayout", scale: float, bounded: bo
                 out=nxt.flatten(0, 1),
             )
             S = nxt
+        kept.update((m, S0[m - m0].clone()) for m in want if m0 <= m < m1)
         o_t = torch.baddbmm((t.Aqk @ delta).flatten(0, 1), t.qg.flatten(0, 1), S0.flatten(0, 1))
         _store(o, lay.out_idx[m0:m1].flatten(), o_t.view(m1 - m0, H, -1, V))
         del t, delta, o_t
     finished.append(S)
     final = torch.cat(finished[::-1])
-    return o[: B * T].view(B, T, H, V), final, S0_all
+    return o[: B * T].view(B, T, H, V), final, S0_all, kept
 
 
 class _ChunkKDA(torch.autograd.Function):
@@ -312,7 +316,7 @@ class _ChunkKDA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, lay, scale, bounded):
-        o, final, S0 = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=True)
+        o, final, S0, _ = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=True)
         ctx.save_for_backward(q, k, v, g, beta, S0)
         ctx.lay, ctx.scale, ctx.bounded = lay, scale, bounded
         return o, final
@@ -402,12 +406,17 @@ def chunk_kda_torch(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     lower_bound: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    states_at: dict[int, list[int]] | None = None,
+):
     """Chunkwise KDA, differentiable; same contract as `naive_recurrent_kda`, plus:
 
     chunk_size: tokens per chunk (a multiple of 16, or <= 16).
     lower_bound: a promise that g >= lower_bound everywhere (K3's bounded gate, -5); enables the
         dense diagonal sub-chunks. None is always correct.
+    states_at: {sequence: [token offsets]} (inference only; offsets multiples of chunk_size in
+        (0, length]): also return the state after each offset, {(sequence, offset): [H, K, V]
+        fp32}, read at the chunk boundaries the pass crosses anyway (a prefix cache's snapshots
+        cost no extra pass).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -421,15 +430,38 @@ def chunk_kda_torch(
         h0 = initial_state.float()
     h0 = h0[lay.order_t] if N else h0
     bounded = lower_bound is not None
+    want = _state_chunks(states_at or {}, lengths, lay)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        if states_at:
+            raise ValueError("states_at is for inference: call under torch.no_grad() or with inputs that need no grad")
         o, final_sorted = _ChunkKDA.apply(q, k, v, g, beta, h0, lay, scale, bounded)
     else:  # inference: no per-chunk states kept for a backward
-        o, final_sorted, _ = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=False)
+        o, final_sorted, _, kept = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=False,
+                                            want=frozenset(want.values()))
     final = None
-    if output_final_state:
+    if output_final_state or states_at:
         final = torch.empty_like(final_sorted)
         final[lay.order_t] = final_sorted
-    return o.to(v.dtype), final
+    if states_at is None:
+        return o.to(v.dtype), final
+    states = {key: kept[m] if m >= 0 else final[key[0]].clone() for key, m in want.items()}
+    return o.to(v.dtype), final if output_final_state else None, states
+
+
+def _state_chunks(states_at: dict[int, list[int]], lengths: list[int], lay: ChunkLayout) -> dict[tuple[int, int], int]:
+    """{(sequence, offset): the layout chunk whose entering state is the state after offset, or -1
+    for the sequence's final state}; ValueError for an offset the pass does not cross."""
+    rank = {i: r for r, i in enumerate(lay.order)}
+    out = {}
+    for i, offsets in states_at.items():
+        if not 0 <= i < len(lengths):
+            raise ValueError(f"states_at: sequence {i} out of range [0, {len(lengths)})")
+        for off in offsets:
+            if off % lay.C or not 0 < off <= lengths[i]:
+                raise ValueError(f"states_at: offset {off} of sequence {i} must be a multiple of chunk_size "
+                                 f"{lay.C} in (0, {lengths[i]}]")
+            out[(i, off)] = -1 if off == lengths[i] else lay.ends[off // lay.C] + rank[i]
+    return out
 
 
 def kda_step_torch(

@@ -45,6 +45,38 @@ def test_packed_equals_each_sequence_alone():
         assert_close(f"state[seq {i}]", si, s[i:i + 1], FWD_TOL)
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_states_at_equal_the_state_after_each_prefix(chunk_size):
+    # a prefix cache's snapshots read in one pass: the state after `off` tokens of a sequence equals
+    # the final state of a pass over just those tokens (packed, several sequences, with h0)
+    lengths = [130, 64, 0, 200, 5]
+    cu = packed_lengths_cu(lengths)
+    q, k, v, g, beta = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=11)
+    h0 = torch.randn(len(lengths), 2, 16, 16, generator=torch.Generator().manual_seed(2))
+    want = {0: [chunk_size, 128], 1: [64], 3: [chunk_size, 192]}
+    with torch.no_grad():
+        o, s, states = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                 chunk_size=chunk_size, lower_bound=-5.0, states_at=want)
+        o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                 chunk_size=chunk_size, lower_bound=-5.0)
+        assert torch.equal(o, o_ref) and torch.equal(s, s_ref)  # asking for states changes nothing else
+        assert sorted(states) == sorted((i, off) for i, offs in want.items() for off in offs)
+        for (i, off), st in states.items():
+            a = cu[i].item()
+            _, si = chunk_kda(q[:, a:a + off], k[:, a:a + off], v[:, a:a + off], g[:, a:a + off],
+                              beta[:, a:a + off], initial_state=h0[i:i + 1], output_final_state=True,
+                              chunk_size=chunk_size, lower_bound=-5.0)
+            assert_close(f"state after {off} of seq {i}", st, si[0], FWD_TOL)
+
+
+@pytest.mark.parametrize("states_at, match", [({0: [10]}, "multiple of chunk_size"), ({0: [256]}, "in \\(0, 130\\]"),
+                                              ({0: [0]}, "multiple|in \\("), ({7: [64]}, "sequence 7 out of range")])
+def test_states_at_refuses_offsets_the_pass_does_not_cross(states_at, match):
+    q, k, v, g, beta = kda_inputs(1, 130, 2, 16, 16, "bounded", seed=12)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        chunk_kda(q, k, v, g, beta, chunk_size=64, states_at=states_at)
+
+
 def test_bf16_inputs():
     xs = kda_inputs(1, 100, 2, 32, 32, "bounded", seed=9, dtype=torch.bfloat16)
     check_kda(chunk_kda, xs, torch.randn(1, 2, 32, 32), fwd_tol=BF16_TOL, grad_tol=BF16_TOL)

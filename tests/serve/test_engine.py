@@ -85,6 +85,22 @@ def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
     assert s["prefix_hit_tokens"] > 0 and s["prefix_query_tokens"] >= s["prefix_hit_tokens"]
 
 
+@pytest.mark.parametrize("batched_tokens", [4096, 96])
+def test_snapshots_on_kda_chunk_boundaries_equal_cold_runs(tiny_model, batched_tokens):
+    # page 16 x interval 4 = 64 = k3-tiny's KDA chunk: the snapshots are read where one chunkwise
+    # pass crosses them; with 96-token prefill chunks the offsets fall off the boundaries and the
+    # piece-by-piece path takes them. verify_prefix_hits recomputes every hit cold and compares.
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=16, snapshot_interval=4, verify_prefix_hits=True,
+                                             max_num_batched_tokens=batched_tokens))
+    g = torch.Generator().manual_seed(8)
+    prefix = torch.randint(0, 4096, (200,), generator=g).tolist()
+    eng.generate([prefix + [5]], GREEDY)
+    for tail in ([6, 7], torch.randint(0, 4096, (70,), generator=g).tolist()):
+        out = eng.generate([prefix + tail], GREEDY)[0]
+        assert out.cached_tokens == 192  # the snapshot after 3 chunks of 64
+        assert out.token_ids == alone(tiny_model, prefix + tail)
+
+
 def test_a_planted_wrong_snapshot_is_caught(tiny_model):
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, 4096, (40,), generator=g).tolist()
