@@ -27,8 +27,21 @@ class PrefixPool:
         self.counts = {"published": 0, "evicted": 0, "fetched": 0, "lookups": 0}
 
     def missing(self, hashes: list[bytes]) -> list[bytes]:
-        """The hashes the pool does not hold (publishers send only these)."""
+        """The hashes the pool does not hold."""
         return [h for h in hashes if h not in self.pages]
+
+    def wanted(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """What a publisher of these pages should send: (the hashes the pool does not hold, the
+        hashes it holds without a snapshot). A prefix the pool already has whole costs the
+        publisher one call and no copying."""
+        missing, bare = [], []
+        for h in hashes:
+            p = self.pages.get(h)
+            if p is None:
+                missing.append(h)
+            elif p.snapshot is None:
+                bare.append(h)
+        return missing, bare
 
     def publish(self, pages: list[PoolPage]) -> int:
         """Store pages (a page already held keeps its data but may gain a snapshot); evict the

@@ -136,6 +136,9 @@ class PrefixPoolServer:
     def missing(self, hashes: list[bytes]) -> list[bytes]:
         return self.pool.missing(hashes)
 
+    def wanted(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        return self.pool.wanted(hashes)
+
     def publish(self, pages: list) -> int:
         return self.pool.publish(pages)
 
@@ -176,12 +179,17 @@ class PrefillServer(EngineHost):
 
     async def _publish(self, prompt: list[int]) -> None:
         eng = self.engine.engine
-        pages = await self.engine.call(lambda: eng.prefix_pages(prompt))
-        if not pages:
+        hashes = page_hashes(prompt, self.config.engine.page_size)
+        missing, bare = map(set, await self.pool.wanted.remote(hashes))
+        every = self.config.engine.snapshot_interval  # only pages at these depths can carry a snapshot here
+        bare = {h for d, h in enumerate(hashes, start=1) if h in bare and d % every == 0}
+        if not missing and not bare:  # the pool holds this prefix whole: nothing to copy or send
             return
-        missing = set(await self.pool.missing.remote([p.hash for p in pages]))
+        pages = await self.engine.call(lambda: eng.prefix_pages(prompt, only=missing | bare))
         # new pages, and pages the pool holds without the snapshot this replica has
-        await self.pool.publish.remote([p for p in pages if p.hash in missing or p.snapshot is not None])
+        pages = [p for p in pages if p.hash in missing or p.snapshot is not None]
+        if pages:
+            await self.pool.publish.remote(pages)
 
     async def drop_local_prefix_cache(self) -> int:
         """Forget every idle cached page of this replica (memory pressure; the hook tests use to

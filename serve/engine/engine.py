@@ -417,13 +417,16 @@ class LLMEngine:
         return latents, kda
 
     # -- the shared prefix pool (run these through call()) -----------------------------------------
-    def prefix_pages(self, prompt: list[int]) -> list[PoolPage]:
-        """The prompt's cached pages here, up to the deepest one with a snapshot, as pool pages."""
+    def prefix_pages(self, prompt: list[int], only: set[bytes] | None = None) -> list[PoolPage]:
+        """The prompt's cached pages here, up to the deepest one with a snapshot, as pool pages
+        (only those whose hash is in `only`, when given)."""
         cm, ps = self.cache, self.cache.page_size
         hashes = page_hashes(prompt, ps)
         depth = cm.resume_depth(prompt, hashes)
         out = []
         for j in range(depth):
+            if only is not None and hashes[j] not in only:
+                continue
             blk = cm.cached(hashes[j], tuple(prompt[j * ps:(j + 1) * ps]))
             snap = None
             if blk.snapshot_slot is not None and blk.snapshot_hash == hashes[j]:

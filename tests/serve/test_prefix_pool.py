@@ -2,6 +2,8 @@
 load into another, which then resumes the prompt there exactly as if it had computed it."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,6 +45,27 @@ def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
     cold = LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0]
     assert out.cached_tokens == 48 and out.token_ids == cold.token_ids
     assert b.stats()["pages_in_use"] == 0
+
+
+def test_a_publisher_sends_only_what_the_pool_lacks(tiny_model):
+    from k3.serve.engine.cache_manager import page_hashes
+
+    prefix = rand(48, 4)
+    a = LLMEngine(tiny_model, CFG)
+    a.generate([prefix + [7]], GREEDY)
+    hashes = page_hashes(prefix + [9], 8)
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    assert pool.wanted(hashes) == (hashes, [])
+    every = through(a, lambda: a.prefix_pages(prefix + [9]))
+    bare = [dataclasses.replace(p, snapshot=None) for p in every[:4]]  # held, but without snapshots
+    pool.publish(bare)
+    missing, snapshotless = pool.wanted(hashes)
+    assert missing == hashes[4:] and snapshotless == hashes[:4]
+    only = through(a, lambda: a.prefix_pages(prefix + [9], only=set(missing) | set(snapshotless)))
+    assert [p.hash for p in only] == hashes
+    pool.publish([p for p in only if p.hash in missing or p.snapshot is not None])
+    assert pool.wanted(hashes) == ([], [h for h, p in zip(hashes, every) if p.snapshot is None])
+    assert through(a, lambda: a.prefix_pages(prefix + [9], only=set())) == []
 
 
 def test_pages_of_another_prompt_are_refused(tiny_model):
