@@ -16,6 +16,7 @@ a caller that goes away cancels the generator, which aborts the request in the e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -269,6 +270,9 @@ class DecodeServer(EngineHost):
         if state is None:  # the first token ended it
             yield first
             return
+        # The first token goes out now, while the state is checked and loaded (time to first
+        # token does not wait for the import); the engine's own first output repeats it.
+        yield dataclasses.replace(first, finished=False, cache_state=None)
         params = SamplingParams(**req.sampling)
         first_out = True
         async for out in self.engine.resume(req.prompt_token_ids, state, params):
@@ -277,4 +281,9 @@ class DecodeServer(EngineHost):
                 t = state.timings
                 self.metrics.observe("k3_serve_handoff_seconds",
                                      t.get("export_s", 0.0) + t["fetch_s"] + t.get("check_s", 0.0))
+                if out.new_token_ids != first.new_token_ids:  # cannot happen: the state carries the token
+                    raise RuntimeError(f"imported first token {out.new_token_ids} != prefill's {first.new_token_ids}")
+                if not out.finished:
+                    continue
+                out = dataclasses.replace(out, new_token_ids=[], text_delta="", logprobs=[])  # sent already
             yield out
