@@ -10,6 +10,7 @@ with it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 from k3.serve.engine.handoff import PoolPage
@@ -80,8 +81,10 @@ class PrefixPool:
                 best = d
         return best
 
-    def fetch(self, hashes: list[bytes]) -> list[PoolPage]:
-        """The pages for these hashes, in order, up to the first one the pool no longer holds."""
+    def fetch(self, hashes: list[bytes], last_snapshot_only: bool = False) -> list[PoolPage]:
+        """The pages for these hashes, in order, up to the first one the pool no longer holds.
+        With last_snapshot_only, only the last page keeps its KDA snapshot: resuming needs just
+        that one, and the snapshots are most of a page's bytes on a hybrid model."""
         out = []
         for h in hashes:
             p = self.pages.get(h)
@@ -90,6 +93,9 @@ class PrefixPool:
             self.pages.move_to_end(h)
             out.append(p)
         self.counts["fetched"] += len(out)
+        if last_snapshot_only:
+            out = [dataclasses.replace(p, snapshot=None) if i < len(out) - 1 and p.snapshot is not None else p
+                   for i, p in enumerate(out)]
         return out
 
     def stats(self) -> dict:

@@ -146,8 +146,8 @@ class PrefixPoolServer:
     def lookup(self, hashes: list[bytes]) -> int:
         return self.pool.lookup(hashes)
 
-    def fetch(self, hashes: list[bytes]) -> list:
-        return self.pool.fetch(hashes)
+    def fetch(self, hashes: list[bytes], last_snapshot_only: bool = False) -> list:
+        return self.pool.fetch(hashes, last_snapshot_only)
 
     def stats(self) -> dict:
         return self.pool.stats()
@@ -172,7 +172,7 @@ class PrefillServer(EngineHost):
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
         if depth * self.config.engine.page_size <= local:
             return
-        pages = await self.pool.fetch.remote(hashes[:depth])
+        pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
         got = await self.engine.call(lambda: eng.adopt_prefix(prompt, pages))
         if got > local:
             self.pool_hit_tokens += got - local

@@ -39,7 +39,10 @@ def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
     depth = pool.lookup(page_hashes(prompt, 8))
     assert depth == 6  # 6 pages, snapshots at 2, 4 and 6
     assert through(b, lambda: b.local_resume_tokens(prompt)) == 0
-    got = through(b, lambda: b.adopt_prefix(prompt, pool.fetch(page_hashes(prompt, 8)[:depth])))
+    fetched = pool.fetch(page_hashes(prompt, 8)[:depth], last_snapshot_only=True)
+    assert [p.snapshot is not None for p in fetched] == [False] * 5 + [True]  # resuming needs only the last
+    assert [p.snapshot is not None for p in pool.fetch(page_hashes(prompt, 8)[:depth])] == [False, True] * 3
+    got = through(b, lambda: b.adopt_prefix(prompt, fetched))
     assert got == 48
     out = b.generate([prompt], GREEDY)[0]
     cold = LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0]
