@@ -202,6 +202,10 @@ def test_model_directory_round_trips_the_vision_tower(vl_model, proc, tmp_path):
     back = load_model_dir(tmp_path, vision=True)
     assert back.cfg == vl_model.cfg and back.cfg.vision_config == vl_model.cfg.vision_config
     assert all(torch.equal(a, b) for a, b in zip(vl_model.state_dict().values(), back.state_dict().values()))
+    from k3.serve.config import ModelSource
+    from k3.serve.servers import load_model
+
+    assert isinstance(load_model(ModelSource(path=str(tmp_path))), K3ForConditionalGeneration)
     text = load_model_dir(tmp_path)
     assert set(text.state_dict()) == set(vl_model.language_model.state_dict())
     it = image(proc, 90)

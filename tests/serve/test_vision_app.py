@@ -50,8 +50,10 @@ def vapps(serve_session, tokenizer, tmp_path_factory):
 
     d = tmp_path_factory.mktemp("vtok")
     tokenizer.save(str(d / "tokenizer.json"))
-    serve.run(build_pd_app(app_config(str(d / "tokenizer.json"), True)), name="vpd", route_prefix="/vpd")
-    serve.run(build_app(app_config(str(d / "tokenizer.json"), False)), name="vagg", route_prefix="/vagg")
+    tok = str(d / "tokenizer.json")
+    # both at once: their replicas start side by side instead of one app after the other
+    serve.run_many([serve.RunTarget(build_app(app_config(tok, False)), name="vagg", route_prefix="/vagg"),
+                    serve.RunTarget(build_pd_app(app_config(tok, True)), name="vpd", route_prefix="/vpd")])
     try:
         yield {"agg": f"{serve_session}/vagg", "pd": f"{serve_session}/vpd"}
     finally:
@@ -184,9 +186,16 @@ def test_big_image_is_resized_not_refused_and_a_forged_placeholder_is_a_400(vapp
     assert r.status_code == 400 and "media placeholder tokens" in r.json()["error"]["message"], r.text
 
 
-def test_text_only_model_refuses_media_naming_it(tokenizer):
-    media = ChatMedia(get_preset("k3-tiny"), MediaConfig(), "k3-tiny")
-    msgs = ChatCompletionRequest.model_validate({"model": "k3-tiny", "messages": messages("data:,")}).messages
+@pytest.mark.parametrize("case,needle", [
+    ("text-only model", "'k3-tiny' has no vision tower"),
+    ("template drops the picture", "placed 0 media placeholders for 1 image/video parts"),
+])
+def test_media_the_prompt_cannot_hold_is_a_400(tokenizer, case, needle):
+    preset, template = "k3-tiny-vl", ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}")
+    if case == "text-only model":
+        preset, template = "k3-tiny", ChatTemplate()
+    media = ChatMedia(get_preset(preset), MediaConfig(**MEDIA), preset)
+    msgs = ChatCompletionRequest.model_validate({"model": preset, "messages": messages(data_url(png(8)))}).messages
     with pytest.raises(OpenAIError) as e:
-        media.prompt(ChatTemplate(), msgs, tokenizer)
-    assert e.value.status == 400 and "'k3-tiny' has no vision tower" in e.value.message
+        media.prompt(template, msgs, tokenizer)
+    assert e.value.status == 400 and needle in e.value.message
