@@ -156,6 +156,15 @@ def test_concurrent_pictures_and_a_video_answer_as_each_alone(vapps):
         assert together == alone, app
 
 
+def test_streamed_answer_with_a_picture_equals_the_whole_answer(vapps):
+    msgs = messages(data_url(png(9)))
+    pieces = []
+    for ev in client(vapps["pd"]).chat.completions.create(model="k3-vl", messages=msgs, max_tokens=6,
+                                                           temperature=0, stream=True):
+        pieces += [ch.delta.content or "" for ch in ev.choices]
+    assert "".join(pieces) == ask(vapps["pd"], msgs)
+
+
 BAD = {
     "remote URL": (lambda: "http://example.com/cat.png", "image_url", "remote URL"),
     "corrupt bytes": (lambda: data_url(b"\x89PNG\r\n\x1a\n" + bytes(range(256))), "image_url", "corrupt"),
