@@ -35,7 +35,7 @@ from k3.model.vision_processor import MediaItem
 from .cache_manager import CacheManager, page_hashes
 from .detokenizer import Detokenizer, StopMatcher
 from .handoff import STATE_VERSION, HybridCacheState, PoolPage, to_numpy, to_torch
-from .media import MediaSpan, SequenceMedia, check_item, check_spans, media_spans
+from .media import MediaRowCache, MediaSpan, SequenceMedia, check_item, check_spans, media_spans
 from .params import EngineConfig, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
@@ -76,8 +76,9 @@ class LLMEngine:
         self.model = model.eval()
         self.cfg = model.cfg
         self.multimodal = isinstance(model, K3ForConditionalGeneration)
-        self.media_items_encoded = 0  # tower + projector runs, one per item
+        self.media_items_encoded = 0  # items run through the tower + projector
         self.config = config or EngineConfig()
+        self.media_rows = MediaRowCache(self.config.media_cache_bytes) if self.multimodal else None
         self.device = next(model.parameters()).device
         self.max_len = min(self.config.max_model_len or self.cfg.max_position_embeddings,
                            self.cfg.max_position_embeddings)
@@ -286,7 +287,7 @@ class LLMEngine:
             if seq.media is not None and (seq.media.needs_rows(seq.num_computed, hi) or
                                           (seq.prefill_only and seq.media.rows is None and hi == seq.length)):
                 try:
-                    self.media_items_encoded += seq.media.encode(self.model)
+                    self.media_items_encoded += seq.media.encode(self.model, self.media_rows)
                 except Exception as e:  # noqa: BLE001 - this request's media, this request's failure
                     failed.append(self._fail(seq, f"encoding its media failed: {type(e).__name__}: {e}"))
                     continue
@@ -343,7 +344,7 @@ class LLMEngine:
         extra = {}
         if self.multimodal:
             if seq.media is not None and seq.media.needs_rows(0, n):
-                self.media_items_encoded += seq.media.encode(self.model)
+                self.media_items_encoded += seq.media.encode(self.model, self.media_rows)
             extra["media_embeds"] = seq.media.rows_for(0, n) if seq.media is not None else None
         cold = HybridCache(self.cfg, 1, len(prefix), dtype=self.cache.dtype, device=self.device)
         self.model(torch.tensor([prefix], device=self.device), cache=cold.batch([len(prefix)]),

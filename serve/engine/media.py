@@ -12,10 +12,11 @@ its first to its last placeholder and a digest of its content.
   picture of the same size gives the same token ids but other hashes (a miss).
 - The engine computes the digest itself from the patches (never trusts a caller's hash: a wrong
   one would serve one picture's cached latents for another).
-- Encoding: the tower and projector run once per request, at the first prefill chunk that holds
-  a placeholder (a prefix hit that covers every placeholder needs no rows at all); the rows are
-  kept with the sequence, so a preempted or recomputed request reuses them. Each chunk gets
-  exactly the rows of the placeholders it holds.
+- Encoding: at most once per request, at the first prefill chunk that holds a placeholder (a
+  prefix hit that covers every placeholder needs no rows at all), and not even that for an item
+  whose rows are still in the engine's MediaRowCache (by digest); the rows are kept with the
+  sequence, so a preempted or recomputed request reuses them. Each chunk gets exactly the rows
+  of the placeholders it holds.
 - Handoff: a decode engine receives the spans and the rows with the cache state, checks the
   page hashes against them and never needs the pixels.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -106,6 +108,32 @@ def check_spans(prompt: Seq[int], spans: Seq[MediaSpan], placeholder_id: int | N
     return pos
 
 
+class MediaRowCache:
+    """Feature rows of recently encoded items by content digest, least recently used out first,
+    within a byte budget: the same picture in another request (another conversation, or a
+    prefill replica that must hand the rows over after a prefix hit) skips the tower."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget, self.bytes = budget_bytes, 0
+        self.rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        r = self.rows.get(digest)
+        if r is not None:
+            self.rows.move_to_end(digest)
+        return r
+
+    def put(self, digest: bytes, rows: torch.Tensor) -> None:
+        n = rows.numel() * rows.element_size()
+        if n > self.budget or digest in self.rows:
+            return
+        self.rows[digest] = rows
+        self.bytes += n
+        while self.bytes > self.budget:
+            _, old = self.rows.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+
 class SequenceMedia:
     """One request's media in the engine: items (None where the request was imported), spans,
     placeholder positions, and the feature rows [P, hidden] once encoded."""
@@ -126,14 +154,22 @@ class SequenceMedia:
         assert self.rows is not None, "rows are encoded before a chunk that needs them is built"
         return self.rows[a:b]
 
-    def encode(self, model) -> int:
-        """Run the tower + projector over every item at once (packed; equal to each alone) and
-        keep the rows. Returns the number of items encoded."""
-        pv = torch.cat([it.pixel_values for it in self.items])
-        dev = next(model.parameters()).device
-        dtype = next(model.vision_tower.parameters()).dtype
-        rows = model.encode_media(pv.to(dev, dtype), [tuple(it.grid_thw) for it in self.items])
-        self.rows = torch.cat(rows)
-        if self.rows.shape[0] != len(self.positions):  # the tower's merge must agree with num_tokens
-            raise ValueError(f"the tower made {self.rows.shape[0]} rows for {len(self.positions)} placeholders")
-        return len(self.items)
+    def encode(self, model, cache: MediaRowCache | None = None) -> int:
+        """The rows of every item: from the cache where it has them, the rest through the tower +
+        projector at once (packed; equal to each alone). Returns the number of items encoded."""
+        per = [cache.get(s.digest) if cache is not None else None for s in self.spans]
+        todo = [i for i, r in enumerate(per) if r is None]
+        if todo:
+            pv = torch.cat([self.items[i].pixel_values for i in todo])
+            dev = next(model.parameters()).device
+            dtype = next(model.vision_tower.parameters()).dtype
+            new = model.encode_media(pv.to(dev, dtype), [tuple(self.items[i].grid_thw) for i in todo])
+            for i, r in zip(todo, new):
+                if r.shape[0] != self.items[i].num_tokens:  # the tower's merge must agree with num_tokens
+                    raise ValueError(f"the tower made {r.shape[0]} rows for media item {i}'s "
+                                     f"{self.items[i].num_tokens} placeholders")
+                per[i] = r
+                if cache is not None:
+                    cache.put(self.spans[i].digest, r)
+        self.rows = torch.cat(per)
+        return len(todo)

@@ -79,7 +79,7 @@ def test_batched_and_preempted_multimodal_requests_equal_each_alone(vl_model, pr
     alone = [LLMEngine(vl_model, CFG).generate([p], params, media=[m])[0].token_ids for p, m in zip(prompts, media)]
     sizing = CacheManager(vl_model.cfg, EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False))
     small = EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False, max_num_batched_tokens=24,
-                         cache_memory_bytes=4 * sizing.slot_bytes + 16 * sizing.page_bytes)
+                         cache_memory_bytes=4 * sizing.slot_bytes + 16 * sizing.page_bytes, media_cache_bytes=0)
     eng = LLMEngine(vl_model, small)
     outs = eng.generate(prompts, params, media=media)
     assert eng.stats()["preemptions"] > 0, "the test did not force a preemption"
@@ -100,6 +100,18 @@ def test_same_picture_hits_the_prefix_cache_another_of_the_same_size_misses(vl_m
     other = eng.generate([ids], GREEDY, media=[[b]])[0]
     assert other.cached_tokens == 0, "another picture with the same ids must not hit (its first page holds it)"
     assert other.token_ids == LLMEngine(vl_model, CFG).generate([ids], GREEDY, media=[[b]])[0].token_ids
+
+
+def test_same_picture_in_another_conversation_skips_the_tower(vl_model, proc):
+    it = image(proc, 35)
+    first, other = prompt([it], seed=35), prompt([it], seed=36)  # other text before it: no prefix hit
+    eng = LLMEngine(vl_model, CFG)
+    eng.generate([first], GREEDY, media=[[it]])
+    out = eng.generate([other], GREEDY, media=[[it]])[0]
+    assert out.cached_tokens == 0 and eng.stats()["media_items_encoded"] == 1
+    cold = LLMEngine(vl_model, CFG.model_copy(update={"media_cache_bytes": 0}))
+    assert out.token_ids == cold.generate([other], GREEDY, media=[[it]])[0].token_ids
+    assert cold.stats()["media_items_encoded"] == 1
 
 
 def drain(eng, rid):
