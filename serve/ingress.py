@@ -3,8 +3,8 @@
 The ingress owns text: it authenticates, renders chat templates, tokenizes, processes images and
 video (serve/media.py: data URLs only, into patches it `ray.put`s for the replica that runs the
 prompt), checks the context limit and turns OpenAI fields into SamplingParams, then streams
-`RequestOutput`s from the server deployment (DecodeServer when disaggregated, LLMServer otherwise) and shapes them into
-OpenAI responses or server-sent events. It measures what a client sees: time to first token,
+`RequestOutput`s from the server deployment (DecodeServer when disaggregated, LLMServer
+otherwise) and shapes them into OpenAI responses or server-sent events. It measures what a client sees: time to first token,
 inter-token latency, end-to-end latency, token counts and finish reasons (k3_serve_*).
 
 Bad input is a 4xx with OpenAI's error body (serve/errors.py) and touches no engine. A client
