@@ -45,8 +45,10 @@ class ChatMedia:
         self.placeholder_id = model_cfg.media_placeholder_token_id
         self.processor = None
         if model_cfg.vision_config is not None:
+            vc = model_cfg.vision_config
+            # no side longer than the tower's rotary table: a long thin picture is resized, not refused
             self.processor = VisionProcessor(ProcessorConfig.for_vision(
-                model_cfg.vision_config, in_patch_limit=config.image_patch_limit,
+                vc, in_patch_limit=config.image_patch_limit, patch_limit_on_one_side=min(512, vc.rope_max_grid),
                 video_patch_limit_per_frame=config.video_patch_limit_per_frame,
                 max_video_frames=config.max_video_frames, max_image_pixels=config.max_image_pixels))
 

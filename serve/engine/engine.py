@@ -157,8 +157,7 @@ class LLMEngine:
                 raise ValueError(f"media given, but this engine's model ({type(self.model).__name__}) has no vision "
                                  f"tower")
             return [], []
-        vc = self.cfg.vision_config
-        items = [check_item(it, i, vc.patch_size, tuple(vc.merge_kernel_size)) for i, it in enumerate(media)]
+        items = [check_item(it, i, self.cfg.vision_config) for i, it in enumerate(media)]
         return media_spans(prompt, items, self.cfg.media_placeholder_token_id)
 
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams | None = None,

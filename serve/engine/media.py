@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.model.vision_config import K3VisionConfig
 from k3.model.vision_processor import MediaItem
 
 
@@ -54,14 +55,19 @@ def placeholder_positions(prompt: Seq[int], placeholder_id: int) -> list[int]:
     return [i for i, t in enumerate(prompt) if t == placeholder_id]
 
 
-def check_item(item: object, i: int, patch_size: int, merge: tuple[int, int]) -> MediaItem:
-    """One item as the tower needs it; a ValueError naming media[i] and the field otherwise."""
+def check_item(item: object, i: int, vc: K3VisionConfig) -> MediaItem:
+    """One item as the tower `vc` takes it (grid within its rotary table and frame limit, patches
+    matching the grid, token count matching the merge); a ValueError naming media[i] otherwise."""
     if not isinstance(item, MediaItem):
         raise ValueError(f"media[{i}] must be a MediaItem (k3.model.vision_processor), got {type(item).__name__}")
     g = tuple(item.grid_thw)
     if len(g) != 3 or any(not isinstance(v, int) or v <= 0 for v in g):
         raise ValueError(f"media[{i}].grid_thw must be three positive ints, got {item.grid_thw!r}")
     t, h, w = g
+    if max(h, w) > vc.rope_max_grid or t > vc.init_pos_emb_time:
+        raise ValueError(f"media[{i}].grid_thw {g}: the tower takes at most {vc.init_pos_emb_time} frames and "
+                         f"{vc.rope_max_grid} patches per side")
+    patch_size, merge = vc.patch_size, tuple(vc.merge_kernel_size)
     want = (t * h * w, 3, patch_size, patch_size)
     pv = item.pixel_values
     if not isinstance(pv, torch.Tensor) or tuple(pv.shape) != want or not pv.is_floating_point():

@@ -183,6 +183,7 @@ def test_prefix_pool_pages_are_keyed_by_picture(vl_model, proc):
     ("placeholders without media", r"holds 6 media placeholder tokens \(id 6\) but its 0 media item\(s\) fill 0"),
     ("not an item", "must be a MediaItem"),
     ("grid off", "pixel_values must be"),
+    ("past the rotary table", "at most 4 frames and 64 patches per side"),
 ])
 def test_bad_media_is_refused_and_others_continue(vl_model, proc, case, needle):
     it = image(proc, 70)
@@ -196,8 +197,10 @@ def test_bad_media_is_refused_and_others_continue(vl_model, proc, case, needle):
         media = None
     elif case == "not an item":
         media = [it.pixel_values]
-    else:
+    elif case == "grid off":
         media = [dataclasses.replace(it, grid_thw=(1, 2, 2))]
+    else:
+        media = [dataclasses.replace(it, grid_thw=(1, 2, 66), pixel_values=torch.zeros(132, 3, 14, 14), num_tokens=33)]
     with pytest.raises(ValueError, match=needle):
         eng.add_request(None, bad_ids, GREEDY, media=media)
     assert [o.token_ids for o in drain(eng, good) if o.finished] == [reference(vl_model, ids, [it], 6)]

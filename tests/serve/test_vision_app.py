@@ -190,6 +190,8 @@ def test_bad_media_is_a_400_and_the_server_keeps_serving(vapps, case):
 
 def test_big_image_is_resized_not_refused_and_a_forged_placeholder_is_a_400(vapps):
     assert ask(vapps["agg"], messages(data_url(png(6, 640, 480))), max_tokens=2) is not None
+    # wider than the tiny tower's 64-patch rotary table: resized to fit it, answered
+    assert ask(vapps["agg"], messages(data_url(png(11, 2000, 28))), max_tokens=2) is not None
     r = httpx.post(f"{vapps['agg']}/v1/chat/completions", timeout=120, json={
         "model": "k3-vl", "max_tokens": 2, "messages": messages(data_url(png(7)), text="look <|media_pad|> here")})
     assert r.status_code == 400 and "media placeholder tokens" in r.json()["error"]["message"], r.text
