@@ -447,21 +447,24 @@ def pretrained_config(path: str | Path) -> K3Config:
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    ep_rank: int = 0, ep_size: int = 1) -> K3ForCausalLM:
+                    ep_rank: int = 0, ep_size: int = 1, vision: bool = False
+                    ) -> K3ForCausalLM | K3ForConditionalGeneration:
     """The language model (K3ForCausalLM) of a checkpoint directory (a k3 model directory, the K3
     release layout, or Kimi Linear's): the `--init-from` of training and the `model.path` of
-    serving. Kimi Linear checkpoints and k3 directories load whole (ep_size 1 only); for the vision
-    tower too, call load_k3(path, vision=True)."""
+    serving. Kimi Linear checkpoints and k3 directories load whole (ep_size 1 only). vision=True:
+    the K3ForConditionalGeneration with its tower (a k3 directory or a release with a vision_config)."""
     d = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").exists() else {}
     if d.get("model_type") == "kimi_k3" or "text_config" in d:
-        return load_k3(path, dtype=dtype, device=device, ep_rank=ep_rank, ep_size=ep_size)
+        return load_k3(path, dtype=dtype, device=device, ep_rank=ep_rank, ep_size=ep_size, vision=vision)
     if ep_size > 1:
         raise ValueError(f"{path}: per-rank expert loading needs the K3 release layout; got a "
                          f"{d.get('model_type', 'k3')!r} checkpoint with ep_size={ep_size}")
     if _is_k3_dir(d):
         from .pretrained import load_model_dir
 
-        return load_model_dir(path, device=device, dtype=dtype)
+        return load_model_dir(path, device=device, dtype=dtype, vision=vision)
+    if vision:
+        raise ValueError(f"{path}: a Kimi Linear checkpoint has no vision tower")
     from .hf_kimi import load_kimi_linear
 
     return load_kimi_linear(path, dtype=dtype, device=device)

@@ -14,11 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from .config import K3Config
 from .model import K3ForCausalLM
+from .multimodal import K3ForConditionalGeneration
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-def save_model_dir(model: K3ForCausalLM, path: str | Path) -> Path:
+def save_model_dir(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path) -> Path:
+    """Write config.json and model.safetensors (with a vision tower, its config and weights too)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
@@ -29,18 +31,24 @@ def save_model_dir(model: K3ForCausalLM, path: str | Path) -> Path:
     return out
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-                    ) -> K3ForCausalLM:
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                   vision: bool = False) -> K3ForCausalLM | K3ForConditionalGeneration:
     """A model directory written by save_model_dir; a ValueError names what is missing or off.
-    (k3.model.hf_k3.load_pretrained reads this and the released layouts alike.)"""
+    A directory with a vision tower gives its language model, or with vision=True the whole
+    K3ForConditionalGeneration. (k3.model.hf_k3.load_pretrained reads this and the released
+    layouts alike.)"""
     root = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (root / name).is_file():
             raise ValueError(f"{root}: not a k3 model directory (no {name})")
     cfg = K3Config.from_json(root / CONFIG)
+    if vision and cfg.vision_config is None:
+        raise ValueError(f"{root / CONFIG}: vision=True but the config has no vision_config")
     state = load_file(str(root / WEIGHTS), device=str(device))
+    if cfg.vision_config is not None and not vision:  # the language model alone
+        state = {k[len("language_model."):]: v for k, v in state.items() if k.startswith("language_model.")}
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForConditionalGeneration(cfg) if vision else K3ForCausalLM(cfg)
     want = set(model.state_dict())
     missing, extra = sorted(want - set(state)), sorted(set(state) - want)
     if missing or extra:

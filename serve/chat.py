@@ -33,8 +33,9 @@ from .protocol import ChatMessage
 
 TURN_END = "<|im_end|>"
 
-# Text parts of one message are joined with a newline, as ChatMessage.text() joins them. Picture
-# and video parts are refused until the vision path renders their placeholders.
+# Text parts of one message are joined with a newline, as ChatMessage.text() joins them. A picture
+# or video part renders its `placeholder` string, which the ingress (serve/media.py) gives each
+# part and later replaces by the item's token ids; a media part without one is refused.
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m.role == 'system' %}<|im_system|>"
@@ -44,8 +45,10 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ m.role }}<|im_middle|>"
     "{%- if m.content is string %}{{ m.content }}"
     "{%- else %}{% for p in m.content %}"
-    "{%- if p.type != 'text' %}{{ raise_exception(p.type ~ ' parts need the vision path') }}{% endif -%}"
-    "{%- if not loop.first %}{{ '\\n' }}{% endif %}{{ p.text }}"
+    "{%- if p.type != 'text' and p.placeholder is not defined %}"
+    "{{ raise_exception(p.type ~ ' parts need the vision path') }}{% endif -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{%- if p.type == 'text' %}{{ p.text }}{% else %}{{ p.placeholder }}{% endif %}"
     "{%- endfor %}{% endif -%}"
     "<|im_end|>"
     "{%- endfor -%}"

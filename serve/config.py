@@ -55,6 +55,21 @@ class ModelSource(BaseModel):
         return self
 
 
+class MediaConfig(BaseModel):
+    """Limits on images and video in chat requests (the ingress processes them; serve/media.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_patch_limit: int = Field(16384, ge=4, description="An image with more 14x14 patches is resized down "
+                                                           "(aspect ratio kept) to fit; never refused for it.")
+    video_patch_limit_per_frame: int = Field(4096, ge=4, description="Patch budget of each sampled video frame.")
+    max_video_frames: int = Field(256, ge=1, description="Most frames a video may have after sampling at 2 fps; "
+                                                         "more is refused.")
+    max_image_pixels: int = Field(100_000_000, ge=1, description="Hard limit on a source image's width x height; "
+                                                                 "past it the request is refused.")
+    max_items: int = Field(32, ge=1, description="Most image / video parts in one request.")
+
+
 class LLMServingConfig(BaseModel):
     """One served model: engine, deployments, API."""
 
@@ -77,3 +92,4 @@ class LLMServingConfig(BaseModel):
                                                               "dies or its state is lost in transit.")
     handoff_timeout_s: float = Field(120.0, gt=0, description="Seconds a decode replica waits for one prefill.")
     torch_threads: int = Field(1, ge=1, description="torch threads per replica (1 on a shared CPU host).")
+    media: MediaConfig = Field(default_factory=MediaConfig, description="Image and video limits (vision models).")

@@ -1,9 +1,10 @@
 """The OpenAI-compatible front door: FastAPI through `@serve.ingress`.
 
-The ingress owns text: it authenticates, renders chat templates, tokenizes, checks the context
-limit and turns OpenAI fields into SamplingParams, then streams `RequestOutput`s from the
-server deployment (DecodeServer when disaggregated, LLMServer otherwise) and shapes them into
-OpenAI responses or server-sent events. It measures what a client sees: time to first token,
+The ingress owns text: it authenticates, renders chat templates, tokenizes, processes images and
+video (serve/media.py: data URLs only, into patches it `ray.put`s for the replica that runs the
+prompt), checks the context limit and turns OpenAI fields into SamplingParams, then streams
+`RequestOutput`s from the server deployment (DecodeServer when disaggregated, LLMServer
+otherwise) and shapes them into OpenAI responses or server-sent events. It measures what a client sees: time to first token,
 inter-token latency, end-to-end latency, token counts and finish reasons (k3_serve_*).
 
 Bad input is a 4xx with OpenAI's error body (serve/errors.py) and touches no engine. A client
@@ -29,6 +30,7 @@ from k3.serve.config import LLMServingConfig
 from k3.serve.engine import RequestFailed, RequestOutput
 from k3.serve.engine.detokenizer import Detokenizer
 from k3.serve.errors import OpenAIError, install_error_handlers, require_model
+from k3.serve.media import ChatMedia
 from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatDelta,
                                ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
@@ -62,7 +64,9 @@ class Ingress:
         self.chat = ChatTemplate.from_checkpoint(tok_dir) if tok_dir is not None and \
             (tok_dir / "tokenizer.json").is_file() else ChatTemplate()
         self.token_bytes = Detokenizer(self.tokenizer).table.__getitem__ if self.tokenizer is not None else None
-        self.max_len = self.config.engine.max_model_len or self._model_max_len()
+        model_cfg = self._model_config()
+        self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings
+        self.media = ChatMedia(model_cfg, self.config.media, self.config.model_id)
         self.api_key = None
         if self.config.api_key_env:
             self.api_key = os.environ.get(self.config.api_key_env)
@@ -71,15 +75,15 @@ class Ingress:
                                  f"not set in the ingress replica (pass it in ray_actor_options.runtime_env)")
         self.metrics = ServeMetrics(self.config.model_id, "ingress")
 
-    def _model_max_len(self) -> int:
+    def _model_config(self):
         from k3.model import get_preset
 
         src = self.config.model
         if src.preset:
-            return get_preset(src.preset).max_position_embeddings
+            return get_preset(src.preset)
         from k3.model.hf_k3 import pretrained_config
 
-        return pretrained_config(src.path).max_position_embeddings
+        return pretrained_config(src.path)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -96,13 +100,13 @@ class Ingress:
             raise OpenAIError("this model was deployed without a tokenizer: send token ids", param=param)
         return self.tokenizer.encode(text).ids
 
-    def _requests(self, body, ids: list[int]) -> list[GenerateRequest]:
+    def _requests(self, body, ids: list[int], media: list | None = None) -> list[GenerateRequest]:
         reqs = []
         for i in range(body.n):
             kw = sampling_kwargs(body, max_model_len=self.max_len, prompt_len=len(ids), choice_index=i)
             if isinstance(body, ChatCompletionRequest):
                 kw["stop"] = list(dict.fromkeys(kw["stop"] + self.chat.stop))
-            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw))
+            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media))
         return reqs
 
     async def _choices(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -181,13 +185,16 @@ class Ingress:
         self._auth(request)
         require_model(body.model, [self.config.model_id])
         if body.media():
-            raise OpenAIError("image and video content parts are not served by this deployment yet",
-                              param="messages")
+            import ray
+
+            # decoding and resizing is CPU work: off the event loop, which serves every other request
+            ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.tokenizer)
+            return await self._respond(body, ids, chat=True, media=[ray.put(items)])
         ids = self._encode(self.chat.render(body.messages), "messages")
         return await self._respond(body, ids, chat=True)
 
-    async def _respond(self, body, ids: list[int], chat: bool):
-        reqs = self._requests(body, ids)
+    async def _respond(self, body, ids: list[int], chat: bool, media: list | None = None):
+        reqs = self._requests(body, ids, media)
         t0 = time.perf_counter()
         stream = self._choices(reqs)
         try:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from k3.model import K3ForCausalLM, get_preset
-from k3.model.hf_k3 import load_pretrained
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
+from k3.model.hf_k3 import load_pretrained, pretrained_config
 from k3.platform.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
@@ -46,6 +46,10 @@ class GenerateRequest:
     sampling: dict  # SamplingParams fields
     request_id: str | None = None
     route_key: str | None = None  # prefix-affinity key of the prompt's first pages (serve/router.py)
+    # [ObjectRef of list[MediaItem]]: the prompt's processed images / video chunks, put by the
+    # ingress; nested so a DecodeServer forwards the reference and only the replica that runs the
+    # prompt fetches the patches
+    media: list | None = None
     arrival: float = field(default_factory=time.time)
 
 
@@ -53,11 +57,18 @@ class HandoffFailed(RuntimeError):
     """No prefill replica delivered the request's cache state within handoff_attempts."""
 
 
-def load_model(src: ModelSource) -> K3ForCausalLM:
+def load_model(src: ModelSource) -> K3ForCausalLM | K3ForConditionalGeneration:
+    """The served model; with its vision tower when the config has one."""
     if src.path is not None:
-        return load_pretrained(src.path)
+        return load_pretrained(src.path, vision=pretrained_config(src.path).vision_config is not None)
     torch.manual_seed(src.seed)  # every replica builds the same random weights from the same seed
-    return K3ForCausalLM(get_preset(src.preset)).eval()
+    cfg = get_preset(src.preset)
+    return (K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)).eval()
+
+
+async def fetch_media(req: GenerateRequest) -> list | None:
+    """The request's MediaItems (fetched from the object store), or None."""
+    return await req.media[0] if req.media else None
 
 
 def load_tokenizer(src: ModelSource):
@@ -113,7 +124,8 @@ class EngineHost:
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
-        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling)):
+        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
+                                              media=await fetch_media(req)):
             yield out
 
 
@@ -162,31 +174,31 @@ class PrefillServer(EngineHost):
         self.pool_hit_tokens = 0
         self._publishing: set[asyncio.Task] = set()
 
-    async def _from_pool(self, prompt: list[int]) -> None:
+    async def _from_pool(self, prompt: list[int], spans: list) -> None:
         """Load the prompt's prefix from the pool when it holds more than this replica does."""
         eng = self.engine.engine
-        hashes = page_hashes(prompt, self.config.engine.page_size)
+        hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
         # what this replica holds and what the pool holds, asked at once
-        local, depth = await asyncio.gather(self.engine.call(lambda: eng.local_resume_tokens(prompt)),
+        local, depth = await asyncio.gather(self.engine.call(lambda: eng.local_resume_tokens(prompt, spans)),
                                             self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
         if depth * self.config.engine.page_size <= local:
             return
         pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
-        got = await self.engine.call(lambda: eng.adopt_prefix(prompt, pages))
+        got = await self.engine.call(lambda: eng.adopt_prefix(prompt, pages, spans))
         if got > local:
             self.pool_hit_tokens += got - local
             self.metrics.inc("k3_serve_prefix_cache_hits", got - local, source="pool")
 
-    async def _publish(self, prompt: list[int]) -> None:
+    async def _publish(self, prompt: list[int], spans: list) -> None:
         eng = self.engine.engine
-        hashes = page_hashes(prompt, self.config.engine.page_size)
+        hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
         missing, bare = map(set, await self.pool.wanted.remote(hashes))
         every = self.config.engine.snapshot_interval  # only pages at these depths can carry a snapshot here
         bare = {h for d, h in enumerate(hashes, start=1) if h in bare and d % every == 0}
         if not missing and not bare:  # the pool holds this prefix whole: nothing to copy or send
             return
-        pages = await self.engine.call(lambda: eng.prefix_pages(prompt, only=missing | bare))
+        pages = await self.engine.call(lambda: eng.prefix_pages(prompt, spans, only=missing | bare))
         # new pages, and pages the pool holds without the snapshot this replica has
         pages = [p for p in pages if p.hash in missing or p.snapshot is not None]
         if pages:
@@ -208,18 +220,21 @@ class PrefillServer(EngineHost):
         import ray
 
         self._start_reporting()
+        media = await fetch_media(req)
+        spans = []
         if self.pool is not None:
-            try:
-                await self._from_pool(req.prompt_token_ids)
+            try:  # the pool's pages are keyed by media-aware hashes; bad media is refused below
+                spans = self.engine.engine.media_spans(req.prompt_token_ids, media)[1]
+                await self._from_pool(req.prompt_token_ids, spans)
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
         final = None
         async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
-                                              prefill_only=True):
+                                              prefill_only=True, media=media):
             final = out
         state, final.cache_state = final.cache_state, None
         if self.pool is not None:  # after the reply is on its way; a failed publish loses only sharing
-            task = asyncio.get_running_loop().create_task(self._publish(req.prompt_token_ids))
+            task = asyncio.get_running_loop().create_task(self._publish(req.prompt_token_ids, spans))
             self._publishing.add(task)
             task.add_done_callback(self._publishing.discard)
         if state is None:

@@ -74,11 +74,13 @@ class AsyncEngine:
                 self._wake.set()
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, prefill_only: bool = False,
+                 media: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; raises ValueError for bad input before anything runs.
-        Leaving the iteration early (client disconnect, cancellation) aborts the request."""
+        Leaving the iteration early (client disconnect, cancellation) aborts the request.
+        `media`: the prompt's MediaItems (LLMEngine.add_request)."""
         return self._stream(request_id, lambda rid: self.engine.add_request(rid, prompt_token_ids, params,
-                                                                             prefill_only=prefill_only))
+                                                                             prefill_only=prefill_only, media=media))
 
     def resume(self, prompt_token_ids: list[int], state: HybridCacheState, params: SamplingParams | None = None,
                request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -14,6 +14,7 @@ CacheManager is its only owner: the scheduler and the engine go through its meth
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,17 @@ from k3.model.config import K3Config
 from .params import EngineConfig
 
 
-def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"") -> list[bytes]:
-    """Chain hashes of the full pages of tokens (each covers every token before it)."""
+def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = ()) -> list[bytes]:
+    """Chain hashes of the full pages of tokens (each covers every token before it). `media`:
+    the prompt's MediaSpans (serve/engine/media.py); each item's digest is mixed into every page
+    its placeholders touch, so same ids with another picture hash differently from there on."""
     out = []
     for i in range(len(tokens) // page_size):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(torch.tensor(tokens[i * page_size:(i + 1) * page_size], dtype=torch.int64).numpy().tobytes())
+        for s in media:
+            if s.start < (i + 1) * page_size and s.end > i * page_size:
+                h.update(s.digest)
         parent = h.digest()
         out.append(parent)
     return out

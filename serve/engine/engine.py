@@ -10,6 +10,11 @@ ids are reserved under the lock when accepted and released when the request ends
 Failure isolation: a request whose sampling fails ends alone with an error; a forward that
 raises sends every sequence in it back to be recomputed alone (scheduler.py), so the culprit
 fails alone and every other request continues exactly as if it had not been there.
+
+Images and video (media.py): with a K3ForConditionalGeneration a request may carry processed
+media items; each request's items are encoded once, at its first chunk that holds a
+placeholder, and every chunk gets the rows of its own placeholders. The placeholder token is
+never sampled (its embedding is a picture's, not a token's).
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+from k3.model.vision_processor import MediaItem
 
 from .cache_manager import CacheManager, page_hashes
 from .detokenizer import Detokenizer, StopMatcher
 from .handoff import STATE_VERSION, HybridCacheState, PoolPage, to_numpy, to_torch
+from .media import MediaRowCache, MediaSpan, SequenceMedia, check_item, check_spans, media_spans
 from .params import EngineConfig, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
@@ -64,10 +71,14 @@ def model_fingerprint(model: K3ForCausalLM, cache_dtype: str) -> str:
 
 
 class LLMEngine:
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, tokenizer=None) -> None:
+    def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, config: EngineConfig | None = None,
+                 tokenizer=None) -> None:
         self.model = model.eval()
         self.cfg = model.cfg
+        self.multimodal = isinstance(model, K3ForConditionalGeneration)
+        self.media_items_encoded = 0  # items run through the tower + projector
         self.config = config or EngineConfig()
+        self.media_rows = MediaRowCache(self.config.media_cache_bytes) if self.multimodal else None
         self.device = next(model.parameters()).device
         self.max_len = min(self.config.max_model_len or self.cfg.max_position_embeddings,
                            self.cfg.max_position_embeddings)
@@ -137,12 +148,29 @@ class LLMEngine:
             self._pending.append((kind, seq.request_id, seq))
         return seq.request_id
 
+    def media_spans(self, prompt: list[int], media: list[MediaItem] | None) -> tuple[list[int], list[MediaSpan]]:
+        """(placeholder positions, spans) of a prompt's media; ValueError when this model takes no
+        media, an item is malformed, or the placeholder count differs from the items' tokens."""
+        media = list(media or [])
+        if not self.multimodal:
+            if media:
+                raise ValueError(f"media given, but this engine's model ({type(self.model).__name__}) has no vision "
+                                 f"tower")
+            return [], []
+        items = [check_item(it, i, self.cfg.vision_config) for i, it in enumerate(media)]
+        return media_spans(prompt, items, self.cfg.media_placeholder_token_id)
+
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False) -> str:
+                    prefill_only: bool = False, media: list[MediaItem] | None = None) -> str:
         """Queue a request; returns its id. With prefill_only the request ends after its first
-        token with `cache_state` set (or finished normally, if that token already ends it)."""
+        token with `cache_state` set (or finished normally, if that token already ends it).
+        `media`: the prompt's images / video chunks (k3.model.vision_processor), in placeholder order."""
         params = params or SamplingParams()
-        seq = self._new_sequence(request_id, self.validate(prompt_token_ids, params), params)
+        ids = self.validate(prompt_token_ids, params)
+        positions, spans = self.media_spans(ids, media)
+        seq = self._new_sequence(request_id, ids, params)
+        if spans:
+            seq.media = SequenceMedia(list(media), spans, positions)
         seq.prefill_only = prefill_only
         return self._enqueue("add", seq)
 
@@ -154,9 +182,10 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.validate(prompt_token_ids, params)
         t0 = time.perf_counter()
-        latents, kda = self._check_state(state, ids, params)
+        latents, kda, media = self._check_state(state, ids, params)
         state.timings["check_s"] = time.perf_counter() - t0
         seq = self._new_sequence(request_id, ids, params)
+        seq.media = media
         seq.hashes = list(state.page_hashes) if self.config.enable_prefix_caching else []
         seq.imported = {"latents": latents, "kda": kda, "first": (state.first_token, state.first_logprob)}
         if seq.generator is not None:
@@ -221,9 +250,14 @@ class LLMEngine:
         if not sched:
             return outs
         t0 = time.perf_counter()
+        sched, failed = self._encode_media(sched)
+        outs += failed
+        if not sched:
+            return outs
         try:
             batch, logits_at, sample_idx = self._build(sched)
-            logits = self.model(batch[0], cache=batch[1], logits_at=logits_at).logits
+            extra = {"media_embeds": batch[2]} if self.multimodal else {}
+            logits = self.model(batch[0], cache=batch[1], logits_at=logits_at, **extra).logits
         except Exception as e:  # noqa: BLE001 - isolate whatever the forward raised
             outs += self._forward_failed(sched, e)
             self.step_seconds.append(time.perf_counter() - t0)
@@ -243,12 +277,34 @@ class LLMEngine:
         self.step_seconds.append(time.perf_counter() - t0)
         return outs
 
+    def _encode_media(self, sched: list[Scheduled]) -> tuple[list[Scheduled], list[RequestOutput]]:
+        """Encode the media of every scheduled sequence whose chunk reaches its first placeholder
+        (or, for a prefill-only request, its last prompt chunk: the handoff carries the rows even
+        when a prefix hit skipped every placeholder, since decode may have to recompute); a
+        sequence whose items fail to encode fails alone and leaves the batch."""
+        keep, failed = [], []
+        for s in sched:
+            seq, hi = s.seq, s.seq.num_computed + s.num_tokens
+            if seq.media is not None and (seq.media.needs_rows(seq.num_computed, hi) or
+                                          (seq.prefill_only and seq.media.rows is None and hi == seq.length)):
+                try:
+                    self.media_items_encoded += seq.media.encode(self.model, self.media_rows)
+                except Exception as e:  # noqa: BLE001 - this request's media, this request's failure
+                    failed.append(self._fail(seq, f"encoding its media failed: {type(e).__name__}: {e}"))
+                    continue
+            keep.append(s)
+        return keep, failed
+
     def _build(self, sched: list[Scheduled]):
         ids, lengths, slots, tables, context, rows, sample_idx, offsets = [], [], [], [], [], [], [], {}
+        media: list[torch.Tensor] = []  # rows of the placeholders in the batch, in batch order
         row = 0
         for i, s in enumerate(sched):
             seq = s.seq
             ids.extend(seq.tokens[seq.num_computed: seq.num_computed + s.num_tokens])
+            if seq.media is not None and (r := seq.media.rows_for(seq.num_computed, seq.num_computed + s.num_tokens)) \
+                    is not None:
+                media.append(r)
             lengths.append(s.num_tokens)
             slots.append(seq.slot)
             tables.append(seq.pages)
@@ -261,7 +317,8 @@ class LLMEngine:
                 offsets[i] = s.snapshot_offsets
         cb = self.cache.cache_batch(lengths, slots, tables, context, offsets)
         logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return (torch.tensor([ids], device=self.device), cb), logits_at, sample_idx
+        embeds = torch.cat(media).to(self.device) if media else None
+        return (torch.tensor([ids], device=self.device), cb, embeds), logits_at, sample_idx
 
     def _forward_failed(self, sched: list[Scheduled], e: Exception) -> list[RequestOutput]:
         self.failed_forwards += 1
@@ -280,13 +337,19 @@ class LLMEngine:
                 out.setdefault(s.seq, {}).setdefault(s.offset, {})[layer] = (s.conv, s.recurrent)
         return out
 
-    def _verify_snapshot(self, prefix: list[int], slot: int, tol: float = 1e-3) -> bool:
-        """Recompute the prefix cold and compare every KDA layer's state with the snapshot."""
+    def _verify_snapshot(self, seq: Sequence, n: int, slot: int, tol: float = 1e-3) -> bool:
+        """Recompute seq's first n tokens cold and compare every KDA layer's state with the snapshot."""
         from k3.model import HybridCache
 
+        prefix = seq.tokens[:n]
+        extra = {}
+        if self.multimodal:
+            if seq.media is not None and seq.media.needs_rows(0, n):
+                self.media_items_encoded += seq.media.encode(self.model, self.media_rows)
+            extra["media_embeds"] = seq.media.rows_for(0, n) if seq.media is not None else None
         cold = HybridCache(self.cfg, 1, len(prefix), dtype=self.cache.dtype, device=self.device)
         self.model(torch.tensor([prefix], device=self.device), cache=cold.batch([len(prefix)]),
-                   logits_at=torch.tensor([len(prefix) - 1], device=self.device))
+                   logits_at=torch.tensor([len(prefix) - 1], device=self.device), **extra)
         for layer, pool in cold.kda.items():
             ref, got = pool.recurrent[0], self.cache.kda[layer].recurrent[slot]
             if float((got - ref).norm() / ref.norm().clamp_min(1e-30)) > tol:
@@ -295,9 +358,10 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> list[int]:
         p, eos = seq.params, self.cfg.eos_token_id
+        always = [self.cfg.media_placeholder_token_id] if self.multimodal else []
         if len(seq.output) >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
+            return always
+        return always + list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
 
     def _accept(self, seq: Sequence, tok: int, lp: dict | None) -> RequestOutput:
         """Append a chosen token: detokenize, match stops, finish or hand over."""
@@ -351,15 +415,18 @@ class LLMEngine:
         assert seq.num_computed == n, "a prompt is exported right after its last token was computed"
         t0 = time.perf_counter()
         gen = seq.generator.get_state().numpy().copy() if seq.generator is not None else None
+        spans, rows = [], None
+        if seq.media is not None:
+            spans, rows = list(seq.media.spans), seq.media.rows.detach().to("cpu", torch.float32).numpy().copy()
         kda = self.cache.read_slot(seq.slot)
         state = HybridCacheState(
             version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
             cache_dtype=self.config.dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
-            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size),
+            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size, media=spans),
             kda_recurrent={l: to_numpy(r) for l, (_, r) in kda.items()},
             kda_conv={l: to_numpy(c) for l, (c, _) in kda.items()},
             mla_latents={l: to_numpy(t) for l, t in self.cache.read_latents(seq.pages, n).items()},
-            first_token=first, first_logprob=lp, generator_state=gen,
+            first_token=first, first_logprob=lp, generator_state=gen, media_spans=spans, media_rows=rows,
         ).seal()
         state.timings["export_s"] = time.perf_counter() - t0
         return state
@@ -385,8 +452,9 @@ class LLMEngine:
                 not np.array_equal(got, np.asarray(ids, dtype=np.int64)):
             refuse(f"its prompt_token_ids ({getattr(got, 'shape', None)}) differ from the request's prompt "
                    f"({len(ids)} tokens)")
-        if list(state.page_hashes) != page_hashes(ids, self.cache.page_size):
-            refuse("page_hashes do not match the prompt")
+        media = self._check_media_state(state, ids, refuse)
+        if list(state.page_hashes) != page_hashes(ids, self.cache.page_size, media=state.media_spans):
+            refuse("page_hashes do not match the prompt and its media")
         if not 0 <= state.first_token < self.cfg.vocab_size:
             refuse(f"first_token {state.first_token} out of range [0, {self.cfg.vocab_size})")
         if (params.seed is not None) != (state.generator_state is not None):
@@ -414,14 +482,38 @@ class LLMEngine:
                 refuse(f"MLA layer {s.layer_idx} latents {lat.shape} {lat.dtype}, expected "
                        f"{(len(ids), s.latent_dim)} {np.dtype(np_conv)}")
             latents[s.layer_idx] = to_torch(lat, cdt, self.device)
-        return latents, kda
+        return latents, kda, media
+
+    def _check_media_state(self, state: HybridCacheState, ids: list[int], refuse) -> SequenceMedia | None:
+        """The handed-over spans and rows: they must describe this prompt's placeholders exactly."""
+        spans, rows = list(state.media_spans), state.media_rows
+        if not self.multimodal:
+            if spans or rows is not None:
+                refuse(f"it carries media, but this engine's model ({type(self.model).__name__}) has no vision tower")
+            return None
+        try:
+            pos = check_spans(ids, spans, self.cfg.media_placeholder_token_id)
+        except ValueError as e:
+            refuse(str(e))
+        if not pos:
+            if rows is not None:
+                refuse("media_rows given for a prompt without placeholders")
+            return None
+        want = (len(pos), self.cfg.hidden_size)
+        if not isinstance(rows, np.ndarray) or rows.shape != want or rows.dtype != np.float32 or \
+                not np.isfinite(rows).all():
+            refuse(f"media_rows {getattr(rows, 'shape', None)} {getattr(rows, 'dtype', None)}, expected finite "
+                   f"{want} float32")
+        return SequenceMedia(None, spans, pos, to_torch(rows, torch.float32, self.device))
 
     # -- the shared prefix pool (run these through call()) -----------------------------------------
-    def prefix_pages(self, prompt: list[int], only: set[bytes] | None = None) -> list[PoolPage]:
+    def prefix_pages(self, prompt: list[int], media: list[MediaSpan] = (),
+                     only: set[bytes] | None = None) -> list[PoolPage]:
         """The prompt's cached pages here, up to the deepest one with a snapshot, as pool pages
-        (only those whose hash is in `only`, when given)."""
+        (`media`: the prompt's spans, from `media_spans`; only the pages whose hash is in `only`,
+        when given)."""
         cm, ps = self.cache, self.cache.page_size
-        hashes = page_hashes(prompt, ps)
+        hashes = page_hashes(prompt, ps, media=media)
         depth = cm.resume_depth(prompt, hashes)
         out = []
         for j in range(depth):
@@ -435,15 +527,16 @@ class LLMEngine:
                                 {l: to_numpy(t[blk.page]) for l, t in cm.mla_pages.items()}, snap))
         return out
 
-    def local_resume_tokens(self, prompt: list[int]) -> int:
-        return self.cache.resume_depth(prompt, page_hashes(prompt, self.cache.page_size)) * self.cache.page_size
+    def local_resume_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
+        return self.cache.resume_depth(prompt, page_hashes(prompt, self.cache.page_size, media=media)) * \
+            self.cache.page_size
 
-    def adopt_prefix(self, prompt: list[int], pages: list[PoolPage]) -> int:
+    def adopt_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt into the local prefix cache (pages it lacks, and the
         snapshots); returns the prompt tokens now resumable here. Pages that do not belong to the
         prompt (hash or tokens) or do not fit this model's shapes are refused with a ValueError."""
         cm, ps = self.cache, self.cache.page_size
-        hashes = page_hashes(prompt, ps)
+        hashes = page_hashes(prompt, ps, media=media)
         np_dtype = np.int16 if cm.dtype == torch.bfloat16 else np.float32
         for j, p in enumerate(pages):
             if j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
@@ -475,22 +568,25 @@ class LLMEngine:
         return resumable
 
     # -- conveniences ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 media: list[list[MediaItem] | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); the final output of each, in order.
-        Every prompt is validated before any is queued."""
+        Every prompt is validated before any is queued. `media[i]`: prompt i's items."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
             plist = params
         else:
             plist = [params or SamplingParams()] * len(prompts)
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
+        mlist = media if media is not None else [None] * len(prompts)
+        if len(mlist) != len(prompts):
+            raise ValueError(f"media has {len(mlist)} entries for {len(prompts)} prompts")
+        for i, (p, sp, m) in enumerate(zip(prompts, plist, mlist)):
             try:
-                self.validate(p, sp)
+                self.media_spans(self.validate(p, sp), m)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        rids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
+        rids = [self.add_request(None, p, sp, media=m) for p, sp, m in zip(prompts, plist, mlist)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(rids):
             for o in self.step():
@@ -502,7 +598,7 @@ class LLMEngine:
         u = self.cache.usage()
         q = u["prefix_query_tokens"]
         return {**u, "steps": self.steps, "preemptions": self.scheduler.preemptions,
-                "failed_forwards": self.failed_forwards,
+                "failed_forwards": self.failed_forwards, "media_items_encoded": self.media_items_encoded,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "prefix_hit_rate": (u["prefix_hit_tokens"] / q) if q else 0.0}

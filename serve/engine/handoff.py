@@ -5,6 +5,9 @@ for: per KDA layer the fp32 recurrent state and the conv state after the prompt;
 the prompt's latents in position order (page order, concatenated); the prompt's token ids and
 page hashes; the first token with its logprob entry; and the request's sampling state (the
 seeded generator's state after the first draw), so a seeded sampled request continues exactly.
+A multimodal prompt adds its media spans (placeholder range + content digest per item, which
+the page hashes were computed with) and the items' feature rows: the decode engine checks the
+hashes against ids + spans, and recomputes from the rows if it must, never from pixels.
 
 Numpy rather than torch: numpy arrays come out of Ray's object store zero-copy with no setting
 (torch tensors only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1); bf16, which numpy lacks, travels
@@ -22,7 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-STATE_VERSION = 1
+from .media import MediaSpan
+
+STATE_VERSION = 2  # 2: media spans and rows
 
 _NP_FROM_TORCH = {torch.float32: ("float32", None), torch.bfloat16: ("bfloat16", torch.int16),
                   torch.float16: ("float16", None)}
@@ -56,6 +61,8 @@ class HybridCacheState:
     first_token: int
     first_logprob: dict | None  # {"token", "logprob", "top": {id: lp}} when logprobs were asked
     generator_state: np.ndarray | None  # uint8, the request's seeded generator after its first draw
+    media_spans: list[MediaSpan] = field(default_factory=list)  # per item: placeholder range, content digest
+    media_rows: np.ndarray | None = None  # [P, hidden] float32: the feature rows of the P placeholders
     digest: bytes = field(default=b"")
     # Bookkeeping outside the digest: seconds the exporter spent building and sealing the state
     # ("export_s") and the importer spent checking and converting it ("check_s").
@@ -68,12 +75,15 @@ class HybridCacheState:
             out += [(f"{name}[{k}]", d[k]) for k in sorted(d)]
         if self.generator_state is not None:
             out.append(("generator_state", self.generator_state))
+        if self.media_rows is not None:
+            out.append(("media_rows", self.media_rows))
         return out
 
     def compute_digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((self.version, self.model_fingerprint, self.page_size, self.cache_dtype, self.first_token,
-                       self.first_logprob, list(self.page_hashes))).encode())
+                       self.first_logprob, list(self.page_hashes),
+                       [(s.start, s.end, s.digest) for s in self.media_spans])).encode())
         for name, a in self.arrays():
             h.update(f"{name}:{a.dtype}:{a.shape}".encode())
             h.update(np.ascontiguousarray(a).view(np.uint8).data)

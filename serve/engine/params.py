@@ -69,3 +69,6 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="MLA latent and conv state dtype.")
     verify_prefix_hits: bool = Field(False, description="Debug: recompute every prefix hit cold and compare states.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the generator used by requests without their own seed.")
+    media_cache_bytes: int = Field(32 * 2**20, ge=0, description="Feature rows of recently encoded images / video "
+                                                                 "chunks kept by content (0: none); the same picture "
+                                                                 "again skips the vision tower.")

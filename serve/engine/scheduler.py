@@ -23,6 +23,7 @@ import torch
 
 from .cache_manager import CacheManager, CachedPage, page_hashes
 from .detokenizer import DetokStream, StopMatcher
+from .media import SequenceMedia
 from .params import SamplingParams
 
 _arrival = itertools.count()
@@ -59,6 +60,7 @@ class Sequence:
     prefill_only: bool = False  # export the cache state after the first token (disaggregated prefill)
     suspect_until: int = 0  # run alone until num_computed reaches this (after a failed batch)
     imported: dict | None = None  # a handed-over state waiting for admission: {"latents", "kda"}
+    media: SequenceMedia | None = None  # images / video chunks of the prompt (media.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -90,12 +92,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        # Optional debug check of a prefix hit: verifier(prefix tokens, snapshot slot) -> bool.
+        # Optional debug check of a prefix hit: verifier(sequence, prefix length, snapshot slot) -> bool.
         self.verifier = None
 
     def add(self, seq: Sequence) -> None:
         if self.prefix_caching and not seq.hashes:
-            seq.hashes = page_hashes(seq.prompt, self.cache.page_size)
+            spans = seq.media.spans if seq.media is not None else ()
+            seq.hashes = page_hashes(seq.prompt, self.cache.page_size, media=spans)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -173,7 +176,7 @@ class Scheduler:
         if self.prefix_caching and seq.hashes:
             chain, best = self.cache.lookup(seq.tokens, seq.hashes, limit=seq.length)
             if best is not None and self.verifier is not None and \
-                    not self.verifier(seq.tokens[: best.depth * self.cache.page_size], best.snapshot_slot):
+                    not self.verifier(seq, best.depth * self.cache.page_size, best.snapshot_slot):
                 self.cache.reject_snapshot(best)
                 best = None
             if best is not None:
