@@ -37,6 +37,8 @@ p.add_argument("--runs", default=str(REPO / "runs"), help="checkpoint storage")
 p.add_argument("--name", default=f"vision-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
 p.add_argument("--eval-limit", type=int, default=None, help="evaluate only the first N held-out rows")
 p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default: at the end)")
+p.add_argument("--resume", action="store_true",
+               help="continue run --name from its latest checkpoint up to --steps (the cosine schedule is --steps')")
 args = p.parse_args()
 
 env = {"DS_ACCELERATOR": "cpu",
@@ -59,8 +61,9 @@ try:
              "k3-tiny-vl", "--num-workers", "2", "--ep-size", "2", "--balance", "quantile_hist",
              "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
              "--media-micro-batch", str(args.media_micro_batch), "--text-every", str(args.text_every),
-             "--lr", str(args.lr), "--log-every", "10", "--checkpoint-every", str(args.checkpoint_every or args.steps),
+             "--lr", str(args.lr), "--log-every", "25", "--checkpoint-every", str(args.checkpoint_every or args.steps),
              "--storage-path", args.runs, "--name", args.name, "--sample", "0", "--summary-json", str(summary_path)]
+    entry += ["--resume"] if args.resume else []
     print(f"bench_vision: ray job submit --address {head.address} --working-dir {REPO} -- " + " ".join(entry),
           flush=True)
     load_start = os.getloadavg()[0]
