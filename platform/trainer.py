@@ -204,8 +204,13 @@ class Trainer:
     @torch.no_grad()
     def forward_routers(self, batch: dict[str, torch.Tensor]) -> list:
         """Router outputs of the batch under the current weights, without the LM head or loss
-        (what balancing solves from after the optimizer step)."""
-        return self.model.model(batch["input_ids"], collect_router=True)[1]
+        (what balancing solves from after the optimizer step). A media batch's placeholders get
+        the tower's rows, as in the training forward: the routers see what they will route."""
+        embeds = None
+        if "pixel_values" in batch:
+            rows = torch.cat(self.model.encode_media(batch["pixel_values"], batch["grid_thws"]))
+            embeds = self.model.splice(batch["input_ids"], rows)
+        return self.model.model(batch["input_ids"], collect_router=True, inputs_embeds=embeds)[1]
 
     # -- one step -------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:

@@ -3,7 +3,8 @@
 Derived offline from data that packages ship, nothing downloaded:
 - scikit-learn's 1,797 handwritten digits (8x8), rendered at 28, 42 and 56 pixels with a
   caption naming the digit ("The digit is #7.");
-- 4-frame clips of a digit moving across a 56x56 canvas at 2 fps ("The moving digit is #7.");
+- 4-frame clips at 2 fps of a 42-pixel digit drifting in a straight line on a 56x56 canvas, at
+  most 2 pixels per frame along each axis ("The moving digit is #7.");
 - scikit-image's bundled photos (up to 1411x1411) with a short caption, which exercise the
   processor's resize-to-budget path.
 The last `heldout` digits (images and clips made from them) are kept out of training for
@@ -35,7 +36,12 @@ from k3.model.vision_processor import MediaItem, ProcessorConfig, VisionProcesso
 
 MEDIA_DIR = "media"
 DIGIT_SIZES = (28, 42, 56)
-CLIP_CANVAS, CLIP_DIGIT, CLIP_FRAMES, CLIP_FPS = 56, 28, 4, 2.0
+CLIP_CANVAS, CLIP_DIGIT, CLIP_FRAMES, CLIP_FPS = 56, 42, 4, 2.0
+# Pixels a clip's digit moves per frame along each axis, at most. sd2_tpool averages a chunk's
+# four frames before the projector: a drift of a few pixels (under half a 14-pixel patch over the
+# clip) keeps that mean a legible digit, while a slide across the canvas (the first version: up
+# to 28 pixels) blurs it into a smear no tiny tower learned to read (clips stayed at chance).
+CLIP_MAX_STEP = 2
 PHOTOS = {  # scikit-image's bundled photos and what they show
     "astronaut": "an astronaut", "camera": "a man with a camera", "coffee": "a cup of coffee",
     "chelsea": "a cat", "rocket": "a rocket on its launch pad", "moon": "the surface of the moon",
@@ -63,14 +69,19 @@ def _digit_rgb(d8: np.ndarray, size: int) -> np.ndarray:
 
 
 def _clip(d8: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-    """Four frames of the digit sliding in a straight line across a black canvas."""
+    """Four frames of the digit drifting in a straight line, (dy, dx) pixels per frame with
+    |dy|, |dx| <= CLIP_MAX_STEP and not both zero; the whole digit stays on the canvas."""
     digit = _digit_rgb(d8, CLIP_DIGIT)
-    room = CLIP_CANVAS - CLIP_DIGIT
-    (y0, x0), (y1, x1) = rng.integers(0, room + 1, 2), rng.integers(0, room + 1, 2)
+    room, span = CLIP_CANVAS - CLIP_DIGIT, CLIP_FRAMES - 1
+    steps = [(dy, dx) for dy in range(-CLIP_MAX_STEP, CLIP_MAX_STEP + 1)
+             for dx in range(-CLIP_MAX_STEP, CLIP_MAX_STEP + 1) if (dy, dx) != (0, 0)]
+    dy, dx = steps[rng.integers(len(steps))]
+    # first position such that position + f * step stays in [0, room] for every frame f
+    y0 = rng.integers(max(0, -dy * span), room - max(0, dy * span) + 1)
+    x0 = rng.integers(max(0, -dx * span), room - max(0, dx * span) + 1)
     frames = []
     for f in range(CLIP_FRAMES):
-        a = f / (CLIP_FRAMES - 1)
-        y, x = int(round(y0 + a * (y1 - y0))), int(round(x0 + a * (x1 - x0)))
+        y, x = y0 + f * dy, x0 + f * dx
         canvas = np.zeros((CLIP_CANVAS, CLIP_CANVAS, 3), np.uint8)
         canvas[y:y + CLIP_DIGIT, x:x + CLIP_DIGIT] = digit
         frames.append(canvas)
@@ -101,7 +112,7 @@ def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max
     root = Path(out_dir) / MEDIA_DIR
     info_path = root / "media.json"
     settings = {"heldout": heldout, "seed": seed, "sizes": list(DIGIT_SIZES), "max_digits": max_digits,
-                "photos": photos, "version": 1}
+                "photos": photos, "version": 2}
     if info_path.exists():
         info = json.loads(info_path.read_text())
         if info.get("settings") == settings:

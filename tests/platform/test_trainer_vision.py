@@ -2,7 +2,8 @@
 image/video step and one text step. The reported gradient norm of the media step equals the
 norm computed by hand on one process from the same examples, both ranks hold the same tower
 afterwards (it is DeepSpeed's, averaged like any replicated parameter), the text step reaches
-every tower parameter (zero-weighted), and the checkpoint loads as K3ForConditionalGeneration."""
+every tower parameter (zero-weighted), the routers balancing solves from see the media rows,
+and the checkpoint loads as K3ForConditionalGeneration."""
 from __future__ import annotations
 
 import os
@@ -42,7 +43,13 @@ def _worker(rank: int, port: int, data: str, out: str) -> None:
     t.start()
     sched = t.media_schedule()
     assert not sched.is_text_step(0) and sched.is_text_step(1)
-    media = t.train_step(t.make_batch({"examples": sched.examples(0)}), 0)
+    media_batch = t.make_batch({"examples": sched.examples(0)})
+    media = t.train_step(media_batch, 0)
+    with torch.no_grad():  # the margins QB solves from see the media rows, as the training forward does
+        full = t.engine(media_batch["input_ids"], media_batch["pixel_values"], media_batch["grid_thws"],
+                        collect_router=True).router
+    after = t.forward_routers(media_batch)
+    routers_match = all(torch.allclose(a.margins, b.margins, atol=1e-5) for a, b in zip(after, full))
     g = torch.Generator().manual_seed(rank)
     text_batch = t.make_batch({"tokens": torch.randint(7, 300, (2, 33), generator=g)})
     t.engine(text_batch["input_ids"], labels=text_batch["labels"]).loss.backward()  # gradients of a text batch
@@ -54,7 +61,7 @@ def _worker(rank: int, port: int, data: str, out: str) -> None:
     dist.all_gather(both, w)
     t.save(Path(out) / "ckpt", {"step": 2, "history": []})
     torch.save({"media_norm": media.grad_norm, "media_loss": media.loss, "tower_same": torch.equal(*both),
-                "text_reaches_tower": reached}, Path(out) / f"rank{rank}.pt")
+                "text_reaches_tower": reached, "routers_match": routers_match}, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +102,7 @@ def test_tower_replicated_text_step_reaches_it_and_checkpoint_loads(run):
     root, _ = run
     for rank in range(2):
         r = torch.load(root / f"rank{rank}.pt")
-        assert r["tower_same"] and r["text_reaches_tower"]
+        assert r["tower_same"] and r["text_reaches_tower"] and r["routers_match"]
     model = load_checkpoint_model(root / "ckpt")
     assert isinstance(model, K3ForConditionalGeneration)
     init = build_model(_cfg(run[1]).model_cfg(), seed=5)

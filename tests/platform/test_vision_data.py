@@ -49,6 +49,24 @@ def test_media_set_contents_and_rerun_is_a_no_op(media_set):
     assert (out / "media" / "train.parquet").stat().st_mtime_ns == mtime
 
 
+def _ink_box(frame: np.ndarray) -> tuple[int, int]:
+    ys, xs = np.nonzero(frame[..., 0])
+    return int(ys.min()), int(xs.min())
+
+
+def test_clips_drift_a_few_pixels_per_frame_with_the_whole_digit_on_the_canvas(media_set):
+    # sd2_tpool averages a clip's frames: a small straight drift keeps that mean a legible digit
+    clips = [r for split in ("train", "heldout") for r in read_vision_rows(media_set[0], split) if r["kind"] == "video"]
+    for clip in clips:
+        frames = [np.asarray(Image.open(io.BytesIO(f))) for f in clip["frames"]]
+        corners = [_ink_box(f) for f in frames]
+        moves = {(b[0] - a[0], b[1] - a[1]) for a, b in zip(corners, corners[1:])}
+        assert len(moves) == 1  # a straight line at constant speed
+        (dy, dx), = moves
+        assert (dy, dx) != (0, 0) and max(abs(dy), abs(dx)) <= 2, clip["caption"]
+        assert len({int(f.sum()) for f in frames}) == 1  # no ink leaves the canvas
+
+
 def test_examples_collate_and_train_through_the_model(media_set, encoder):
     rows = read_vision_rows(media_set[0], "train")
     photo = next(r for r in rows if r["label"] < 0 and "retina" in r["caption"])
