@@ -27,10 +27,6 @@ class PrefixPool:
         self.bytes = 0
         self.counts = {"published": 0, "evicted": 0, "fetched": 0, "lookups": 0}
 
-    def missing(self, hashes: list[bytes]) -> list[bytes]:
-        """The hashes the pool does not hold."""
-        return [h for h in hashes if h not in self.pages]
-
     def wanted(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """What a publisher of these pages should send: (the hashes the pool does not hold, the
         hashes it holds without a snapshot). A prefix the pool already has whole costs the

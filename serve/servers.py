@@ -146,9 +146,6 @@ class PrefixPoolServer:
     def __init__(self, budget_bytes: int) -> None:
         self.pool = PrefixPool(budget_bytes)
 
-    def missing(self, hashes: list[bytes]) -> list[bytes]:
-        return self.pool.missing(hashes)
-
     def wanted(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         return self.pool.wanted(hashes)
 

@@ -32,7 +32,7 @@ def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
     pool = PrefixPool(budget_bytes=64 * 2**20)
     pages = through(a, lambda: a.prefix_pages(prefix + [9, 9, 9]))
     assert [p.depth for p in pages] == list(range(1, 7)) and pages[-1].snapshot is not None
-    assert pool.publish(pages) == 6 and pool.missing([p.hash for p in pages]) == []
+    assert pool.publish(pages) == 6 and pool.wanted([p.hash for p in pages])[0] == []
     prompt = prefix + [9, 9, 9]
     from k3.serve.engine.cache_manager import page_hashes
 
