@@ -28,6 +28,7 @@ p.add_argument("--max-bytes", type=int, default=None, help="use at most this man
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--vision", action="store_true", help="also write the bundled image/video-text set (<out>/media)")
 p.add_argument("--heldout-digits", type=int, default=300, help="digits kept out of training for eval_vision")
+p.add_argument("--train-clips", type=int, default=2, help="moving-digit clips per training digit (one per held-out digit)")
 args = p.parse_args()
 try:
     manifest, wrote = prepare(args.input, args.out, args.vocab_size, args.seq_len, args.rows_per_shard,
@@ -41,7 +42,7 @@ if args.vision:
     from k3.platform.vision_data import write_vision_set
 
     try:
-        out["media"] = write_vision_set(args.out, heldout=args.heldout_digits)
+        out["media"] = write_vision_set(args.out, heldout=args.heldout_digits, train_clips=args.train_clips)
     except ValueError as e:
         sys.exit(f"prepare_data: {e}")
     print(f"media set: {out['media']['counts']}", file=sys.stderr)

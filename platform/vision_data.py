@@ -4,7 +4,8 @@ Derived offline from data that packages ship, nothing downloaded:
 - scikit-learn's 1,797 handwritten digits (8x8), rendered at 28, 42 and 56 pixels with a
   caption naming the digit ("The digit is #7.");
 - 4-frame clips at 2 fps of a 42-pixel digit drifting in a straight line on a 56x56 canvas, at
-  most 2 pixels per frame along each axis ("The moving digit is #7.");
+  most 2 pixels per frame along each axis ("The moving digit is #7."): `train_clips` clips per
+  training digit, each on its own path, and one per held-out digit;
 - scikit-image's bundled photos (up to 1411x1411) with a short caption, which exercise the
   processor's resize-to-budget path.
 The last `heldout` digits (images and clips made from them) are kept out of training for
@@ -103,16 +104,18 @@ def _photos() -> list[dict]:
 
 
 def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max_digits: int | None = None,
-                     photos: bool = True) -> dict:
+                     photos: bool = True, train_clips: int = 2) -> dict:
     """Write `<out_dir>/media/{train,heldout}.parquet` and `media.json`; returns the info.
-    max_digits: use only the first that many digits after shuffling (quick tests). A rerun
-    with the same settings finds media.json and does nothing."""
+    max_digits: use only the first that many digits after shuffling (quick tests). train_clips:
+    clips per training digit (each drifts along its own random path; a digit has three images,
+    so with 1 clips are a quarter of the examples and learned last). A rerun with the same
+    settings finds media.json and does nothing."""
     from sklearn.datasets import load_digits
 
     root = Path(out_dir) / MEDIA_DIR
     info_path = root / "media.json"
     settings = {"heldout": heldout, "seed": seed, "sizes": list(DIGIT_SIZES), "max_digits": max_digits,
-                "photos": photos, "version": 2}
+                "photos": photos, "train_clips": train_clips, "version": 3}
     if info_path.exists():
         info = json.loads(info_path.read_text())
         if info.get("settings") == settings:
@@ -123,6 +126,8 @@ def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max
     n = len(order)
     if not 0 < heldout < n:
         raise ValueError(f"heldout must be in (0, {n}) digits, got {heldout}")
+    if not 1 <= train_clips <= 8:
+        raise ValueError(f"train_clips must be in [1, 8] clips per training digit, got {train_clips}")
     splits = {"train": order[:-heldout], "heldout": order[-heldout:]}
     root.mkdir(parents=True, exist_ok=True)
     counts = {}
@@ -133,8 +138,9 @@ def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max
             for size in DIGIT_SIZES:
                 rows.append({"kind": "image", "frames": [_png(_digit_rgb(d8, size))], "fps": 0.0,
                              "caption": f"{IMAGE_PROMPT}{label}.", "label": label})
-            rows.append({"kind": "video", "frames": [_png(f) for f in _clip(d8, rng)], "fps": CLIP_FPS,
-                         "caption": f"{VIDEO_PROMPT}{label}.", "label": label})
+            for _ in range(train_clips if split == "train" else 1):
+                rows.append({"kind": "video", "frames": [_png(f) for f in _clip(d8, rng)], "fps": CLIP_FPS,
+                             "caption": f"{VIDEO_PROMPT}{label}.", "label": label})
         if split == "train" and photos:
             rows += _photos()
         table = pa.Table.from_pylist(rows, schema=SCHEMA)

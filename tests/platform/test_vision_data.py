@@ -31,7 +31,7 @@ def encoder(media_set):
 
 def test_media_set_contents_and_rerun_is_a_no_op(media_set):
     out, info = media_set
-    assert info["counts"]["train"] == {"rows": 8 * 4 + 14, "images": 8 * 3 + 14, "videos": 8}
+    assert info["counts"]["train"] == {"rows": 8 * 5 + 14, "images": 8 * 3 + 14, "videos": 8 * 2}
     assert info["counts"]["heldout"] == {"rows": 4 * 4, "images": 12, "videos": 4}
     rows = read_vision_rows(out, "train")
     clip = next(r for r in rows if r["kind"] == "video")
@@ -107,5 +107,7 @@ def test_media_schedule_steps_slices_and_resume(media_set, encoder):
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="heldout"):
         write_vision_set(tmp_path, heldout=12, max_digits=12, photos=False)
+    with pytest.raises(ValueError, match="train_clips"):
+        write_vision_set(tmp_path, heldout=4, max_digits=12, photos=False, train_clips=0)
     with pytest.raises(ValueError, match="prepare_data.py --vision"):
         read_vision_rows(tmp_path / "none", "train")
