@@ -75,7 +75,7 @@ class K3Config:
 
     # MoE
     num_experts: int = 896
-    num_experts_per_token: int = 16
+    num_experts_per_token: int = 16  # the release's name; "k" in the routing and balancing code
     num_shared_experts: int = 2
     moe_intermediate_size: int = 3072
     moe_latent_size: int | None = 3584  # LatentMoE width; None runs experts on the full width
@@ -136,7 +136,7 @@ class K3Config:
              "moe_latent_size", f"must be None or a positive int, got {self.moe_latent_size!r}")
         if "moe" in self.mlp_types:
             need(self.num_experts_per_token < self.num_experts, "num_experts_per_token",
-                 f"top_k={self.num_experts_per_token} must be smaller than num_experts={self.num_experts}")
+                 f"must be smaller than num_experts={self.num_experts}, got {self.num_experts_per_token}")
             need(self.num_shared_experts >= 0, "num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
         need(self.attn_res_block_size is None or (isinstance(self.attn_res_block_size, int)
                                                    and self.attn_res_block_size >= 1),

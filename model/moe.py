@@ -79,7 +79,7 @@ class Router(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.top_k = cfg.num_experts_per_token
+        self.k = cfg.num_experts_per_token  # k of the routing math (platform/balance.py)
         self.num_experts = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         # Selection-only bias, set by the balancer between steps; a buffer so no optimizer sees it.
@@ -93,7 +93,7 @@ class Router(nn.Module):
         """x: [N, D] -> RouterOutput."""
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         with torch.no_grad():
-            idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
+            idx, margins = select_experts(scores.detach(), self.bias.float(), self.k)
             counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         w = scores.gather(1, idx)
         if self.cfg.moe_renormalize:

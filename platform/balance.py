@@ -105,7 +105,7 @@ def _check_scores(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
 def check_k(k: int, num_experts: int) -> None:
     """QB needs a (k+1)-th expert per token: 1 <= k < E."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < num_experts:
-        raise ValueError(f"top-k must satisfy 1 <= k < experts, got k={k!r} with {num_experts} experts")
+        raise ValueError(f"k (num_experts_per_token) must satisfy 1 <= k < experts, got k={k!r} with {num_experts} experts")
 
 
 def check_layers(num_layers: int, num_experts: int, k: int) -> None:

@@ -65,7 +65,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
     for name in PRESETS:
         cfg = get_preset(name)
         print(f"{name:22s} layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} experts={cfg.num_experts:4d} "
-              f"top_k={cfg.num_experts_per_token:2d} mla_layers={cfg.layer_types.count('mla')}")
+              f"experts_per_token={cfg.num_experts_per_token:2d} mla_layers={cfg.layer_types.count('mla')}")
     return 0
 
 
