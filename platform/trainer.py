@@ -88,6 +88,16 @@ def _fold_expert_norm(ds_optimizer, expert_sq) -> None:
     ds_optimizer.scaled_global_norm = scaled_global_norm
 
 
+def initial_model(cfg, mcfg, ep_rank: int, ep_size: int, device: torch.device):
+    """This rank's model before training: cfg.init_from's weights (streamed: only this rank's
+    experts are read; with the vision tower when the checkpoint has one, as mcfg says), or the
+    preset initialised from cfg.seed."""
+    if cfg.init_from:
+        return load_pretrained(cfg.init_from, dtype=torch.float32, device=str(device), ep_rank=ep_rank,
+                               ep_size=ep_size, vision=mcfg.vision_config is not None)
+    return build_model(mcfg, ep_rank, ep_size, seed=cfg.seed, device=str(device))
+
+
 @dataclass
 class StepResult:
     """What one optimizer step measured (the same on every rank unless noted)."""
@@ -124,11 +134,7 @@ class Trainer:
         cfg = self.cfg
         mcfg = cfg.model_cfg()
         wait_for_extension_locks()  # DeepSpeed may build an op below: never on a dead build's lock
-        if cfg.init_from:  # streamed: this rank reads only its own experts' tensors
-            model = load_pretrained(cfg.init_from, dtype=torch.float32, device=str(self.device), ep_rank=self.ep_rank,
-                                    ep_size=self.ep_size)
-        else:
-            model = build_model(mcfg, self.ep_rank, self.ep_size, seed=cfg.seed, device=str(self.device))
+        model = initial_model(cfg, mcfg, self.ep_rank, self.ep_size, self.device)
         model.model.gradient_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)
         self.ep = apply_expert_parallel(model, ep_group, edp_group, self.world)

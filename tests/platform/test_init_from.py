@@ -43,3 +43,24 @@ def test_release_loading_places_experts_as_training_does(ep_rank):
     shard_experts(b, ep_rank, 4)
     ranges = [[(l.mlp.experts.first, l.mlp.experts.count) for l in m.model.layers if l.is_moe] for m in (a, b)]
     assert ranges[0] == ranges[1] and ranges[0][0] == (ep_rank * 4, 4)
+
+
+def test_init_from_a_vision_language_directory_keeps_the_tower(tmp_path):
+    """A k3 model directory with a vision tower starts training whole (tower and projector
+    included), not as its language model alone."""
+    import torch
+
+    from k3.model import K3ForConditionalGeneration, get_preset
+    from k3.model.pretrained import save_model_dir
+    from k3.platform.ep import build_model
+    from k3.platform.trainer import initial_model
+
+    src = build_model(get_preset("k3-tiny-vl"), seed=3)
+    save_model_dir(src, tmp_path)
+    tc = TrainConfig(init_from=str(tmp_path))
+    model = initial_model(tc, tc.model_cfg(), 0, 1, torch.device("cpu"))
+    assert isinstance(model, K3ForConditionalGeneration)
+    want = src.state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want) and any(k.startswith("vision_tower.") for k in got)
+    assert all(torch.equal(got[k], want[k].float()) for k in want)
