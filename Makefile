@@ -42,7 +42,7 @@ lint: $(STAMP)
 
 test: $(STAMP) $(PROM_DIR)/.installed
 	.ci/lint-imports
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 bench: $(STAMP)
 	$(BIN)/python jobs/bench_model.py

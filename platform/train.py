@@ -168,19 +168,109 @@ def log_line(r, step: int, total: int, tps: float, elapsed_s: float, steps_done:
             f"{r.grad_norm:.3f}  {mv}  eta {int(eta) // 60}m{int(eta) % 60:02d}s")
 
 
+class StepData:
+    """What each step of one worker trains on: its split of the token shards in a fixed order per
+    epoch (so a resumed run sees the same batches) and, for a multimodal preset, image/video
+    examples on the steps `MediaSchedule` names. `batch(step)` -> a raw batch for `make_batch`."""
+
+    def __init__(self, trainer, shard, start_step: int) -> None:
+        import ray.data
+
+        cfg = trainer.cfg
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        self.shard, self.micro_batch, self.seed = shard, cfg.micro_batch, cfg.seed
+        self.per_epoch = shard.count() // cfg.micro_batch
+        if self.per_epoch == 0:
+            raise ValueError(f"worker {trainer.rank}: too few sequences for one micro batch of {cfg.micro_batch}")
+        self.media = trainer.media_schedule() if trainer.multimodal and cfg.text_every > 1 else None
+        text_steps = self.media.text_steps_before(start_step) if self.media else start_step
+        self.epoch, pos = divmod(text_steps, self.per_epoch)
+        self._text = self._epoch(self.epoch, skip=pos)
+
+    def _epoch(self, epoch: int, skip: int):
+        it = self.shard.iter_torch_batches(batch_size=self.micro_batch, drop_last=True,
+                                           local_shuffle_buffer_size=4 * self.micro_batch,
+                                           local_shuffle_seed=self.seed * 1000 + epoch, dtypes=torch.long)
+        for i, b in enumerate(it):
+            if i >= skip:
+                yield b
+
+    def batch(self, step: int) -> dict:
+        if self.media is not None and not self.media.is_text_step(step):
+            return {"examples": self.media.examples(step)}
+        try:
+            return next(self._text)
+        except StopIteration:
+            self.epoch += 1
+            self._text = self._epoch(self.epoch, skip=0)
+            return next(self._text)
+
+
+class StepLog:
+    """One worker's record of the run: the history (kept in checkpoints), one log line per
+    `log_every` steps (rank 0), the metrics and checkpoints handed to `ray.train.report`."""
+
+    def __init__(self, trainer, start_step: int, history: list[dict]) -> None:
+        from .metrics import TrainMetrics
+
+        self.trainer, self.cfg, self.rank = trainer, trainer.cfg, trainer.rank
+        self.start_step, self.history = start_step, history
+        self.metrics = TrainMetrics(enabled=self.rank == 0)
+        self.t_start = self.t_last = time.perf_counter()
+        self.tokens, self.compute_s, self.wait_s = 0, 0.0, 0.0  # since the last report
+
+    def record(self, step: int, r, epoch: int) -> None:
+        """After step `step` (from 0) returned `r`: history, and at an interval a log line, a
+        report and (every checkpoint_every steps and at the end) a checkpoint."""
+        import ray.train
+
+        cfg = self.cfg
+        self.history.append({"step": step + 1, "loss": r.loss, "maxvio": r.maxvio, "tokens": r.tokens, "lr": r.lr,
+                             "grad_norm": r.grad_norm, "step_s": r.step_s, "wait_s": r.wait_s,
+                             "all_to_all_s": r.all_to_all_s,
+                             # router bias spread per MoE layer after the step (`k3 report` plots it)
+                             "bias_spread": r.extra.get("bias_spread", [])})
+        self.tokens += r.tokens
+        self.compute_s += r.step_s - r.wait_s
+        self.wait_s += r.wait_s
+        last = step + 1 == cfg.steps
+        save = (step + 1) % cfg.checkpoint_every == 0 or last
+        if not ((step + 1) % cfg.log_every == 0 or last or save):
+            return
+        now = time.perf_counter()
+        tps = self.tokens / (now - self.t_last)
+        report = {"step": step + 1, "loss": r.loss, "lr": r.lr, "tokens_per_s": tps, "grad_norm": r.grad_norm,
+                  "maxvio_mean": sum(r.maxvio) / len(r.maxvio) if r.maxvio else 0.0, "maxvio": r.maxvio,
+                  **self.trainer.balance.metrics(self.trainer.model), "epoch": epoch, "compute_s": self.compute_s,
+                  "coordinator_wait_s": self.wait_s, "all_to_all_s": r.all_to_all_s}
+        if self.rank == 0:
+            print(log_line(r, step + 1, cfg.steps, tps, now - self.t_start, step + 1 - self.start_step), flush=True)
+        self.t_last, self.tokens, self.compute_s, self.wait_s = now, 0, 0.0, 0.0
+        checkpoint, tmp = None, None
+        if save:
+            t_ck = time.perf_counter()
+            tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{self.rank}-"))
+            self.trainer.save(tmp, {"step": step + 1, "history": self.history},
+                              tokenizer=Path(cfg.data) / "tokenizer.json")
+            report["checkpoint_s"] = time.perf_counter() - t_ck
+            checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
+        self.metrics.update(report)
+        ray.train.report(report, checkpoint=checkpoint)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
+    """What each Ray Train worker runs: process group, Trainer (resumed from the latest
+    checkpoint after a restart), then one train_step per step until cfg.steps."""
     import deepspeed
-    import ray
-    import ray.data
     import ray.train
 
     from .extensions import wait_for_extension_locks
-    from .metrics import TrainMetrics
     from .trainer import Trainer
 
     _quiet_worker_logs()
     cfg = TrainConfig(**loop_config["config"])
-    splits = loop_config["splits"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("K3_THREADS_PER_WORKER", "1"))))
@@ -188,7 +278,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.use_gpu else torch.device("cpu")
     trainer = Trainer(cfg, rank, world, device).build()
-
     start_step, history = 0, []
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -196,73 +285,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
             st = trainer.load(Path(d))
             start_step, history = st["step"], st["history"]
     trainer.start()
-
-    # Data: this worker's split, a fixed order per epoch, so a resumed run sees the same batches.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    shard = splits[rank]
-    per_epoch = shard.count() // cfg.micro_batch
-    if per_epoch == 0:
-        raise ValueError(f"worker {rank}: too few sequences for one micro batch of {cfg.micro_batch}")
-
-    def batches(epoch: int, skip: int):
-        it = shard.iter_torch_batches(batch_size=cfg.micro_batch, drop_last=True,
-                                      local_shuffle_buffer_size=4 * cfg.micro_batch,
-                                      local_shuffle_seed=cfg.seed * 1000 + epoch, dtypes=torch.long)
-        for i, b in enumerate(it):
-            if i >= skip:
-                yield b
-
-    media = trainer.media_schedule() if trainer.multimodal and cfg.text_every > 1 else None
-    metrics = TrainMetrics(enabled=rank == 0)
-    epoch, pos = divmod(media.text_steps_before(start_step) if media else start_step, per_epoch)
-    data = batches(epoch, pos)
-    t_start = t_last = time.perf_counter()
-    tokens_since, compute_s, wait_s = 0, 0.0, 0.0
+    data = StepData(trainer, loop_config["splits"][rank], start_step)
+    log = StepLog(trainer, start_step, history)
     for step in range(start_step, cfg.steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
             os._exit(1)  # fault drill: the restarted group resumes from the last checkpoint
-        if media is not None and not media.is_text_step(step):
-            raw = {"examples": media.examples(step)}
-        else:
-            try:
-                raw = next(data)
-            except StopIteration:
-                epoch += 1
-                data = batches(epoch, 0)
-                raw = next(data)
-        r = trainer.train_step(trainer.make_batch(raw), step)
-        history.append({"step": step + 1, "loss": r.loss, "maxvio": r.maxvio, "tokens": r.tokens, "lr": r.lr,
-                        "grad_norm": r.grad_norm, "step_s": r.step_s, "wait_s": r.wait_s,
-                        "all_to_all_s": r.all_to_all_s,
-                        # router bias spread per MoE layer after the step (`k3 report` plots it)
-                        "bias_spread": r.extra.get("bias_spread", [])})
-        tokens_since += r.tokens
-        compute_s += r.step_s - r.wait_s
-        wait_s += r.wait_s
-        last = step + 1 == cfg.steps
-        save = (step + 1) % cfg.checkpoint_every == 0 or last
-        if not ((step + 1) % cfg.log_every == 0 or last or save):
-            continue
-        now = time.perf_counter()
-        tps = tokens_since / (now - t_last)
-        report = {"step": step + 1, "loss": r.loss, "lr": r.lr, "tokens_per_s": tps, "grad_norm": r.grad_norm,
-                  "maxvio_mean": sum(r.maxvio) / len(r.maxvio) if r.maxvio else 0.0, "maxvio": r.maxvio,
-                  **trainer.balance.metrics(trainer.model), "epoch": epoch, "compute_s": compute_s,
-                  "coordinator_wait_s": wait_s, "all_to_all_s": r.all_to_all_s}
-        if rank == 0:
-            print(log_line(r, step + 1, cfg.steps, tps, now - t_start, step + 1 - start_step), flush=True)
-        t_last, tokens_since, compute_s, wait_s = now, 0, 0.0, 0.0
-        checkpoint, tmp = None, None
-        if save:
-            t_ck = time.perf_counter()
-            tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{rank}-"))
-            trainer.save(tmp, {"step": step + 1, "history": history}, tokenizer=Path(cfg.data) / "tokenizer.json")
-            report["checkpoint_s"] = time.perf_counter() - t_ck
-            checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
-        metrics.update(report)
-        ray.train.report(report, checkpoint=checkpoint)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        r = trainer.train_step(trainer.make_batch(data.batch(step)), step)
+        log.record(step, r, data.epoch)
 
 
 def summarize(history: list[dict]) -> dict:
