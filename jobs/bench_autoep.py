@@ -17,7 +17,11 @@ LatentMoE weights on the same tokens
 
 and prints the largest absolute and relative differences of the outputs and of the gradients
 (input, router, latent projections, experts) between (a), (b) and the single-device LatentMoE,
-plus the median forward+backward time per call of (a) and (b).
+plus the median forward+backward time per call of (a) and (b). Then (`autoep_under_zero`) the
+adapter inside a model handed to `deepspeed.initialize` with ZeRO-1 and ZeRO-2 and an active
+gradient clip: whether DeepSpeed's expert handling turns on, its gradient norm against the norm
+over every parameter computed by hand, and the parameters after one step against the
+single-device layer stepped by hand.
 
 It also records where AutoEP's own entry points refuse LatentMoE (`autoep_refusals`): the
 preset parser that `deepspeed.initialize` runs, and the load-balancing `expert_bias`. The
@@ -245,6 +249,57 @@ def _time(runs: dict, names: list[str], x, gy, repeats: int) -> dict[str, float]
     return {n: statistics.median(v) for n, v in ts.items()}
 
 
+ZERO_CLIP = 0.05  # far below the probe's gradient norm (~46), so the clip is active
+ZERO_LR = 0.5
+
+
+def _zero_step(rank: int, cfg: K3Config, seed: int, stage: int, tokens: int) -> dict:
+    """The adapter inside a model handed to deepspeed.initialize (ZeRO `stage`, client SGD,
+    gradient clipping on): one step on each rank's tokens against the single-device layer
+    stepped by hand with the data-parallel mean gradient and one global clip."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    ref = build_layer(cfg, seed)
+    auto = AutoEPLatentMoE(copy.deepcopy(ref), 2, rank)
+    model = nn.ModuleDict({"mlp": auto})
+    xs = [torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(3000 + r)) for r in range(2)]
+    gys = [torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(4000 + r)) for r in range(2)]
+    # DeepSpeed splits expert parameters into their own groups only for an optimizer it builds.
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "k3"})
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(groups, lr=ZERO_LR),
+        config={"train_micro_batch_size_per_gpu": 1, "gradient_clipping": ZERO_CLIP,
+                "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+                "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}})
+    engine.backward((engine.module["mlp"](xs[rank]) * gys[rank]).sum())
+    engine.step()
+    for r in range(2):  # the data-parallel mean of the two ranks' losses
+        (ref(xs[r])[0] * gys[r]).sum().div(2).backward()
+    norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters() if p.grad is not None)))
+    factor = min(1.0, ZERO_CLIP / (norm + 1e-6))
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= ZERO_LR * factor * p.grad
+    n = cfg.num_experts // 2
+    sl = slice(rank * n, (rank + 1) * n)
+    ex = auto.layer.experts
+    pairs = {"w_gate": (ex.w1, ref.experts.w_gate[sl]), "w_up": (ex.w3, ref.experts.w_up[sl]),
+             "w_down": (ex.w2, ref.experts.w_down[sl]),
+             "router": (auto.layer.router.inner.gate.weight, ref.gate.weight),
+             "latent_down": (auto.latent_down.weight, ref.latent_down.weight),
+             "shared_gate": (auto.shared_experts.gate_proj.weight, ref.shared_experts.gate_proj.weight)}
+    w = ex.w1.detach().contiguous()
+    both = [torch.empty_like(w) for _ in range(2)]
+    dist.all_gather(both, w)
+    return {"deepspeed_moe_handling": bool(engine.has_moe_layers),
+            "deepspeed_grad_norm": float(engine.get_global_grad_norm()), "hand_grad_norm": norm,
+            "clip_factor": factor, "experts_kept_apart": not torch.equal(both[0], both[1]),
+            "param_after_step_max_abs_diff": max(float((a.detach() - b).abs().max()) for a, b in pairs.values())}
+
+
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
@@ -298,7 +353,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         report[f"{a}_vs_{b}"] = {"out": _diff(ya, yb), "input_grad": _diff(dxa, dxb),
                                  **{k: _diff(ga[k], gb[k]) for k in ga}}
     timing = _time(runs, ["k3", "autoep"], x, gy, args.repeats)
-    torch.save({"report": report, "timing": timing}, os.path.join(out, f"rank{rank}.pt"))
+    zero = {f"stage{st}": _zero_step(rank, cfg, args.seed, st, 64) for st in (1, 2)}
+    torch.save({"report": report, "timing": timing, "zero": zero}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
 
 
@@ -341,6 +397,7 @@ def main() -> None:
         "exactness": exact,
         "fwd_bwd_ms": {k: round(v * 1e3, 2) for k, v in timing.items()},
         "autoep_over_k3": round(timing["autoep"] / timing["k3"], 3),
+        "autoep_under_zero": ranks[0]["zero"],
         "autoep_refusals": refusals,
     }))
 
