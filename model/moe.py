@@ -153,7 +153,10 @@ class Experts(nn.Module):
             if n:
                 outs.append(self.expert(e, xs[start:start + n]))
             start += n
-        ys = torch.cat(outs) if outs else xs.new_zeros(0, x.shape[-1])
+        # No row for any local expert (routing collapsed onto other ranks' experts): run one on the
+        # empty batch anyway, so the result stays in the autograd graph of x and the weights and
+        # every rank runs the same backward collectives (a fresh zero tensor cut that graph).
+        ys = torch.cat(outs) if outs else self.expert(0, xs)
         return torch.empty_like(ys).index_copy(0, order, ys)
 
     def padded(self, x: torch.Tensor, local_ids: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
