@@ -8,22 +8,28 @@ no balancing; at the demo's learning rate and at twice it. Per run: final loss, 
 per step split into compute, expert all-to-all and coordinator wait (steps after the first 5),
 and per-layer MaxVio (mean over the second half). Beside it, the fair-random noise floor: the
 MaxVio that routing each token to k distinct experts uniformly at random gives for the same
-tokens per step (Monte Carlo), which no bias solved from another batch can beat.
+tokens per step (Monte Carlo), and, per layer of each Quantile Balancing run's final model, the
+fixed-bias floor: the MaxVio on held-out step-sized batches of the bias solved to its fixed point
+on 16 other such batches. Tokens of one sequence are not independent, so loads vary from batch to
+batch more than the fair-random floor says; no bias fixed before its batch is seen (the rule
+DESIGN.md sets for QB: a bias applies to the next batch only) gets much below that floor.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 
 import ray
 import torch
 
-from k3.platform.data import prepare
+from k3.platform.balance import solve_batch
+from k3.platform.data import prepare, read_manifest
 from k3.platform.launch import fit
 from k3.platform.local_ray import init_local_ray
-from k3.platform.train import TrainConfig
+from k3.platform.train import TrainConfig, load_checkpoint_model
 
 
 def random_routing_floor(n_tokens: int, num_experts: int, k: int, draws: int = 200, seed: int = 0) -> float:
@@ -35,6 +41,47 @@ def random_routing_floor(n_tokens: int, num_experts: int, k: int, draws: int = 2
         loads = torch.bincount(idx.reshape(-1), minlength=num_experts).double()
         out.append(float(loads.max() / loads.mean() - 1))
     return statistics.mean(out)
+
+
+def step_batches(data: str, micro_batch: int, workers: int, n: int, seed: int = 1) -> list[torch.Tensor]:
+    """n batches [workers * micro_batch, T + 1] made as the job makes a step's: worker w draws
+    micro_batch sequences from a window of 4 micro_batch consecutive ones of its split (Ray
+    Data's local shuffle buffer over the stream order)."""
+    import pyarrow.parquet as pq
+
+    rows = torch.tensor([r for p in read_manifest(data).shard_paths(data)
+                         for r in pq.read_table(p).column("tokens").to_pylist()])
+    splits = rows[:len(rows) - len(rows) % workers].chunk(workers)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        parts = []
+        for split in splits:
+            start = int(torch.randint(0, len(split) - 4 * micro_batch, (1,), generator=g))
+            window = split[start:start + 4 * micro_batch]
+            parts.append(window[torch.randperm(len(window), generator=g)[:micro_batch]])
+        out.append(torch.cat(parts))
+    return out
+
+
+@torch.no_grad()
+def fixed_bias_floor(checkpoint: str, batches: list[torch.Tensor], k: int, pool: int = 16) -> list[float]:
+    """Per MoE layer: mean MaxVio over batches[pool:] of the bias solved (to its fixed point) on
+    the router scores of batches[:pool] together, for the checkpoint's model."""
+    model = load_checkpoint_model(checkpoint)
+    scores = [[r.scores.double() for r in model.model(b, collect_router=True)[1]] for b in batches]
+    floors = []
+    for layer in range(len(scores[0])):
+        fit_on = torch.cat([s[layer] for s in scores[:pool]])
+        step = fit_on.shape[1] // math.gcd(fit_on.shape[1], k)  # solve_batch needs N k / E whole
+        bias, _ = solve_batch(fit_on[:len(fit_on) - len(fit_on) % step], k, max_iters=30)
+        vio = []
+        for s in scores[pool:]:
+            idx = (s[layer] + bias).topk(k, dim=1).indices
+            loads = torch.bincount(idx.reshape(-1), minlength=s[layer].shape[1]).double()
+            vio.append(float(loads.max() / loads.mean() - 1))
+        floors.append(round(statistics.mean(vio), 3))
+    return floors
 
 
 def plot(out: dict, path: str) -> None:
@@ -54,6 +101,10 @@ def plot(out: dict, path: str) -> None:
                 mv = r["maxvio_second_half_per_layer"]
                 method = label.split(", lr")[0]
                 ax.plot(range(1, len(mv) + 1), mv, marker="o", color=color[method], label=method)
+                if "fixed_bias_floor_per_layer" in r:
+                    fl = r["fixed_bias_floor_per_layer"]
+                    ax.plot(range(1, len(fl) + 1), fl, color="grey", ls="--", marker="x",
+                            label="fixed-bias floor (QB's final model)")
         ax.set_xticks(range(1, max(len(r["maxvio_second_half_per_layer"]) for r in out["runs"].values()) + 1))
         ax.axhline(out["noise_floor_maxvio"], color="k", ls="--", lw=1, label="fair-random floor")
         ax.axhline(2 * out["noise_floor_maxvio"], color="k", ls=":", lw=1, label="2x floor")
@@ -94,7 +145,8 @@ with tempfile.TemporaryDirectory() as storage:
         cfg = TrainConfig(data=args.data, storage_path=storage, name=f"bench{i}", steps=args.steps, num_workers=2,
                           ep_size=2, micro_batch=args.micro_batch, lr=lr, log_every=10, checkpoint_every=args.steps,
                           seed=0, balance={"method": method})
-        h = fit(cfg)["history"]
+        summary = fit(cfg)
+        h = summary["history"]
         timed = h[5:]
         step_s = statistics.mean(x["step_s"] for x in timed)
         half = h[len(h) // 2:]
@@ -112,6 +164,12 @@ with tempfile.TemporaryDirectory() as storage:
             "maxvio_second_half_worst": max(per_layer),
             "worst_over_floor": round(max(per_layer) / out["noise_floor_maxvio"], 2),
         }
+        if method == "quantile_hist":
+            floor = fixed_bias_floor(summary["checkpoint"], step_batches(args.data, args.micro_batch, 2, 24),
+                                     mcfg.num_experts_per_token)
+            out["runs"][f"{names[method]}, lr {lr:g}"] |= {
+                "fixed_bias_floor_per_layer": floor,
+                "over_fixed_bias_floor_per_layer": [round(a / b, 2) for a, b in zip(per_layer, floor)]}
         print(json.dumps({k: v for k, v in out["runs"][f"{names[method]}, lr {lr:g}"].items()}), flush=True)
 ray.shutdown()
 if args.plot:
