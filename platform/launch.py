@@ -55,11 +55,7 @@ def fit(cfg: TrainConfig) -> dict:
            "PYTHONUNBUFFERED": "1",
            # one line per log interval: Ray Train's print patch both tees a worker's print to stdout
            # and logs it to the console, so every line came twice
-           "RAY_TRAIN_ENABLE_PRINT_PATCH": os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH", "0"),
-           # each warning once per worker from the interpreter's start: a filter set later in the
-           # training thread is undone when another thread leaves a warnings.catch_warnings block
-           # (DeepSpeed's deprecated all_gather_into_tensor warning came every step)
-           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "once")}
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")}
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
     trainer = TorchTrainer(

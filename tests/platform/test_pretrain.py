@@ -3,7 +3,6 @@ resume, `ray job submit`, and configs rejected before any worker starts."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -39,20 +38,6 @@ def run(ray_local, data_dir, tmp_path, name, **kw):
     fields = {"num_workers": 2, "micro_batch": 4, "log_every": 1, "seed": 0, **kw}
     cfg = TrainConfig(data=str(data_dir), storage_path=str(tmp_path), name=name, **fields)
     return fit(cfg)
-
-
-def warning_counts(logs: str) -> dict[str, int]:
-    """Warning lines of a job's log by message (worker prefix dropped), counting Ray's
-    "[repeated Nx across cluster]" as N."""
-    counts: dict[str, int] = {}
-    for line in logs.splitlines():
-        if "Warning:" not in line:
-            continue
-        message = re.sub(r"\x1b\[[0-9;]*m", "", line).split(") ", 1)[-1]
-        times = re.search(r"\[repeated (\d+)x across cluster\]", message)
-        message = re.sub(r"\s*\[repeated \d+x across cluster\]", "", message)
-        counts[message] = counts.get(message, 0) + (int(times.group(1)) if times else 1)
-    return counts
 
 
 def losses(summary):
@@ -125,8 +110,6 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, 
         vals = [float(line.split("loss")[1].split()[0]) for line in steps]
         assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
         assert len(steps) == 4 == len(set(steps)), f"one line per interval (steps 3, 6, 9, 12) expected:\n{steps}"
-        for message, times in warning_counts(logs).items():  # once per worker at most
-            assert times <= 2, f"warning printed {times} times: {message}"
         assert "summary " in logs and "sample:" in logs
 
 
