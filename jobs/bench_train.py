@@ -25,7 +25,7 @@ import tempfile
 import ray
 import torch
 
-from k3.platform.balance import solve_batch
+from k3.platform.balance import expert_loads, max_violation, route, solve_batch
 from k3.platform.data import prepare, read_manifest
 from k3.platform.launch import fit
 from k3.platform.local_ray import init_local_ray
@@ -75,11 +75,7 @@ def fixed_bias_floor(checkpoint: str, batches: list[torch.Tensor], k: int, pool:
         fit_on = torch.cat([s[layer] for s in scores[:pool]])
         step = fit_on.shape[1] // math.gcd(fit_on.shape[1], k)  # solve_batch needs N k / E whole
         bias, _ = solve_batch(fit_on[:len(fit_on) - len(fit_on) % step], k, max_iters=30)
-        vio = []
-        for s in scores[pool:]:
-            idx = (s[layer] + bias).topk(k, dim=1).indices
-            loads = torch.bincount(idx.reshape(-1), minlength=s[layer].shape[1]).double()
-            vio.append(float(loads.max() / loads.mean() - 1))
+        vio = [max_violation(expert_loads(route(s[layer], bias, k)[1], s[layer].shape[1])) for s in scores[pool:]]
         floors.append(round(statistics.mean(vio), 3))
     return floors
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 
 from k3.model import get_preset
 
@@ -64,9 +64,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("a2a")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 

@@ -5,11 +5,11 @@ previous behaviour) lets the deep layers collapse onto k experts (MaxVio = E/k -
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 
 STEPS, MICRO_BATCH, SEQ, LR = 20, 8, 64, 1e-2
 BOUND = 1.5  # per-layer MaxVio, mean over the last third of the run (collapse is 3.0)
@@ -47,9 +47,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def maxvio(tmp_path_factory):
     out = tmp_path_factory.mktemp("qb") / "maxvio.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(port, str(out)), nprocs=1, join=True)
     return torch.load(out)
 

@@ -7,12 +7,12 @@ DeepSpeed as expert-parallel parameters by attribute."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 
 from k3.platform.ep import build_model
 from k3.platform.train import TrainConfig, load_checkpoint_model
@@ -92,9 +92,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
     return out
 

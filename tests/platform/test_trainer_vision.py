@@ -7,12 +7,12 @@ and the checkpoint loads as K3ForConditionalGeneration."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_port import free_port
 
 from k3.model import K3ForConditionalGeneration
 from k3.platform.data import prepare
@@ -73,9 +73,7 @@ def run(tmp_path_factory):
     data = root / "data"
     prepare(str(corpus), data, vocab_size=300, seq_len=32, progress=False)
     write_vision_set(data, heldout=4, max_digits=16, photos=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(port, str(data), str(root)), nprocs=2, join=True)
     return root, str(data)
 
