@@ -77,6 +77,16 @@ class BalanceConfig(BaseModel):
         "a bias solved for the previous weights lets them collapse (docs/benchmarks.md, 'Quantile Balancing in "
         "the training job').",
     )
+    solve_rounds: int = Field(
+        2, ge=1, le=8,
+        description="quantile/quantile_hist in the training job, with margins_after_step: solves per step. Round 1 "
+        "solves every layer from the after-step forward; each further round sets those biases, runs the "
+        "after-step forward again and solves again. A layer's router input depends on how the layers below it "
+        "route, so a deep layer's bias solved while the shallow layers still route with last step's biases is "
+        "solved for inputs it will not see; at high learning rates that left the deep layers 2x above the "
+        "fixed-bias floor (docs/benchmarks.md). Each round is one more no-grad forward and, with the "
+        "coordinator, one more histogram round trip that the step waits on.",
+    )
     loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
     aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
 
@@ -87,6 +97,9 @@ class BalanceConfig(BaseModel):
             raise ValueError(f"fixed_range must have lo < hi, got {self.fixed_range}")
         if self.min_halfwidth > self.max_halfwidth:
             raise ValueError(f"min_halfwidth {self.min_halfwidth} > max_halfwidth {self.max_halfwidth}")
+        if self.solve_rounds > 1 and not self.margins_after_step and self.method in ("quantile", "quantile_hist"):
+            raise ValueError(f"solve_rounds={self.solve_rounds} re-runs the after-step forward: it needs "
+                             "margins_after_step=True (or solve_rounds=1)")
         return self
 
 

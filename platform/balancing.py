@@ -7,9 +7,12 @@ in `balance.METHODS`, the list the config validates against):
     check(train_cfg, model_cfg)      on the driver, before any worker starts (ValueError)
     begin_step(model) -> seconds     route this step with the bias in hand (QB: fetch it)
     extra_loss(routers) -> tensor    added to the training loss (aux_loss) or None
-    observe(model, step, routers)    QB: the margins to solve from; the Trainer passes those of a
+    observe(model, step, routers, rerun)
+                                     QB: the margins to solve from; the Trainer passes those of a
                                      no-grad forward under the updated weights when
-                                     `refreshed_margins` is True, else the training forward's
+                                     `refreshed_margins` is True (and `rerun`, that forward again
+                                     under the bias now set, for `solve_rounds` > 1), else the
+                                     training forward's
     after_step(model, step, loads)   update the bias for the next step from global loads [L, E]
 
 plus `start()` (after a resume), `state_dict()`/`load_state_dict()` and `metrics()`. A bias is
@@ -22,6 +25,11 @@ from typing import Any, ClassVar
 import torch
 
 from .balance import METHODS, BalanceConfig, Balancer, loss_free_update, switch_aux_loss
+
+
+def _rounds(config: BalanceConfig, rerun) -> int:
+    """Solves this step: config.solve_rounds when the margins can be re-run, else one."""
+    return config.solve_rounds if rerun is not None else 1
 
 
 def _bias(model) -> torch.Tensor:
@@ -57,8 +65,9 @@ class BalanceStrategy:
         """Whether `observe` wants the margins of the batch re-run under the updated weights."""
         return False
 
-    def observe(self, model, step: int, routers) -> None:
-        """Router outputs of this step's batch (see `refreshed_margins`)."""
+    def observe(self, model, step: int, routers, rerun=None) -> None:
+        """Router outputs of this step's batch (see `refreshed_margins`); `rerun()` gives them again
+        under the routers' current bias (None: the training forward's, which cannot be re-run)."""
 
     def after_step(self, model, step: int, loads: torch.Tensor) -> None:
         """loads [L, E]: tokens per expert over all workers this step."""
@@ -121,11 +130,14 @@ class QuantileExact(BalanceStrategy):
     def refreshed_margins(self) -> bool:
         return self.config.margins_after_step
 
-    def observe(self, model, step: int, routers) -> None:
-        for i, r in enumerate(routers):
-            self.balancer.observe(i, r.margins, r.counts)
-        self.balancer.step()
-        model.set_router_bias(self.balancer.bias().to(self.device))
+    def observe(self, model, step: int, routers, rerun=None) -> None:
+        for r in range(_rounds(self.config, rerun)):
+            if r:
+                routers = rerun()
+            for i, out in enumerate(routers):
+                self.balancer.observe(i, out.margins, out.counts)
+            self.balancer.step()
+            model.set_router_bias(self.balancer.bias().to(self.device))
 
     def state_dict(self) -> dict[str, Any]:
         return self.balancer.state_dict()
@@ -169,10 +181,17 @@ class QuantileHist(BalanceStrategy):
     def refreshed_margins(self) -> bool:
         return self.config.margins_after_step
 
-    def observe(self, model, step: int, routers) -> None:
-        hist = torch.stack([self.client.histogram(i, r.margins) for i, r in enumerate(routers)])
-        counts = torch.stack([r.counts for r in routers])
-        self.client.report(step, hist, counts)  # non-blocking; collected at the start of the next step
+    def observe(self, model, step: int, routers, rerun=None) -> None:
+        rounds = _rounds(self.config, rerun)
+        for r in range(rounds):
+            if r:  # the previous round's solve, waited for: the next forward routes with it
+                model.set_router_bias(self.client.fetch().bias.to(self.device))
+                routers = rerun()
+            hist = torch.stack([self.client.histogram(i, out.margins) for i, out in enumerate(routers)])
+            counts = torch.stack([out.counts for out in routers])
+            # the coordinator numbers solves, `solve_rounds` per step; the last is collected at the
+            # start of the next step, so its round trip overlaps the step's bookkeeping
+            self.client.report(step * self.config.solve_rounds + r, hist, counts)
 
     def state_dict(self) -> dict[str, Any] | None:
         import ray

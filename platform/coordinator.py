@@ -16,6 +16,12 @@ Protocol, one round per training step t, all MoE layers at once:
    of step t+1, so the round trip overlaps with whatever the worker does in between
    (`BalanceClient` does 2-4).
 
+Rounds: with BalanceConfig.solve_rounds = R > 1 a training step is R rounds of 2-3, numbered
+step * R + r: after round r is solved the workers route the same batch again with its bias and
+report round r + 1 (the last round's update routes the next step). Everything above holds per
+round; the maxvio gauge is set from the first round of each step (the bias in hand under the new
+weights), the other gauges from every round.
+
 Bin edges: the coordinator owns them. Each update carries the windows for the next step,
 centred on each expert's new selection boundary -b_e with a half-width per layer that follows
 how far the thresholds moved (BalanceConfig.range_policy); workers never derive edges themselves.
@@ -266,6 +272,10 @@ class CoordinatorCore:
         """Restore a `state_dict`; the step in flight (if any) starts over."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown coordinator state format {state.get('format')!r}")
+        rounds = int(state.get("config", {}).get("solve_rounds", 1))
+        if rounds != self.config.solve_rounds:
+            raise ValueError(f"state counts {rounds} solve round(s) per step, this coordinator "
+                             f"solve_rounds={self.config.solve_rounds}: resume with balance.solve_rounds={rounds}")
         shape = tuple(state["shape"])
         if shape != (self.num_layers, self.num_experts, self.k, self.bins):
             raise ValueError(
@@ -377,10 +387,12 @@ class BalanceCoordinator:
         await self._after_solve()
 
     async def _after_solve(self) -> None:
+        first_round = self._core.last_step % self._core.config.solve_rounds == 0
         for m in self._core.metrics()["layers"]:
             if "maxvio" in m:
                 tags = {"layer": str(m["layer"])}
-                self._g_maxvio.set(m["maxvio"], tags=tags)
+                if first_round:
+                    self._g_maxvio.set(m["maxvio"], tags=tags)
                 self._g_spread.set(m["bias_spread"], tags=tags)
         async with self._solved:
             self._solved.notify_all()

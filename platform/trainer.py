@@ -253,7 +253,8 @@ class Trainer:
         self.expert_opt.step()
         self.expert_opt.zero_grad(set_to_none=True)
         if self.balance.refreshed_margins:  # the batch's margins under the weights that will route next
-            self.balance.observe(self.model, step, self.forward_routers(batch))
+            rerun = lambda: self.forward_routers(batch)  # noqa: E731  (solve_rounds > 1: under the new bias)
+            self.balance.observe(self.model, step, rerun(), rerun)
         # Step statistics over all workers, reduced where the process group can (NCCL takes only
         # CUDA tensors), then read on the host.
         counts = (torch.stack([r.counts for r in routers]).float() if routers

@@ -36,7 +36,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     result = {}
     for after in (True, False):
         cfg = TrainConfig(num_workers=1, ep_size=1, micro_batch=MICRO_BATCH, steps=STEPS, lr=LR, warmup_steps=2,
-                          seed=0, balance={"method": "quantile", "margins_after_step": after})
+                          seed=0, balance={"method": "quantile", "margins_after_step": after,
+                                                     "solve_rounds": 2 if after else 1})
         t = Trainer(cfg, 0, 1).build()
         t.start()
         vocab = cfg.model_cfg().vocab_size
