@@ -409,3 +409,9 @@ def test_config_validation():
     with pytest.raises(ValueError):
         BalanceConfig(bins=1)
     assert BalanceConfig(**BalanceConfig(method="loss_free").model_dump()).method == "loss_free"
+    with pytest.raises(ValueError, match="solve_rounds=2 re-runs the after-step forward"):
+        BalanceConfig(margins_after_step=False)  # solve_rounds defaults to 2
+    with pytest.raises(ValueError, match="solve_rounds"):
+        BalanceConfig(solve_rounds=0)
+    assert BalanceConfig(margins_after_step=False, solve_rounds=1).solve_rounds == 1
+    assert BalanceConfig(method="loss_free", margins_after_step=False).method == "loss_free"  # rounds unused

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -211,6 +212,9 @@ def test_state_dict_round_trip_and_get_bias():
         core.get_bias(0)
     with pytest.raises(ValueError, match=r"\(layers, experts, k, bins\)"):
         CoordinatorCore(L, E, 3, {"bins": BINS}).load_state_dict(core.state_dict())
+    with pytest.raises(ValueError, match="balance.solve_rounds=2"):  # rounds are numbered per step
+        CoordinatorCore(L, E, K, {"bins": BINS, "solve_rounds": 1}).load_state_dict(core.state_dict())
+    assert restored.latest().step == 6  # the refused load changed nothing of the others
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,3 +364,57 @@ def test_actor_rejects_bad_input_without_changing_state(ray_local):
 @pytest.mark.ray
 def test_local_ray_stays_on_loopback(ray_local):
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+
+
+class RoundsModel:
+    """Stands in for the model in QuantileHist.observe: MoE layer l's scores for the step's batch
+    depend on the bias layer l - 1 routes with (as a deep router's input depends on how the layers
+    below it route), so a second round moves the deep layers' solve."""
+
+    def __init__(self):
+        self.bias = torch.zeros(L, E)
+
+    def set_router_bias(self, bias):
+        self.bias = bias.clone()
+
+    def routers(self, step: int, bias: torch.Tensor) -> list:
+        out = []
+        for layer in range(L):
+            shift = 4.0 * bias[layer - 1].roll(1) if layer else 0.0
+            scores = torch.sigmoid(torch.logit(worker_scores(0, step, layer)) + shift)
+            margins, idx = route(scores, bias[layer], K)
+            out.append(SimpleNamespace(margins=margins, counts=expert_loads(idx, E)))
+        return out
+
+
+@pytest.mark.ray
+def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(ray_local):
+    """solve_rounds=2: per step the strategy reports round 1, routes the same batch with its solve,
+    reports round 2 and leaves that for the next step; the biases equal the single-process
+    Balancer solving twice per step on the same re-routed batches, and differ from one round."""
+    from k3.platform.balancing import QuantileHist
+
+    config = BalanceConfig(bins=BINS, solve_rounds=2)
+    coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, k=K, config=config, world_size=1)
+    try:
+        strategy = QuantileHist(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
+        strategy.start()
+        model, bal, once = RoundsModel(), Balancer(config, L, E, K), Balancer(config, L, E, K)
+        for step in range(6):
+            strategy.begin_step(model)
+            assert torch.equal(model.bias, bal.bias()), f"step {step}"
+            strategy.observe(model, step, model.routers(step, model.bias),
+                             lambda: model.routers(step, model.bias))
+            for _ in range(2):
+                for layer, r in enumerate(model.routers(step, bal.bias())):
+                    bal.observe(layer, r.margins, r.counts)
+                bal.step()
+            for layer, r in enumerate(model.routers(step, once.bias())):
+                once.observe(layer, r.margins, r.counts)
+            once.step()
+        assert ray.get(coord.metrics.remote())["step"] == 2 * 6 - 1
+        strategy.begin_step(model)
+        assert torch.equal(model.bias, bal.bias())
+        assert not torch.allclose(bal.bias()[1], once.bias()[1], atol=1e-3)  # the rounds did change layer 1
+    finally:
+        ray.kill(coord)
