@@ -148,6 +148,7 @@ def _quiet_worker_logs() -> None:
     import warnings
 
     warnings.simplefilter("once")
+    _show_each_warning_once(warnings)
     names = ["deepspeed", "DeepSpeed"]
     try:  # Ray Train logs every report's whole metrics dict at INFO, on a logger named by its file path
         from ray.train.v2._internal.execution import context as train_context
@@ -157,6 +158,26 @@ def _quiet_worker_logs() -> None:
         pass
     for name in names:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _show_each_warning_once(warnings) -> None:
+    """A filter of "once" is not enough: every `warnings.catch_warnings()` block that exits resets
+    what "once" remembers, and libraries open such blocks every step (torch.distributed's
+    deprecated all_gather_into_tensor, which DeepSpeed's ZeRO step calls, warned at every log
+    interval). So the display itself remembers what it has shown."""
+    show = warnings.showwarning
+    if getattr(show, "k3_once", False):
+        return
+    seen: set[tuple] = set()
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        key = (str(message), category, filename, lineno)
+        if key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    show_once.k3_once = True
+    warnings.showwarning = show_once
 
 
 def log_line(r, step: int, total: int, tps: float, elapsed_s: float, steps_done: int) -> str:

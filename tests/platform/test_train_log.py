@@ -20,3 +20,27 @@ def test_ray_train_report_dumps_are_quiet():
 
     _quiet_worker_logs()
     assert logging.getLogger(context.__file__).getEffectiveLevel() >= logging.WARNING
+
+
+def test_a_warning_repeated_every_step_is_shown_once():
+    """Libraries open `warnings.catch_warnings()` every step, and each block that exits resets the
+    "once" filter; the worker's log still shows each warning once (the old filter showed it 3x)."""
+    import subprocess
+    import sys
+
+    code = """
+import warnings
+from k3.platform.train import _quiet_worker_logs
+_quiet_worker_logs()
+_quiet_worker_logs()  # a second call (a restarted loop) keeps one wrapper
+def step(i):
+    with warnings.catch_warnings():
+        pass
+    warnings.warn("`all_gather_into_tensor` is deprecated", FutureWarning)
+    warnings.warn(f"step {i} is new", UserWarning)
+for i in range(3):
+    step(i)
+"""
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stderr
+    assert err.count("is deprecated") == 1, err
+    assert [f"step {i} is new" in err for i in range(3)] == [True] * 3, err
