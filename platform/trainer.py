@@ -208,15 +208,21 @@ class Trainer:
         return self.engine(batch["input_ids"], labels=batch["labels"], collect_router=True, **media)
 
     @torch.no_grad()
-    def forward_routers(self, batch: dict[str, torch.Tensor]) -> list:
-        """Router outputs of the batch under the current weights, without the LM head or loss
-        (what balancing solves from after the optimizer step). A media batch's placeholders get
-        the tower's rows, as in the training forward: the routers see what they will route."""
+    def router_pass(self, batch: dict[str, torch.Tensor]):
+        """A function that runs the batch's router outputs under the current weights and biases,
+        without the LM head or loss (what balancing solves from after the optimizer step; each
+        solve round calls it again). A media batch's placeholders get the tower's rows, as in the
+        training forward, encoded once here: the routers see what they will route."""
         embeds = None
         if "pixel_values" in batch:
             rows = torch.cat(self.model.encode_media(batch["pixel_values"], batch["grid_thws"]))
             embeds = self.model.splice(batch["input_ids"], rows)
-        return self.model.model(batch["input_ids"], collect_router=True, inputs_embeds=embeds)[1]
+
+        @torch.no_grad()
+        def run() -> list:
+            return self.model.model(batch["input_ids"], collect_router=True, inputs_embeds=embeds)[1]
+
+        return run
 
     # -- one step -------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -253,7 +259,7 @@ class Trainer:
         self.expert_opt.step()
         self.expert_opt.zero_grad(set_to_none=True)
         if self.balance.refreshed_margins:  # the batch's margins under the weights that will route next
-            rerun = lambda: self.forward_routers(batch)  # noqa: E731  (solve_rounds > 1: under the new bias)
+            rerun = self.router_pass(batch)
             self.balance.observe(self.model, step, rerun(), rerun)
         # Step statistics over all workers, reduced where the process group can (NCCL takes only
         # CUDA tensors), then read on the host.

@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, data: str, out: str) -> None:
     with torch.no_grad():  # the margins QB solves from see the media rows, as the training forward does
         full = t.engine(media_batch["input_ids"], media_batch["pixel_values"], media_batch["grid_thws"],
                         collect_router=True).router
-    after = t.forward_routers(media_batch)
+    after = t.router_pass(media_batch)()
     routers_match = all(torch.allclose(a.margins, b.margins, atol=1e-5) for a, b in zip(after, full))
     g = torch.Generator().manual_seed(rank)
     text_batch = t.make_batch({"tokens": torch.randint(7, 300, (2, 33), generator=g)})
