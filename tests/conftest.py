@@ -6,12 +6,17 @@ otherwise exit 0, and CI would count it green).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated: set it before any test imports k3,
 # so the Triton tests run in the interpreter on a machine without a GPU (tests/kernel_cases.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One DeepSpeed extensions directory for the whole session (what `make test` exports), so each op
+# (the CPU shm all-reduce, cpu_adam) compiles once, ~2 min each on 2 cores, whichever test is first:
+# in-process tests, spawned processes, Ray Train workers and `ray job submit` jobs all inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 _passed = 0
 

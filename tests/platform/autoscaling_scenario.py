@@ -43,7 +43,7 @@ p.add_argument("--data", required=True)
 p.add_argument("--work", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--idle-timeout-min", type=float, default=0.2)
-p.add_argument("--steps", type=int, default=12)
+p.add_argument("--steps", type=int, default=8)
 args = p.parse_args()
 work = Path(args.work)
 work.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ try:
     entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data,
              "--num-workers", "2", "--ep-size", "2",
              "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch", "4", "--log-every", "2",
-             "--checkpoint-every", "6", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
+             "--checkpoint-every", "4", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
              "--sample", "0"]
     with NodeWatch() as w:
         job = head.submit_job(entry, working_dir=REPO, echo=False)

@@ -44,11 +44,21 @@ def losses(summary):
     return torch.tensor([h["loss"] for h in summary["history"]])
 
 
-def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path, ds_env):
-    a = run(ray_local, data_dir, tmp_path, "ep1", ep_size=1, steps=5, checkpoint_every=5)
-    b = run(ray_local, data_dir, tmp_path, "ep2", ep_size=2, steps=5, checkpoint_every=5)
+# One run serves two tests: the ep_size=2 run compared with ep_size=1 is also the uninterrupted
+# run the crashed one must reproduce (every Ray Train run costs ~1 min of worker start-up and
+# teardown on a 2-core machine, against ~2 s a step). Same steps and checkpoints in all three.
+RUN = dict(steps=8, checkpoint_every=4)
+
+
+@pytest.fixture(scope="module")
+def ep2_run(ray_local, data_dir, tmp_path_factory, ds_env):
+    return run(ray_local, data_dir, tmp_path_factory.mktemp("ep2"), "ep2", ep_size=2, **RUN)
+
+
+def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path, ds_env, ep2_run):
+    a, b = run(ray_local, data_dir, tmp_path, "ep1", ep_size=1, **RUN), ep2_run
     la, lb = losses(a), losses(b)
-    assert len(la) == len(lb) == 5
+    assert len(la) == len(lb) == RUN["steps"]
     rel = ((la - lb).abs() / la.abs()).max().item()
     assert rel <= 1e-4, f"ep_size 1 vs 2 losses differ by {rel:.2e} relative: {la.tolist()} vs {lb.tolist()}"
     # the checkpoint loads as one single-process model holding every expert
@@ -56,12 +66,12 @@ def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path
     assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
 
 
-def test_worker_failure_restarts_from_checkpoint_and_reproduces_the_run(ray_local, data_dir, tmp_path, ds_env):
-    kw = dict(ep_size=2, steps=10, checkpoint_every=4, max_failures=1)
-    clean = run(ray_local, data_dir, tmp_path, "clean", **kw)
-    crashed = run(ray_local, data_dir, tmp_path, "crash", fail_at_step=6, **kw)  # rank 1 dies at step 6
-    lc, lx = losses(clean), losses(crashed)
-    assert [h["step"] for h in crashed["history"]] == list(range(1, 11)), "steps lost or repeated"
+def test_worker_failure_restarts_from_checkpoint_and_reproduces_the_run(ray_local, data_dir, tmp_path, ds_env,
+                                                                        ep2_run):
+    # rank 1 dies at step 6 (from 0): the group restarts from the step-4 checkpoint and redoes 5-8
+    crashed = run(ray_local, data_dir, tmp_path, "crash", ep_size=2, max_failures=1, fail_at_step=6, **RUN)
+    lc, lx = losses(ep2_run), losses(crashed)
+    assert [h["step"] for h in crashed["history"]] == list(range(1, RUN["steps"] + 1)), "steps lost or repeated"
     rel = ((lc - lx).abs() / lc.abs()).max().item()
     assert rel <= 1e-4, f"resumed losses differ from the uninterrupted run by {rel:.2e}: {lx.tolist()} vs {lc.tolist()}"
     assert lx[-1] < lx[0]
@@ -99,17 +109,17 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, 
     # ray_local holds Ray's default ports (a test session's own Ray, as on a user's machine): the
     # head must come up beside it and take jobs anyway.
     with LocalRayHead(num_cpus=2, workdir=tmp_path / "ray") as head:
-        entry = ["python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "12", "--micro-batch", "4",
-                 "--log-every", "3", "--checkpoint-every", "12", "--storage-path", str(tmp_path), "--name",
+        entry = ["python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "8", "--micro-batch", "4",
+                 "--log-every", "2", "--checkpoint-every", "8", "--storage-path", str(tmp_path), "--name",
                  "submitted", "--sample", "8", "--lr", "3e-3"]
         job = head.submit_job(entry, working_dir=REPO, echo=False)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-3000:]
         assert "succeeded" in logs.lower()
-        steps = [line for line in logs.splitlines() if "loss" in line and "step " in line and "/12" in line]
+        steps = [line for line in logs.splitlines() if "loss" in line and "step " in line and "/8 " in line]
         vals = [float(line.split("loss")[1].split()[0]) for line in steps]
         assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
-        assert len(steps) == 4 == len(set(steps)), f"one line per interval (steps 3, 6, 9, 12) expected:\n{steps}"
+        assert len(steps) == 4 == len(set(steps)), f"one line per interval (steps 2, 4, 6, 8) expected:\n{steps}"
         assert "summary " in logs and "sample:" in logs
 
 
