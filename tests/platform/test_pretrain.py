@@ -121,6 +121,10 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, 
         assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
         assert len(steps) == 4 == len(set(steps)), f"one line per interval (steps 2, 4, 6, 8) expected:\n{steps}"
         assert "summary " in logs and "sample:" in logs
+        # DeepSpeed's ZeRO step calls a deprecated torch.distributed function every step: its
+        # warning is shown once per worker (2), not at every interval
+        warned = [line for line in logs.splitlines() if "FutureWarning" in line]
+        assert len(warned) <= 2, "a warning came more than once per worker:\n" + "\n".join(warned)
 
 
 
