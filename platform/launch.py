@@ -46,10 +46,6 @@ def fit(cfg: TrainConfig) -> dict:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    # Ray Data's V2 Parquet reader lists the files through a pool of 32 footer-reader actors (32
-    # Python processes) on every read: 8-12 s of a run on a 2-core machine, 100 s on the local
-    # autoscaling cluster. The V1 reader gives the same rows in the same order in ~1 s.
-    ctx.use_datasource_v2 = False
     manifest = read_manifest(cfg.data)
     splits = ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers, equal=True)
 
