@@ -77,6 +77,22 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+PORT_NAMES = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+              "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
+              "ray-client-server-port")
+# What a Ray process logs when the port it was given is taken by then (a port free when it was
+# picked can be handed to another process's socket before Ray binds it, on a busy machine).
+PORT_TAKEN = "Failed to start the grpc server"
+
+
+def _pick_ports() -> dict[str, int]:
+    return {name: free_port() for name in PORT_NAMES}
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
 class LocalRayHead:
     """A Ray cluster on 127.0.0.1 owned by this process: one node, or an autoscaling one.
 
@@ -116,10 +132,7 @@ class LocalRayHead:
         # Ray on the machine the way /tmp/ray/session_latest is.
         self.temp_dir = Path(tempfile.gettempdir()) / f"k3r-{secrets.token_hex(4)}"
         self.log_path = self.workdir / "ray.log"
-        self.ports = {name: free_port() for name in (
-            "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-            "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
-            "ray-client-server-port")}
+        self.ports = _pick_ports()
         self.env = {**os.environ, **(env or {}), "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
                     LOOPBACK_ENV: "0", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
@@ -165,11 +178,30 @@ class LocalRayHead:
             args += ["--resources", json.dumps(head)]
         return args
 
-    def start(self) -> "LocalRayHead":
+    def start(self, attempts: int = 3) -> "LocalRayHead":
+        """Start the head and wait for its job server; a start that loses one of its ports to
+        another process is retried on fresh ports (`attempts` starts in all)."""
         if self.proc is not None or self.pid is not None:
             raise RuntimeError("this LocalRayHead is already started")
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                self.proc = self.pid = None
+                self.ports = _pick_ports()
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+    def _port_taken(self) -> bool:
+        """Whether a Ray process of this start (not of an earlier attempt) logged a taken port."""
+        new = [d for d in self.temp_dir.glob("session_2*") if d not in self._earlier_sessions]
+        return any(PORT_TAKEN in f.read_text(errors="replace") for d in new for f in (d / "logs").glob("*.out"))
+
+    def _start_once(self) -> "LocalRayHead":
         self.token_path.write_text(secrets.token_hex(32))
         self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self._earlier_sessions = set(self.temp_dir.glob("session_2*"))
         cmd = [*self.ray_cli, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(self.num_cpus),
                "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
@@ -183,6 +215,9 @@ class LocalRayHead:
         self.pid = self.proc.pid
         try:
             self._wait_ready()
+        except _PortTaken:  # a head that never came up has nothing to shut down gracefully
+            self.stop(grace_s=0)
+            raise
         except BaseException:
             self.stop()
             raise
@@ -192,6 +227,8 @@ class LocalRayHead:
         deadline = time.time() + self.start_timeout_s
         agent = self.ports["dashboard-agent-listen-port"]
         while True:
+            if self._port_taken():
+                raise _PortTaken(f"a Ray process of this head found its port taken; see {self.session_dir / 'logs'}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`ray start` exited with {self.proc.returncode}; see {self.log_path}:\n"
                                    + self.log_path.read_text()[-2000:])
@@ -259,13 +296,13 @@ class LocalRayHead:
             return False
         return True
 
-    def stop(self) -> None:
-        """SIGTERM to the head's process group (SIGKILL to what is left after 60 s); a no-op when
-        nothing of it runs."""
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to the head's process group (SIGKILL to what is left after `grace_s`); a no-op
+        when nothing of it runs."""
         if not self.alive():
             return
         os.killpg(self.pid, signal.SIGTERM)
-        deadline = time.time() + 60
+        deadline = time.time() + grace_s
         while self.alive() and time.time() < deadline:
             time.sleep(0.5)
         if self.alive():

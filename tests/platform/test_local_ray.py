@@ -1,4 +1,5 @@
-"""LocalRayHead's set-up, without starting Ray (the start itself is proven by the job-submit test)."""
+"""LocalRayHead: its set-up without starting Ray, and a start that loses a port (the ordinary
+start is proven by the job-submit test)."""
 from __future__ import annotations
 
 import pytest
@@ -37,3 +38,19 @@ def test_autoscaling_head_points_the_provider_at_its_own_gcs(tmp_path):
     again = LocalRayHead.from_state({**head.state(), "pid": None})
     assert again.gcs_address == head.gcs_address and again.session_dir == head.session_dir
     assert not again.alive()
+
+
+def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(tmp_path):
+    """A port free when it was picked can be taken by another process before Ray binds it (seen
+    on a busy machine: the raylet could not start its server and `ray start` timed out)."""
+    import socket
+
+    head = LocalRayHead(num_cpus=1, workdir=tmp_path)
+    taken = head.ports["node-manager-port"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        with head:
+            assert head.alive() and head.ports["node-manager-port"] != taken
+            assert head.ray("job", "list", "--address", head.address).returncode == 0
+    assert not head.alive()
