@@ -183,6 +183,8 @@ class LocalRayHead:
         another process is retried on fresh ports (`attempts` starts in all)."""
         if self.proc is not None or self.pid is not None:
             raise RuntimeError("this LocalRayHead is already started")
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {attempts!r}")
         for attempt in range(attempts):
             try:
                 return self._start_once()
@@ -191,7 +193,7 @@ class LocalRayHead:
                     raise
                 self.proc = self.pid = None
                 self.ports = _pick_ports()
-        raise ValueError(f"attempts must be >= 1, got {attempts}")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _port_taken(self) -> bool:
         """Whether a Ray process of this start (not of an earlier attempt) logged a taken port."""

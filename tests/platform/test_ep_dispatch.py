@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from free_port import free_port
+from k3.platform.local_ray import free_port
 
 from k3.model import get_preset
 

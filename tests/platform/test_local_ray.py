@@ -54,3 +54,11 @@ def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(tmp_path):
             assert head.alive() and head.ports["node-manager-port"] != taken
             assert head.ray("job", "list", "--address", head.address).returncode == 0
     assert not head.alive()
+
+
+@pytest.mark.parametrize("attempts", [0, -1, 1.5, True])
+def test_bad_attempt_count_is_refused_before_anything_starts(tmp_path, attempts):
+    head = LocalRayHead(num_cpus=1, workdir=tmp_path)
+    with pytest.raises(ValueError, match="attempts"):
+        head.start(attempts=attempts)
+    assert head.pid is None and not head.alive()

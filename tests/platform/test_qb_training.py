@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from free_port import free_port
+from k3.platform.local_ray import free_port
 
 STEPS, MICRO_BATCH, SEQ, LR = 20, 8, 64, 4e-2
 BOUND = 1.0  # per-layer MaxVio, mean over the last third of the run (collapse is 3.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from free_port import free_port
+from k3.platform.local_ray import free_port
 
 from k3.platform.ep import build_model
 from k3.platform.train import TrainConfig, load_checkpoint_model

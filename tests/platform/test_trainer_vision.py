@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from free_port import free_port
+from k3.platform.local_ray import free_port
 
 from k3.model import K3ForConditionalGeneration
 from k3.platform.data import prepare
