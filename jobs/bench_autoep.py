@@ -8,7 +8,7 @@ model's MoE blocks inside `deepspeed.initialize`. This probe asks whether it can
 expert-parallel layer. Two processes (gloo, ep_size 2, one torch thread each) run the same
 LatentMoE weights on the same tokens
 
-  (a) through k3's own route: model/moe.py's LatentMoE with platform/ep.py's all-to-all
+  (a) through k3's own route: model/moe.py's LatentMoE with platform/train/expert_parallel.py's all-to-all
       dispatcher installed on rank r's experts [r E/2, (r+1) E/2);
   (b) through AutoEPMoELayer inside a k3 adapter (`AutoEPLatentMoE` below): latent down-projection
       before it, RMSNorm + up-projection and the shared experts after it, SiTU-GLU registered
@@ -167,8 +167,8 @@ class AutoEPLatentMoE(nn.Module):
 
 
 def k3_ep_moe(moe: LatentMoE, ep_group, ep_size: int, ep_rank: int) -> LatentMoE:
-    """The same layer on k3's route: this rank's experts and platform/ep.py's dispatcher."""
-    from k3.platform.ep import AllToAllDispatch
+    """The same layer on k3's route: this rank's experts and platform/train/expert_parallel.py's dispatcher."""
+    from k3.platform.train.expert_parallel import AllToAllDispatch
 
     out = copy.deepcopy(moe)
     E = moe.cfg.num_experts
@@ -197,7 +197,7 @@ def autoep_refusals(cfg: K3Config) -> dict[str, str]:
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
-    from k3.platform.ep import build_model
+    from k3.platform.train.expert_parallel import build_model
 
     out = {}
     model = build_model(cfg.replace(num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"]))
@@ -307,7 +307,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from k3.platform.ep import ep_groups
+    from k3.platform.train.expert_parallel import ep_groups
 
     deepspeed.init_distributed(dist_backend="gloo")
     ep = 2

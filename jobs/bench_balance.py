@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from k3.platform.balance import (
+from k3.platform.balance.quantile import (
     BalanceConfig,
     Balancer,
     exact_thresholds,

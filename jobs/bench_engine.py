@@ -178,7 +178,7 @@ def handoff() -> dict:
     """Export (prefill-only) and import time and bytes per prompt length, and the object store trip."""
     import ray
 
-    from k3.platform.local_ray import init_local_ray
+    from k3.platform.ops.local_ray import init_local_ray
 
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
     out: dict = {}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from k3.platform.local_ray import free_port, init_local_ray
+from k3.platform.ops.local_ray import free_port, init_local_ray
 from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,8 +57,8 @@ def tokenizer_path(workdir: Path) -> str:
     (the tiny preset's 4096-token vocabulary; a few seconds)."""
     if args.model_path:
         return str(Path(args.model_path) / "tokenizer.json")
-    from k3.platform.corpus import stdlib_corpus
-    from k3.platform.tokenizer import train_bpe
+    from k3.platform.train.corpus import stdlib_corpus
+    from k3.model.tokenizer import train_bpe
 
     path = workdir / "tokenizer.json"
     train_bpe(stdlib_corpus(3_000_000).texts(), vocab_size=4096).save(str(path))

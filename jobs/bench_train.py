@@ -25,11 +25,11 @@ import tempfile
 import ray
 import torch
 
-from k3.platform.balance import expert_loads, max_violation, route, solve_batch
-from k3.platform.data import prepare, read_manifest
-from k3.platform.launch import fit
-from k3.platform.local_ray import init_local_ray
-from k3.platform.train import TrainConfig, load_checkpoint_model
+from k3.platform.balance.quantile import expert_loads, max_violation, route, solve_batch
+from k3.platform.train.data import prepare, read_manifest
+from k3.platform.train.launch import fit
+from k3.platform.ops.local_ray import init_local_ray
+from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 
 
 def random_routing_floor(n_tokens: int, num_experts: int, k: int, draws: int = 200, seed: int = 0) -> float:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.platform.local_ray import LocalRayHead
+from k3.platform.ops.local_ray import LocalRayHead
 
 REPO = Path(__file__).resolve().parents[1]
 

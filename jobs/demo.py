@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.platform.local_ray import LocalRayHead
+from k3.platform.ops.local_ray import LocalRayHead
 from k3.platform.ops.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def serve_demo(head: LocalRayHead, run_dir: Path) -> int:
     """5. Serve the trained checkpoint disaggregated and stream one chat answer through `openai`."""
-    from k3.platform.local_ray import LOOPBACK_ENV
+    from k3.platform.ops.local_ray import LOOPBACK_ENV
 
     # This driver joins the cluster as its workers do: loopback kept (Ray would swap 127.0.0.1 for
     # the outward address) and the cluster's auth token; set before Ray is imported.
@@ -39,8 +39,8 @@ def serve_demo(head: LocalRayHead, run_dir: Path) -> int:
     import ray
     from ray import serve
 
-    from k3.platform.export import export_model, latest_checkpoint
-    from k3.platform.local_ray import free_port
+    from k3.platform.train.export import export_model, latest_checkpoint
+    from k3.platform.ops.local_ray import free_port
     from k3.serve.builder import build_pd_app
 
     model_dir = export_model(latest_checkpoint(run_dir), run_dir / "model")

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from k3.model import K3ForConditionalGeneration
-from k3.platform.data import read_manifest
-from k3.platform.tokenizer import load_tokenizer
-from k3.platform.train import load_checkpoint_model
-from k3.platform.vision_data import ExampleEncoder, classify_digits, read_vision_rows
+from k3.platform.train.data import read_manifest
+from k3.model.tokenizer import load_tokenizer
+from k3.platform.train.worker import load_checkpoint_model
+from k3.platform.train.vision_data import ExampleEncoder, classify_digits, read_vision_rows
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--checkpoint", required=True, help="a training checkpoint directory (jobs/pretrain.py)")

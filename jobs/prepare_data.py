@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from k3.platform.data import prepare
+from k3.platform.train.data import prepare
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--input", default="bundled", help="corpus: 'bundled', a directory, a .jsonl or a .parquet file")
@@ -39,7 +39,7 @@ print(("wrote" if wrote else "up to date:") + f" {manifest.num_sequences} sequen
       f"{len(manifest.shards)} shards in {args.out}", file=sys.stderr)
 out = asdict(manifest)
 if args.vision:
-    from k3.platform.vision_data import write_vision_set
+    from k3.platform.train.vision_data import write_vision_set
 
     try:
         out["media"] = write_vision_set(args.out, heldout=args.heldout_digits, train_clips=args.train_clips)

@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from k3.platform.balance import METHODS
-from k3.platform.local_ray import init_local_ray
-from k3.platform.train import TrainConfig, load_checkpoint_model
+from k3.platform.balance.quantile import METHODS
+from k3.platform.ops.local_ray import init_local_ray
+from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
@@ -82,14 +82,14 @@ print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_s
 import ray  # noqa: E402
 import ray.train  # noqa: E402
 
-from k3.platform.launch import fit  # noqa: E402
+from k3.platform.train.launch import fit  # noqa: E402
 
 if os.environ.get("RAY_ADDRESS"):
     ray.init()
 else:
     init_local_ray()  # a private one on loopback, never a stale `ray start` cluster
 
-# 3. Train: coordinator, Ray Data splits, TorchTrainer (k3.platform.launch.fit).
+# 3. Train: coordinator, Ray Data splits, TorchTrainer (k3.platform.train.launch.fit).
 try:
     summary = fit(cfg)
 except (ValueError, RuntimeError) as e:
@@ -103,7 +103,7 @@ if args.summary_json:
     Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")
 if args.sample:
     from k3.model import SamplingConfig, generate
-    from k3.platform.tokenizer import load_tokenizer
+    from k3.model.tokenizer import load_tokenizer
 
     with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
         model = load_checkpoint_model(d)

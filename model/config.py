@@ -244,7 +244,7 @@ def _k3_tiny() -> K3Config:
 
 def _k3_tiny_vl() -> K3Config:
     # k3-tiny with a MoonViT-V2 tower, every vision feature on. The placeholder id is
-    # `<|media_pad|>` in tokenizers trained by k3.platform.tokenizer (its 7th special token).
+    # `<|media_pad|>` in tokenizers trained by k3.model.tokenizer (its 7th special token).
     return _k3_tiny().replace(vision_config=tiny_vision(128), media_placeholder_token_id=6)
 
 

@@ -79,7 +79,7 @@ class Router(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.k = cfg.num_experts_per_token  # k of the routing math (platform/balance.py)
+        self.k = cfg.num_experts_per_token  # k of the routing math (platform/balance/quantile.py)
         self.num_experts = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         # Selection-only bias, set by the balancer between steps; a buffer so no optimizer sees it.
@@ -108,7 +108,7 @@ PADDED_MAX_ROWS = 1024
 class Experts(nn.Module):
     """Routed experts [first, first + count) of E, as stacked weights: gate/up [count, I, D_e],
     down [count, D_e, I]. A single device holds all E; under expert parallelism each rank builds
-    only its own range, and `dispatch` (set from outside, e.g. k3.platform.ep) moves tokens to
+    only its own range, and `dispatch` (set from outside, e.g. k3.platform.train.expert_parallel) moves tokens to
     the rank that owns their expert and back."""
 
     def __init__(self, cfg: K3Config, dim: int, layer_idx: int = 0, first: int = 0, count: int | None = None) -> None:

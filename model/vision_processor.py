@@ -294,7 +294,7 @@ def media_token_ids(token_to_id: Callable[[str], int | None]) -> dict[str, int]:
     ids = {name: token_to_id(tok) for name, tok in zip(("begin", "content", "end", "pad"), MEDIA_TOKENS)}
     missing = [MEDIA_TOKENS[i] for i, v in enumerate(ids.values()) if v is None]
     if missing:
-        raise ValueError(f"tokenizer has no media special tokens {missing} (train it with k3.platform.tokenizer)")
+        raise ValueError(f"tokenizer has no media special tokens {missing} (train it with k3.model.tokenizer)")
     return ids
 
 

@@ -6,7 +6,7 @@
     SamplingParams(..., stop=template.stop)        # the turn ends at <|im_end|>
 
 Templates are Jinja strings, as in Hugging Face checkpoints (`chat_template` in
-tokenizer_config.json, stored and loaded by `k3.platform.tokenizer`), rendered in Jinja's
+tokenizer_config.json, stored and loaded by `k3.model.tokenizer`), rendered in Jinja's
 immutable sandbox: a template comes with a checkpoint, which may come from anyone, and must not
 reach Python internals. A template sees `messages` (dicts with `role` and `content`, the content
 a string or a list of part dicts), `add_generation_prompt`, and `raise_exception(msg)` to refuse a
@@ -26,7 +26,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from k3.platform.tokenizer import load_chat_template, save_chat_template
+from k3.model.tokenizer import load_chat_template, save_chat_template
 
 from .errors import OpenAIError
 from .protocol import ChatMessage

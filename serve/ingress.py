@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from k3.platform.metrics import ServeMetrics
+from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.chat import ChatTemplate
 from k3.serve.config import LLMServingConfig
 from k3.serve.engine import RequestFailed, RequestOutput

@@ -28,7 +28,7 @@ import torch
 
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
 from k3.model.hf_k3 import load_pretrained, pretrained_config
-from k3.platform.metrics import ServeMetrics
+from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes

@@ -40,7 +40,7 @@ def ray_local():
     Never `ray stop`: it kills every Ray process on the machine, not only this session's.
     """
     ray = pytest.importorskip("ray")
-    from k3.platform.local_ray import init_local_ray
+    from k3.platform.ops.local_ray import init_local_ray
 
     if ray.is_initialized():  # someone else's session: use it as it is
         yield ray

@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = (
-    "import platform, sysconfig, k3.platform.cli as cli; "
+    "import platform, sysconfig, k3.platform.ops.cli as cli; "
     "assert platform.__file__.startswith(sysconfig.get_paths()['stdlib']), platform.__file__; "
     "assert platform.system() and platform.python_version(); "
     "print(platform.__file__, cli.__file__)"
@@ -41,8 +41,8 @@ ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address=
 @ray.remote
 def probe():
     import os, platform
-    import k3.platform.cli as cli
-    return platform.__file__, cli.__name__, os.path.exists("platform/cli.py")
+    import k3.platform.ops.cli as cli
+    return platform.__file__, cli.__name__, os.path.exists("platform/ops/cli.py")
 
 print("RESULT", ray.get(probe.remote(), timeout=180))
 ray.shutdown()
@@ -53,4 +53,4 @@ ray.shutdown()
     stdlib_file, cli_name, cwd_is_repo = eval(line[len("RESULT "):])
     assert cwd_is_repo, "the task did not run inside the uploaded working dir"
     assert stdlib_file.endswith("platform.py") and "site-packages" not in stdlib_file
-    assert cli_name == "k3.platform.cli"
+    assert cli_name == "k3.platform.ops.cli"

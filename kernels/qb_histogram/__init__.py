@@ -1,7 +1,7 @@
 """QB margin histogram: per-expert counts of router margins in fixed bins.
 
 Quantile Balancing sums these histograms over data-parallel workers and scans each expert's
-row from the top until q = N k / E tokens are reached (k3.platform.balance). The public op is
+row from the top until q = N k / E tokens are reached (k3.platform.balance.quantile). The public op is
 `qb_histogram`; `naive_qb_histogram` is the readable reference with the same signature. CUDA
 tensors run the Triton kernel (triton.py), CPU tensors the torch path (cpu.py).
 """

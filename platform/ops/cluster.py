@@ -115,7 +115,7 @@ def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE,
        autoscaler_update_s: int = 5) -> dict:
     """Start the local autoscaling head (returns its state, also written to `state_path`); refused
     while a head recorded there still runs."""
-    from k3.platform.local_ray import LocalRayHead
+    from k3.platform.ops.local_ray import LocalRayHead
 
     state_path = Path(state_path).resolve()  # the token path in the state must not depend on the cwd
     if state_path.exists():
@@ -133,7 +133,7 @@ def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE,
 
 def recorded_head(state_path: str | os.PathLike = DEFAULT_STATE):
     """A handle on the head `k3 cluster up` recorded in state_path (ValueError when there is none)."""
-    from k3.platform.local_ray import LocalRayHead
+    from k3.platform.ops.local_ray import LocalRayHead
 
     p = Path(state_path)
     if not p.exists():

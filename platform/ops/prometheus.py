@@ -106,7 +106,7 @@ class Prometheus:
 
     def __init__(self, session_dir: str | os.PathLike, workdir: str | os.PathLike, scrape_interval_s: float = 5.0,
                  port: int | None = None, start_timeout_s: float = 60.0):
-        from k3.platform.local_ray import free_port
+        from k3.platform.ops.local_ray import free_port
 
         if scrape_interval_s <= 0:
             raise ValueError(f"scrape_interval_s must be > 0, got {scrape_interval_s}")

@@ -41,11 +41,11 @@ def test_kimi_linear_preset_equals_transformers_on_meta():
 
 
 def test_cli_params_json():
-    out = subprocess.run([sys.executable, "-m", "k3.platform.cli", "params", "--preset", "k3", "--json"],
+    out = subprocess.run([sys.executable, "-m", "k3.platform.ops.cli", "params", "--preset", "k3", "--json"],
                          capture_output=True, text=True, check=True, cwd=REPO)
     d = json.loads(out.stdout)
     assert d["preset"] == "k3" and abs(d["total"] / 2.779e12 - 1) < 0.005
     assert "input embedding" in d["note"]
-    bad = subprocess.run([sys.executable, "-m", "k3.platform.cli", "params", "--preset", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "k3.platform.ops.cli", "params", "--preset", "nope"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode != 0 and "nope" in bad.stderr

@@ -12,7 +12,7 @@ from PIL import Image
 from k3.model.vision_processor import (
     MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ProcessorConfig, VisionProcessor, encode_interleaved, fit_size,
 )
-from k3.platform.tokenizer import special_ids, train_bpe
+from k3.model.tokenizer import special_ids, train_bpe
 
 
 def encoded(arr: np.ndarray, fmt: str = "PNG", **kw) -> bytes:

@@ -10,7 +10,7 @@ On cluster/local-autoscaling.yaml (idle timeout shortened): start the autoscalin
 Prometheus scraping it; submit the pretraining job with more workers than the head holds and watch
 worker nodes come; wait until they go; deploy a Serve app whose autoscaling asks for more replicas
 than the head holds (k3's disaggregated Serve app on k3-tiny, whose replicas export the
-k3_serve_* metrics of k3.platform.metrics.SERVE_METRICS) and make requests over HTTP; evaluate every panel query of the
+k3_serve_* metrics of k3.platform.ops.metrics.SERVE_METRICS) and make requests over HTTP; evaluate every panel query of the
 shipped dashboards (cluster/grafana/*.json) through Prometheus's HTTP API; write `k3 report` for
 the run; stop everything it started. The observations go to --out as JSON; the test asserts.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from k3.platform.local_ray import LocalRayHead, free_port
+from k3.platform.ops.local_ray import LocalRayHead, free_port
 from k3.platform.ops.dashboards import RATE, panel_queries
 from k3.platform.ops.prometheus import Prometheus
 from k3.platform.ops.report import write_report
@@ -127,7 +127,7 @@ try:
     import ray._private.ray_constants as ray_constants
     from ray import serve
 
-    ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 (see k3.platform.local_ray.init_local_ray)
+    ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 (see k3.platform.ops.local_ray.init_local_ray)
     ray.init(address=head.gcs_address, _node_ip_address="127.0.0.1", log_to_driver=False)
     result["nodes_at_start"] = alive_nodes()
 

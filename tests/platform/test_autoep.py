@@ -29,7 +29,7 @@ from k3.jobs.bench_autoep import (  # noqa: E402
     build_layer,
     register_situ_glu,
 )
-from k3.platform.ep import build_model  # noqa: E402
+from k3.platform.train.expert_parallel import build_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

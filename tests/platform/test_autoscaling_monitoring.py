@@ -8,7 +8,7 @@ gets a worker node; every panel query of both shipped dashboards returns data th
 Prometheus's HTTP API while that happens.
 
 The serving dashboard is checked with the k3_serve_* metrics emitted by real ray.util.metrics
-objects built from k3.platform.metrics.SERVE_METRICS inside a small Serve deployment of the
+objects built from k3.platform.ops.metrics.SERVE_METRICS inside a small Serve deployment of the
 scenario's own (the k3 Serve app is not on this branch): switch it to the real app once it is.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from k3.platform.data import prepare
+from k3.platform.train.data import prepare
 
 # 5 min on a 2-core machine at load 15, 15 min at load 60-118; the scenario is bounded at 1500 s
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1700)]

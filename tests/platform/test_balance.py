@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance import (
+from k3.platform.balance.quantile import (
     BalanceConfig,
     Balancer,
     adaptive_gain,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3.platform.cli import main
+from k3.platform.ops.cli import main
 from k3.platform.ops.cluster import load_autoscaling_config, load_cloud_config
 from k3.platform.ops.kuberay import load_manifest, rayservice_manifest, serve_config_v2
 

@@ -11,8 +11,8 @@ import ray.cloudpickle
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance import BalanceConfig, Balancer, expert_loads, route
-from k3.platform.coordinator import BiasUpdate, CoordinatorCore
+from k3.platform.balance.quantile import BalanceConfig, Balancer, expert_loads, route
+from k3.platform.balance.coordinator import BiasUpdate, CoordinatorCore
 
 L, E, K, BINS, N = 2, 8, 2, 32, 48
 POPULARITY = torch.linspace(-1.0, 1.0, E) * 1.5  # skewed experts, so the biases have work to do
@@ -220,7 +220,7 @@ def test_state_dict_round_trip_and_get_bias():
 # ---------------------------------------------------------------------------------------------
 # Under Ray
 
-from k3.platform.coordinator import BalanceClient, get_or_create_coordinator  # noqa: E402
+from k3.platform.balance.coordinator import BalanceClient, get_or_create_coordinator  # noqa: E402
 
 # Ray workers cannot import this test module by name; ship its classes and helpers by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -392,7 +392,7 @@ def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(r
     """solve_rounds=2: per step the strategy reports round 1, routes the same batch with its solve,
     reports round 2 and leaves that for the next step; the biases equal the single-process
     Balancer solving twice per step on the same re-routed batches, and differ from one round."""
-    from k3.platform.balancing import QuantileHist
+    from k3.platform.balance.strategies import QuantileHist
 
     config = BalanceConfig(bins=BINS, solve_rounds=2)
     coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, k=K, config=config, world_size=1)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from k3.platform.local_ray import free_port
+from k3.platform.ops.local_ray import free_port
 
 from k3.model import get_preset
 
@@ -35,7 +35,7 @@ def _inputs(rank: int, cfg, collapse: bool):
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from k3.platform.ep import apply_expert_parallel, build_model, ep_groups, moe_layers
+    from k3.platform.train.expert_parallel import apply_expert_parallel, build_model, ep_groups, moe_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

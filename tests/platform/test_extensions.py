@@ -9,7 +9,7 @@ import threading
 import pytest
 from torch.utils.file_baton import FileBaton
 
-from k3.platform.extensions import clear_stale_extension_locks, lock_holders, wait_for_extension_locks
+from k3.platform.ops.extensions import clear_stale_extension_locks, lock_holders, wait_for_extension_locks
 
 # What torch.utils.cpp_extension does around a build: take the baton on <dir>/<name>/lock, keep it
 # open while compiling (here: sleeping), release it at the end.

@@ -8,7 +8,7 @@ import pytest
 from release_reference import tiny_release_config
 
 from k3.model.hf_k3_config import config_from_release
-from k3.platform.train import TrainConfig
+from k3.platform.train.worker import TrainConfig
 
 
 def test_init_from_replaces_the_preset(tmp_path):
@@ -35,7 +35,7 @@ def test_release_loading_places_experts_as_training_does(ep_rank):
 
     from k3.model import K3ForCausalLM, get_preset
     from k3.model.hf_k3 import keep_rank_experts
-    from k3.platform.ep import shard_experts
+    from k3.platform.train.expert_parallel import shard_experts
 
     with torch.device("meta"):
         a, b = K3ForCausalLM(get_preset("k3-tiny")), K3ForCausalLM(get_preset("k3-tiny"))
@@ -52,8 +52,8 @@ def test_init_from_a_vision_language_directory_keeps_the_tower(tmp_path):
 
     from k3.model import K3ForConditionalGeneration, get_preset
     from k3.model.pretrained import save_model_dir
-    from k3.platform.ep import build_model
-    from k3.platform.trainer import initial_model
+    from k3.platform.train.expert_parallel import build_model
+    from k3.platform.train.trainer import initial_model
 
     src = build_model(get_preset("k3-tiny-vl"), seed=3)
     save_model_dir(src, tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3.platform.local_ray import LocalRayHead
+from k3.platform.ops.local_ray import LocalRayHead
 
 
 def test_every_port_is_chosen_and_distinct(tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.platform.cli import main
-from k3.platform.local_ray import free_port
-from k3.platform.metrics import SERVE_METRICS
+from k3.platform.ops.cli import main
+from k3.platform.ops.local_ray import free_port
+from k3.platform.ops.metrics import SERVE_METRICS
 from k3.platform.ops.dashboards import (
     PENDING_PANELS, GrafanaPushError, panel_queries, push_dashboards, serving_dashboard, training_dashboard,
     write_dashboards)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.platform.data import prepare
-from k3.platform.local_ray import LocalRayHead
-from k3.platform.train import TrainConfig, load_checkpoint_model
+from k3.platform.train.data import prepare
+from k3.platform.ops.local_ray import LocalRayHead
+from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
@@ -33,7 +33,7 @@ def ds_env():
 
 
 def run(ray_local, data_dir, tmp_path, name, **kw):
-    from k3.platform.launch import fit
+    from k3.platform.train.launch import fit
 
     fields = {"num_workers": 2, "micro_batch": 4, "log_every": 1, "seed": 0, **kw}
     cfg = TrainConfig(data=str(data_dir), storage_path=str(tmp_path), name=name, **fields)

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from k3.platform.local_ray import free_port
+from k3.platform.ops.local_ray import free_port
 
 STEPS, MICRO_BATCH, SEQ, LR = 20, 8, 64, 4e-2
 BOUND = 1.0  # per-layer MaxVio, mean over the last third of the run (collapse is 3.0)
@@ -38,8 +38,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     import deepspeed
 
-    from k3.platform.train import TrainConfig
-    from k3.platform.trainer import Trainer
+    from k3.platform.train.worker import TrainConfig
+    from k3.platform.train.trainer import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")
     result = {}

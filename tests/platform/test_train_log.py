@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import logging
 
-from k3.platform.train import _quiet_worker_logs, log_line
-from k3.platform.trainer import StepResult
+from k3.platform.train.worker import _quiet_worker_logs, log_line
+from k3.platform.train.trainer import StepResult
 
 
 def test_log_line_fields():
@@ -30,7 +30,7 @@ def test_a_warning_repeated_every_step_is_shown_once():
 
     code = """
 import warnings
-from k3.platform.train import _quiet_worker_logs
+from k3.platform.train.worker import _quiet_worker_logs
 _quiet_worker_logs()
 _quiet_worker_logs()  # a second call (a restarted loop) keeps one wrapper
 def step(i):

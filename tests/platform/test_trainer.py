@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from k3.platform.local_ray import free_port
+from k3.platform.ops.local_ray import free_port
 
-from k3.platform.ep import build_model
-from k3.platform.train import TrainConfig, load_checkpoint_model
+from k3.platform.train.expert_parallel import build_model
+from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 
 CLIP = 0.05  # far below the first step's gradient norm, so the clip is active
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +38,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     import deepspeed
 
-    from k3.platform.ep import expert_parameters
-    from k3.platform.trainer import Trainer, ds_config
+    from k3.platform.train.expert_parallel import expert_parameters
+    from k3.platform.train.trainer import Trainer, ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     root = Path(out)
@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from k3.platform.ep import apply_expert_parallel, ep_groups
+    from k3.platform.train.expert_parallel import apply_expert_parallel, ep_groups
 
     groups._create_expert_and_data_parallel(2)
     cfg = _cfg(2)

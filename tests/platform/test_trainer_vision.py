@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from k3.platform.local_ray import free_port
+from k3.platform.ops.local_ray import free_port
 
 from k3.model import K3ForConditionalGeneration
-from k3.platform.data import prepare
-from k3.platform.ep import build_model
-from k3.platform.train import TrainConfig, load_checkpoint_model
-from k3.platform.vision_data import write_vision_set
+from k3.platform.train.data import prepare
+from k3.platform.train.expert_parallel import build_model
+from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.vision_data import write_vision_set
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def _worker(rank: int, port: int, data: str, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from k3.platform.trainer import Trainer
+    from k3.platform.train.trainer import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")
     t = Trainer(_cfg(data), rank, 2).build()
@@ -82,7 +82,7 @@ def test_media_step_norm_equals_the_hand_computed_norm(run):
     root, data = run
     cfg = _cfg(data)
     model = build_model(cfg.model_cfg(), seed=cfg.seed).train()
-    from k3.platform.trainer import Trainer
+    from k3.platform.train.trainer import Trainer
 
     losses = []
     for rank in range(2):

@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from k3.model import K3ForConditionalGeneration, get_preset
-from k3.platform.tokenizer import train_bpe
-from k3.platform.vision_data import (
+from k3.model.tokenizer import train_bpe
+from k3.platform.train.vision_data import (
     ExampleEncoder, MediaSchedule, classify_digits, collate, read_vision_rows, write_vision_set,
 )
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from k3.model import K3ForCausalLM, get_preset
-from k3.platform.corpus import stdlib_corpus
-from k3.platform.tokenizer import train_bpe
+from k3.platform.train.corpus import stdlib_corpus
+from k3.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def serve_session(ray_local):
     Tests deploy their applications under their own names and delete them."""
     from ray import serve
 
-    from k3.platform.local_ray import free_port
+    from k3.platform.ops.local_ray import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

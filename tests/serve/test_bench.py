@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from k3.platform.local_ray import free_port
+from k3.platform.ops.local_ray import free_port
 from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_prometheus, run_benchmark,
                             run_side_by_side, summarize)
 from k3.serve.errors import OpenAIError, install_error_handlers

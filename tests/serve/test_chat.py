@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3.platform.tokenizer import load_chat_template, save_chat_template, train_bpe
+from k3.model.tokenizer import load_chat_template, save_chat_template, train_bpe
 from k3.serve.chat import DEFAULT_CHAT_TEMPLATE, TURN_END, ChatTemplate
 from k3.serve.errors import OpenAIError
 from k3.serve.protocol import ChatCompletionRequest

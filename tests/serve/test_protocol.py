@@ -408,7 +408,7 @@ def test_completion_logprobs_from_engine_entries():
 
 
 def test_logprobs_with_the_k3_tokenizer_table():
-    from k3.platform.tokenizer import train_bpe
+    from k3.model.tokenizer import train_bpe
     from k3.serve.engine.detokenizer import Detokenizer
 
     tok = train_bpe(["héllo wörld, def f(x): return x"] * 20, vocab_size=300)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from k3.model.vision_processor import MEDIA_TOKENS
+from .vision_processor import MEDIA_TOKENS
 
 # The media tokens frame images and video chunks in the K3 prompt format; `<|media_pad|>` (id 6)
 # is the placeholder the k3-tiny-vl preset's media_placeholder_token_id names.

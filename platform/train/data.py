@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from .corpus import stdlib_corpus
-from .tokenizer import SPECIAL_TOKENS, special_ids, tokenizer_hash, train_bpe
+from k3.platform.train.corpus import stdlib_corpus
+from k3.model.tokenizer import SPECIAL_TOKENS, special_ids, tokenizer_hash, train_bpe
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
 MANIFEST = "manifest.json"

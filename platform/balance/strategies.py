@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .balance import METHODS, BalanceConfig, Balancer, loss_free_update, switch_aux_loss
+from k3.platform.balance.quantile import METHODS, BalanceConfig, Balancer, loss_free_update, switch_aux_loss
 
 
 def _rounds(config: BalanceConfig, rerun) -> int:
@@ -166,7 +166,7 @@ class QuantileHist(BalanceStrategy):
     def start(self) -> None:
         import ray
 
-        from .coordinator import BalanceClient
+        from k3.platform.balance.coordinator import BalanceClient
 
         self.client = BalanceClient(ray.get_actor(self.coordinator_name), f"rank-{self.rank}")
 

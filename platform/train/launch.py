@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .balancing import strategy_class
-from .train import TrainConfig, summarize, train_loop_per_worker
+from k3.platform.balance.strategies import strategy_class
+from k3.platform.train.worker import TrainConfig, summarize, train_loop_per_worker
 
 
 def fit(cfg: TrainConfig) -> dict:
@@ -22,8 +22,8 @@ def fit(cfg: TrainConfig) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .coordinator import get_or_create_coordinator
-    from .data import read_manifest
+    from k3.platform.balance.coordinator import get_or_create_coordinator
+    from k3.platform.train.data import read_manifest
 
     cfg = cfg.model_copy(update={"storage_path": str(Path(cfg.storage_path).resolve()),
                                  "data": str(Path(cfg.data).resolve())})

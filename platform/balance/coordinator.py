@@ -9,7 +9,7 @@ Protocol, one round per training step t, all MoE layers at once:
    training job the margins are, by default, those of a no-grad forward of step t's batch under
    the weights step t produced (BalanceConfig.margins_after_step), routed with the same bias.
 3. Once every live worker has reported t, the coordinator sums the histograms, solves each layer
-   (`k3.platform.balance.hist_step`) and publishes `BiasUpdate(step=t)`: the bias and the bin
+   (`k3.platform.balance.quantile.hist_step`) and publishes `BiasUpdate(step=t)`: the bias and the bin
    windows for step t+1. Margins depend on the bias they were routed with, so a report must be
    binned with the update of step t-1; any other is refused.
 4. Right after reporting, the worker launches `wait_bias.remote(t)` and collects it at the start
@@ -51,7 +51,7 @@ import ray
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance import BalanceConfig, HistLayerState, check_layers, hist_step, max_violation
+from k3.platform.balance.quantile import BalanceConfig, HistLayerState, check_layers, hist_step, max_violation
 
 STATE_FORMAT = 1
 

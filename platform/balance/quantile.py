@@ -17,7 +17,7 @@ fixed bins, sums the histograms over workers and scans each row from the top unt
 it is within one bin of the exact solve and its traffic does not grow with the token count.
 
 Everything here works on plain tensors (scores, margins, bias, histograms), so neither the model
-nor the Ray coordinator (k3.platform.coordinator) is needed to use or test it.
+nor the Ray coordinator (k3.platform.balance.coordinator) is needed to use or test it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Distributed pretraining: the config, what each Ray Train worker runs, and checkpoints.
 
-A worker builds a `k3.platform.trainer.Trainer` (its model shard holding only its experts,
+A worker builds a `k3.platform.train.trainer.Trainer` (its model shard holding only its experts,
 DeepSpeed ZeRO-1/2 for the rest, one balancing strategy), feeds it its split of the token
 shards through Ray Data (and, for a multimodal preset, image/video examples from its slice of
 the media set on the steps `MediaSchedule` names), prints one log line per `log_every` steps and reports metrics and
@@ -13,7 +13,7 @@ registers the checkpoint only once all are persisted, so a half-written one is n
     k3/config.json              K3Config
     k3/shared.pt                every non-expert parameter and buffer (rank 0)
     k3/experts-ep{r}-of-{n}.pt  routed experts + their AdamW state of expert-parallel rank r,
-                                by full parameter name (k3.platform.ep; loads with any ep_size)
+                                by full parameter name (k3.platform.train.expert_parallel; loads with any ep_size)
     k3/state.pt                 step, losses so far, the balancing strategy's state
     k3/tokenizer.json           the tokenizer the data was made with
 """
@@ -34,11 +34,11 @@ from k3.model import K3Config, K3ForCausalLM, K3ForConditionalGeneration, get_pr
 from k3.model.config import PRESETS
 from k3.model.hf_k3 import pretrained_config
 
-from .balance import BalanceConfig
-from .balancing import strategy_class
-from .data import read_manifest
-from .ep import read_all_experts
-from .vision_data import read_vision_info
+from k3.platform.balance.quantile import BalanceConfig
+from k3.platform.balance.strategies import strategy_class
+from k3.platform.train.data import read_manifest
+from k3.platform.train.expert_parallel import read_all_experts
+from k3.platform.train.vision_data import read_vision_info
 
 
 class TrainConfig(BaseModel):
@@ -232,7 +232,7 @@ class StepLog:
     `log_every` steps (rank 0), the metrics and checkpoints handed to `ray.train.report`."""
 
     def __init__(self, trainer, start_step: int, history: list[dict]) -> None:
-        from .metrics import TrainMetrics
+        from k3.platform.ops.metrics import TrainMetrics
 
         self.trainer, self.cfg, self.rank = trainer, trainer.cfg, trainer.rank
         self.start_step, self.history = start_step, history
@@ -287,8 +287,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import deepspeed
     import ray.train
 
-    from .extensions import wait_for_extension_locks
-    from .trainer import Trainer
+    from k3.platform.ops.extensions import wait_for_extension_locks
+    from k3.platform.train.trainer import Trainer
 
     _quiet_worker_logs()
     cfg = TrainConfig(**loop_config["config"])

@@ -2,7 +2,7 @@
 `make_batch`, `train_step`, `save` and `load`.
 
 The Trainer assumes torch.distributed is initialised (Ray Train's worker, or a test's spawned
-processes) and knows nothing of Ray Data or reporting: the worker loop in k3.platform.train
+processes) and knows nothing of Ray Data or reporting: the worker loop in k3.platform.train.worker
 feeds it batches and reports what `train_step` returns.
 
 Parameters and their optimizers:
@@ -10,7 +10,7 @@ Parameters and their optimizers:
   only to modules that are its own MoE classes (tests/platform/test_trainer.py shows the
   attribute route is ignored), and its expert reduction averages over the expert-data-parallel
   group, which is ep_size times the data-parallel mean. The experts get their own AdamW and
-  `ExpertParallel.reduce_grads` (k3.platform.ep);
+  `ExpertParallel.reduce_grads` (k3.platform.train.expert_parallel);
 - everything else is DeepSpeed ZeRO-1/2's;
 - one global gradient norm over both: the experts' squared norm is folded into the norm
   DeepSpeed's optimizer computes (`_fold_expert_norm`), DeepSpeed clips its parameters by that
@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from k3.model.hf_k3 import load_pretrained
 
-from .balancing import BalanceStrategy, strategy_class
-from .data import read_manifest
-from .ep import apply_expert_parallel, build_model, ep_groups, is_expert_param, load_experts, save_experts
-from .optim import cosine_lr, param_groups
-from .tokenizer import load_tokenizer
-from .vision_data import ExampleEncoder, MediaSchedule, collate, read_vision_rows
+from k3.platform.balance.strategies import BalanceStrategy, strategy_class
+from k3.platform.train.data import read_manifest
+from k3.platform.train.expert_parallel import apply_expert_parallel, build_model, ep_groups, is_expert_param, load_experts, save_experts
+from k3.platform.train.optim import cosine_lr, param_groups
+from k3.model.tokenizer import load_tokenizer
+from k3.platform.train.vision_data import ExampleEncoder, MediaSchedule, collate, read_vision_rows
 
 
 def ds_config(cfg) -> dict:
@@ -129,7 +129,7 @@ class Trainer:
     def build(self) -> "Trainer":
         import deepspeed
 
-        from .extensions import wait_for_extension_locks
+        from k3.platform.ops.extensions import wait_for_extension_locks
 
         cfg = self.cfg
         mcfg = cfg.model_cfg()
@@ -279,7 +279,7 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, out: Path, state: dict[str, Any], tokenizer: Path | None = None) -> None:
-        """Every rank writes its part of a checkpoint under `out` (layout: k3.platform.train).
+        """Every rank writes its part of a checkpoint under `out` (layout: k3.platform.train.worker).
         `state` (rank 0): step, history, ... ; the balancing state is added here."""
         out = Path(out)
         self.engine.save_checkpoint(str(out), tag="ds")

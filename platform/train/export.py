@@ -10,7 +10,7 @@ from k3.model import save_model_dir
 
 from tokenizers import Tokenizer
 
-from .tokenizer import load_chat_template, save_chat_template, special_ids
+from k3.model.tokenizer import load_chat_template, save_chat_template, special_ids
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:
@@ -24,7 +24,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
 
 def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
     """Write the checkpoint's model (all experts, one process) as a k3 model directory."""
-    from .train import load_checkpoint_model
+    from k3.platform.train.worker import load_checkpoint_model
 
     ckpt = Path(checkpoint)
     k3dir = ckpt / "k3" if (ckpt / "k3").is_dir() else ckpt
