@@ -23,7 +23,7 @@ def test_platform_dir_has_no_init():
 def test_import_platform_from_repo_root_gives_stdlib():
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert str(REPO / "platform" / "cli.py") in out.stdout
+    assert str(REPO / "platform" / "ops" / "cli.py") in out.stdout
 
 
 @pytest.mark.ray

@@ -113,7 +113,7 @@ class LocalRayHead:
                  autoscaling_config: str | os.PathLike | None = None, autoscaler_update_s: int = 5):
         self.cluster_config = None
         if autoscaling_config is not None:
-            from .ops.cluster import load_autoscaling_config
+            from .cluster import load_autoscaling_config
 
             self.cluster_config = load_autoscaling_config(autoscaling_config)
             head = self.cluster_config["available_node_types"][self.cluster_config["head_node_type"]]
