@@ -47,6 +47,7 @@ from torch import nn
 from k3.kernels.situ_glu import situ_glu
 from k3.model.config import K3Config, get_preset
 from k3.model.moe import Experts, LatentMoE
+import k3.model
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERT_ACTIVATION = "situ_glu"
@@ -197,10 +198,8 @@ def autoep_refusals(cfg: K3Config) -> dict[str, str]:
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
-    from k3.platform.train.expert_parallel import build_model
-
     out = {}
-    model = build_model(cfg.replace(num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"]))
+    model = k3.model.build(cfg.replace(num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"]))
     try:
         AutoEP(model, parse_autoep_config({**K3_AUTOEP_PATTERN, "top_k": cfg.num_experts_per_token})).ep_parser()
         out["parser"] = "accepted"

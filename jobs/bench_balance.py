@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from k3.platform.balance.quantile import (
+from k3.platform.balance import (
     BalanceConfig,
-    Balancer,
+    make_balancer,
     exact_thresholds,
     expert_loads,
     max_violation,
@@ -110,7 +110,7 @@ def run(e: int, k: int, n: int, regime: str) -> dict:
     gen = torch.Generator().manual_seed(args.seed * 1000 + e + k + n)
     router = SyntheticRouter(e, args.dim, args.skew, args.drift_period if regime == "drift" else None, gen)
     q = n * k / e
-    balancers = {name: Balancer(cfg, 1, e, k) for name, cfg in METHODS.items() if cfg.method != "aux_loss"}
+    balancers = {name: make_balancer(cfg, 1, e, k) for name, cfg in METHODS.items() if cfg.method != "aux_loss"}
     # the aux loss can only act through router parameters: a learnable logit offset per expert
     offsets = torch.zeros(e, requires_grad=True)
     opt = torch.optim.Adam([offsets], lr=args.aux_lr)

@@ -25,11 +25,12 @@ import tempfile
 import ray
 import torch
 
-from k3.platform.balance.quantile import expert_loads, max_violation, route, solve_batch
+from k3.platform.balance import expert_loads, max_violation, route, solve_batch
 from k3.platform.train.data import prepare, read_manifest
 from k3.platform.train.launch import fit
 from k3.platform.ops.local_ray import init_local_ray
-from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.config import TrainConfig
+import k3.model
 
 
 def random_routing_floor(n_tokens: int, num_experts: int, k: int, draws: int = 200, seed: int = 0) -> float:
@@ -68,7 +69,7 @@ def step_batches(data: str, micro_batch: int, workers: int, n: int, seed: int = 
 def fixed_bias_floor(checkpoint: str, batches: list[torch.Tensor], k: int, pool: int = 16) -> list[float]:
     """Per MoE layer: mean MaxVio over batches[pool:] of the bias solved (to its fixed point) on
     the router scores of batches[:pool] together, for the checkpoint's model."""
-    model = load_checkpoint_model(checkpoint)
+    model = k3.model.load(checkpoint)
     scores = [[r.scores.double() for r in model.model(b, collect_router=True)[1]] for b in batches]
     floors = []
     for layer in range(len(scores[0])):

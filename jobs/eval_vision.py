@@ -20,8 +20,8 @@ import torch
 from k3.model import K3ForConditionalGeneration
 from k3.platform.train.data import read_manifest
 from k3.model.tokenizer import load_tokenizer
-from k3.platform.train.worker import load_checkpoint_model
 from k3.platform.train.vision_data import ExampleEncoder, classify_digits, read_vision_rows
+import k3.model
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--checkpoint", required=True, help="a training checkpoint directory (jobs/pretrain.py)")
@@ -35,7 +35,7 @@ torch.set_num_threads(args.threads)
 
 t0 = time.perf_counter()
 try:
-    model = load_checkpoint_model(args.checkpoint)
+    model = k3.model.load(args.checkpoint)
     rows = read_vision_rows(args.data, "heldout")[:args.limit]
     manifest = read_manifest(args.data)
 except ValueError as e:

@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from k3.platform.balance.quantile import METHODS
+from k3.platform.balance import METHODS
 from k3.platform.ops.local_ray import init_local_ray
-from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.config import TrainConfig
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
@@ -83,6 +83,7 @@ import ray  # noqa: E402
 import ray.train  # noqa: E402
 
 from k3.platform.train.launch import fit  # noqa: E402
+import k3.model
 
 if os.environ.get("RAY_ADDRESS"):
     ray.init()
@@ -106,7 +107,7 @@ if args.sample:
     from k3.model.tokenizer import load_tokenizer
 
     with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
-        model = load_checkpoint_model(d)
+        model = k3.model.load(d)
         tok = load_tokenizer(Path(d) / "k3" / "tokenizer.json")
     prompt = tok.encode("def ").ids
     new = generate(model, [prompt], SamplingConfig(max_new_tokens=args.sample, temperature=0.8, top_p=0.95,

@@ -2,6 +2,7 @@
 from .cache import CacheBatch, HybridCache, cache_bytes, layer_cache_specs
 from .config import PRESETS, K3Config, get_preset
 from .generate import SamplingConfig, generate
+from .loading import build, load, load_config
 from .model import CausalLMOutput, K3ForCausalLM, K3Model
 from .pretrained import load_model_dir, save_model_dir
 from .multimodal import K3ForConditionalGeneration
@@ -11,5 +12,5 @@ __all__ = [
     "K3Config", "PRESETS", "get_preset", "K3ForCausalLM", "K3Model", "CausalLMOutput",
     "K3ForConditionalGeneration", "K3VisionConfig",
     "HybridCache", "CacheBatch", "cache_bytes", "layer_cache_specs", "SamplingConfig", "generate",
-    "load_model_dir", "save_model_dir",
+    "build", "load", "load_config", "load_model_dir", "save_model_dir",
 ]

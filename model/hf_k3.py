@@ -43,8 +43,9 @@ from safetensors.torch import save_file
 
 from .config import K3Config
 from .hf_k3_config import check_quantization, config_from_release, config_to_release
-from .model import K3ForCausalLM
-from .moe import Experts
+from .loading import wants_vision
+from .model import K3ForCausalLM, load_dtype
+from .moe import Experts, shard_experts
 from .multimodal import K3ForConditionalGeneration
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .vision import MoonViT, PatchMergerV2
@@ -52,8 +53,6 @@ from .vision import MoonViT, PatchMergerV2
 PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # named as k3's modules, no language_model. prefix
 INDEX = "model.safetensors.index.json"
-# k3 tensors kept in fp32 whatever dtype is asked for (routing and recurrent-gate arithmetic).
-_FP32 = ("conv_weight", "A_log", "dt_bias", "o_norm_weight", "mlp.gate.weight", "mlp.gate.bias")
 # Release tensors stored in fp32; every other floating tensor is bf16.
 _RELEASE_FP32 = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT_SRC = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
@@ -166,46 +165,31 @@ def _a_log_len(cfg: K3Config) -> int:
 
 
 # -- load ----------------------------------------------------------------------------------------
-def keep_rank_experts(model: K3ForCausalLM, ep_rank: int, ep_size: int) -> None:
-    """Give every MoE layer only expert-parallel rank ep_rank's range [rank * E / ep, (rank + 1) * E / ep)."""
-    E = model.cfg.num_experts
-    if ep_size < 1 or not 0 <= ep_rank < ep_size:
-        raise ValueError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size})")
-    if E % ep_size:
-        raise ValueError(f"ep_size={ep_size} must divide num_experts={E}")
-    n = E // ep_size
-    for layer in model.model.layers:
-        if layer.is_moe:
-            old = layer.mlp.experts
-            with torch.device(old.w_gate.device):
-                layer.mlp.experts = Experts(model.cfg, old.w_gate.shape[-1], old.layer_idx, first=ep_rank * n, count=n)
-
-
 def load_k3(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
             ep_rank: int = 0, ep_size: int = 1, reader: CheckpointReader | None = None,
-            vision: bool = False) -> K3ForCausalLM | K3ForConditionalGeneration:
+            vision: bool | None = None) -> K3ForCausalLM | K3ForConditionalGeneration:
     """A K3ForCausalLM from a K3 release checkpoint directory, streamed tensor by tensor.
 
     The model is built on the meta device and each parameter is filled from the checkpoint as it
     is read, so peak memory is the loaded model plus one tensor. With ep_size > 1 the model holds
     only rank ep_rank's routed experts and no other expert's tensors are read (nor their shards
     opened). dtype: None keeps the checkpoint's dtypes (bf16; dequantised experts in bf16, which
-    is exact); routing and KDA-gate tensors stay fp32 either way. Vision tensors are read only
-    with vision=True, which returns a K3ForConditionalGeneration (tower and projector on every rank).
+    is exact); routing and KDA-gate tensors stay fp32 either way. `vision` as in k3.model.load:
+    with the tower (the default when config.json has a vision_config) the result is a
+    K3ForConditionalGeneration, tower and projector on every rank; vision=False reads no vision
+    tensor. (k3.model.load calls this for a release directory.)
     """
     _, cfg = read_config(path)
     r = reader or CheckpointReader(path)
-    if vision and cfg.vision_config is None:
-        raise ValueError(f"{path}: vision=True but config.json has no vision_config")
+    with_tower = wants_vision(cfg, vision, f"{path}/config.json")
     text = _load_text(r, cfg, dtype, device, ep_rank, ep_size)
-    if not vision:
+    if not with_tower:
         return text
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg)
     model.language_model = text
-    # Built for real (not on meta): their fixed tables (rotary frequencies, the sin-cos time rows)
-    # are non-persistent buffers computed at construction; the weights are replaced below, and the
-    # throwaway init draws from a forked RNG so loading leaves the caller's random stream alone.
+    # Built for real (not on meta), then every weight replaced below; the throwaway init draws from
+    # a forked RNG so loading leaves the caller's random stream alone.
     with torch.device(device), torch.random.fork_rng(devices=[]):
         model.vision_tower, model.mm_projector = MoonViT(cfg.vision_config), PatchMergerV2(cfg.vision_config)
     for prefix, module in (("vision_tower.", model.vision_tower), ("mm_projector.", model.mm_projector)):
@@ -227,8 +211,8 @@ def _load_text(r: CheckpointReader, cfg: K3Config, dtype: torch.dtype | None, de
                ep_size: int) -> K3ForCausalLM:
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
-    if ep_size > 1:
-        keep_rank_experts(model, ep_rank, ep_size)
+    if ep_size != 1 or ep_rank != 0:
+        shard_experts(model, ep_rank, ep_size)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     state: dict[str, torch.Tensor] = {}
 
@@ -237,8 +221,7 @@ def _load_text(r: CheckpointReader, cfg: K3Config, dtype: torch.dtype | None, de
         if tuple(t.shape) != tuple(want.shape):
             raise ValueError(f"checkpoint tensor for {name}: shape {tuple(t.shape)} != expected {tuple(want.shape)} "
                              f"(check config.json against the weights)")
-        keep = name.endswith(_FP32) or (dtype is None and t.dtype == torch.float32)
-        state[name] = t.to(device=device, dtype=torch.float32 if keep else (dtype or t.dtype))
+        state[name] = t.to(device=device, dtype=load_dtype(name, t.dtype, dtype))
 
     for k3_name, rel in _top_renames():
         if k3_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -423,48 +406,3 @@ def save_k3(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path,
     cfg = config_to_release(model.cfg, with_vision=isinstance(model, K3ForConditionalGeneration),
                             quantized_experts=quantize_experts)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-# -- starting points for training and serving --------------------------------------------------------
-def _is_k3_dir(d: dict) -> bool:
-    # k3's own model directory (model/pretrained.py): a K3Config, which names its layer schedule.
-    return "model_type" not in d and "text_config" not in d and "layer_types" in d and "mlp_types" in d
-
-
-def pretrained_config(path: str | Path) -> K3Config:
-    """The K3Config of a checkpoint directory: a k3 model directory, a K3 release or a Kimi Linear
-    checkpoint."""
-    d = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").exists() else None
-    if d is None:
-        raise ValueError(f"{path}: no config.json")
-    if _is_k3_dir(d):
-        return K3Config.from_json(Path(path) / "config.json")
-    if d.get("model_type") == "kimi_k3" or "text_config" in d:
-        return read_config(path)[1]
-    from .hf_kimi import config_from_hf
-
-    return config_from_hf(d)
-
-
-def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    ep_rank: int = 0, ep_size: int = 1, vision: bool = False
-                    ) -> K3ForCausalLM | K3ForConditionalGeneration:
-    """The language model (K3ForCausalLM) of a checkpoint directory (a k3 model directory, the K3
-    release layout, or Kimi Linear's): the `--init-from` of training and the `model.path` of
-    serving. Kimi Linear checkpoints and k3 directories load whole (ep_size 1 only). vision=True:
-    the K3ForConditionalGeneration with its tower (a k3 directory or a release with a vision_config)."""
-    d = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").exists() else {}
-    if d.get("model_type") == "kimi_k3" or "text_config" in d:
-        return load_k3(path, dtype=dtype, device=device, ep_rank=ep_rank, ep_size=ep_size, vision=vision)
-    if ep_size > 1:
-        raise ValueError(f"{path}: per-rank expert loading needs the K3 release layout; got a "
-                         f"{d.get('model_type', 'k3')!r} checkpoint with ep_size={ep_size}")
-    if _is_k3_dir(d):
-        from .pretrained import load_model_dir
-
-        return load_model_dir(path, device=device, dtype=dtype, vision=vision)
-    if vision:
-        raise ValueError(f"{path}: a Kimi Linear checkpoint has no vision tower")
-    from .hf_kimi import load_kimi_linear
-
-    return load_kimi_linear(path, dtype=dtype, device=device)

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from .config import K3Config
 from .hf_k3_config import mlp_schedule, schedule_params
-from .model import K3ForCausalLM
+from .loading import wants_vision
+from .model import K3ForCausalLM, load_dtype
 
 
 def config_from_hf(hf: dict) -> K3Config:
@@ -203,12 +204,14 @@ def _hf_to_k3_tensors(reader: _Reader, cfg: K3Config) -> Iterator[tuple[str, tor
 
 
 def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
-                     device: str | torch.device = "cpu") -> K3ForCausalLM:
-    """Build a K3ForCausalLM from a Kimi Linear checkpoint directory (config.json + safetensors)."""
+                     device: str | torch.device = "cpu", vision: bool | None = None) -> K3ForCausalLM:
+    """Build a K3ForCausalLM from a Kimi Linear checkpoint directory (config.json + safetensors).
+    (k3.model.load calls this for a Kimi Linear directory; Kimi Linear has no vision tower.)"""
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path}: no config.json")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    wants_vision(cfg, vision, f"{path}/config.json (Kimi Linear)")
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -220,11 +223,7 @@ def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
         if tuple(t.shape) != tuple(want.shape):
             raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)} != expected {tuple(want.shape)} "
                              f"(check heads x head_dim in config.json)")
-        keep_fp32 = name.endswith(("gate.weight", "gate.bias", "dt_bias", "A_log")) and ".mlp.gate" in name or \
-            name.endswith(("dt_bias", "A_log"))
-        t = t.to(device=device, dtype=torch.float32 if keep_fp32 or dtype is None and t.dtype == torch.float32
-                 else (dtype or t.dtype))
-        state[name] = t
+        state[name] = t.to(device=device, dtype=load_dtype(name, t.dtype, dtype))
     missing = sorted(set(expected) - set(state) - {n for n in expected if n.endswith(".mlp.gate.bias")})
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

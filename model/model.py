@@ -121,6 +121,19 @@ class K3Model(nn.Module):
         return self.norm(h), routers
 
 
+# Tensors a K3 model keeps in fp32 whatever dtype it is loaded in: the router (selection and
+# balancing arithmetic) and the KDA gate's rates, conv and output norm (recurrent-state arithmetic).
+FP32_TENSORS = ("conv_weight", "A_log", "dt_bias", "o_norm_weight", "mlp.gate.weight", "mlp.gate.bias")
+
+
+def load_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """The dtype tensor `name` (stored as `stored`) takes when a model is loaded as `requested`
+    (None: as stored)."""
+    if name.endswith(FP32_TENSORS):
+        return torch.float32
+    return requested or stored
+
+
 class K3ForCausalLM(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()

@@ -204,6 +204,32 @@ class Experts(nn.Module):
         return out
 
 
+def is_expert_param(name: str) -> bool:
+    """Routed-expert tensors by their name in a K3 model (stacked per layer, dim 0 = the expert axis)."""
+    return ".mlp.experts." in name
+
+
+def shard_experts(model: nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Every MoE layer of `model` keeps only expert-parallel rank `ep_rank`'s experts."""
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            m.keep_experts(ep_rank, ep_size)
+
+
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """(first, count) of the routed experts expert-parallel rank `ep_rank` of `ep_size` holds:
+    the contiguous range [rank E / ep, (rank + 1) E / ep)."""
+    for name, v in (("ep_rank", ep_rank), ("ep_size", ep_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size}) with ep_size >= 1")
+    if num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide num_experts={num_experts}")
+    n = num_experts // ep_size
+    return ep_rank * n, n
+
+
 class LatentMoE(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int = 0) -> None:
         super().__init__()
@@ -219,7 +245,25 @@ class LatentMoE(nn.Module):
             self.latent_down = nn.Linear(D, De, bias=False)
             self.latent_norm = RMSNorm(De, cfg.rms_norm_eps)
             self.latent_up = nn.Linear(De, D, bias=False)
-        self.use_loop = False  # tests flip this to run the per-expert loop
+
+    def keep_experts(self, ep_rank: int, ep_size: int) -> None:
+        """Hold only expert-parallel rank `ep_rank`'s experts (`expert_range`). On the meta device
+        (a model being assembled) the new range is empty; otherwise its weights are the current
+        experts' rows for that range, which must hold it."""
+        first, count = expert_range(self.cfg.num_experts, ep_rank, ep_size)
+        old = self.experts
+        if not old.first <= first or first + count > old.first + old.count:
+            raise ValueError(f"layer {old.layer_idx} holds experts [{old.first}, {old.first + old.count}), not the "
+                             f"range [{first}, {first + count}) of ep_rank {ep_rank}")
+        with torch.device(old.w_gate.device):
+            new = Experts(self.cfg, old.w_gate.shape[-1], old.layer_idx, first=first, count=count)
+        if not old.w_gate.is_meta:
+            rows = slice(first - old.first, first - old.first + count)
+            with torch.no_grad():
+                for name in ("w_gate", "w_up", "w_down"):
+                    getattr(new, name).copy_(getattr(old, name)[rows])
+            new.init_seed = old.init_seed
+        self.experts = new
 
     def reset_parameters(self) -> None:
         self.gate.reset_parameters()
@@ -237,8 +281,7 @@ class LatentMoE(nn.Module):
         xt = x.reshape(-1, shape[-1])
         r = self.gate(xt)
         xe = self.latent_down(xt) if self.latent else xt
-        run = self.experts.forward_loop if self.use_loop else self.experts
-        u = run(xe, r.topk_idx, r.topk_weight)
+        u = self.experts(xe, r.topk_idx, r.topk_weight)
         y = self.latent_up(self.latent_norm(u)) if self.latent else u
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(xt)

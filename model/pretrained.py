@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import K3Config
-from .model import K3ForCausalLM
+from .loading import model_class
+from .model import K3ForCausalLM, load_dtype
 from .multimodal import K3ForConditionalGeneration
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -32,23 +33,20 @@ def save_model_dir(model: K3ForCausalLM | K3ForConditionalGeneration, path: str 
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                   vision: bool = False) -> K3ForCausalLM | K3ForConditionalGeneration:
+                   vision: bool | None = None) -> K3ForCausalLM | K3ForConditionalGeneration:
     """A model directory written by save_model_dir; a ValueError names what is missing or off.
-    A directory with a vision tower gives its language model, or with vision=True the whole
-    K3ForConditionalGeneration. (k3.model.hf_k3.load_pretrained reads this and the released
-    layouts alike.)"""
+    `vision` as in k3.model.load (which calls this for a k3 model directory)."""
     root = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (root / name).is_file():
             raise ValueError(f"{root}: not a k3 model directory (no {name})")
     cfg = K3Config.from_json(root / CONFIG)
-    if vision and cfg.vision_config is None:
-        raise ValueError(f"{root / CONFIG}: vision=True but the config has no vision_config")
+    cls = model_class(cfg, vision)
     state = load_file(str(root / WEIGHTS), device=str(device))
-    if cfg.vision_config is not None and not vision:  # the language model alone
+    if cfg.vision_config is not None and cls is K3ForCausalLM:  # the language model alone
         state = {k[len("language_model."):]: v for k, v in state.items() if k.startswith("language_model.")}
     with torch.device("meta"):
-        model = K3ForConditionalGeneration(cfg) if vision else K3ForCausalLM(cfg)
+        model = cls(cfg)
     want = set(model.state_dict())
     missing, extra = sorted(want - set(state)), sorted(set(state) - want)
     if missing or extra:
@@ -57,7 +55,6 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
         if state[k].shape != v.shape:
             raise ValueError(f"{root / WEIGHTS}: {k} has shape {tuple(state[k].shape)}, the config makes "
                              f"{tuple(v.shape)}")
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.to(load_dtype(k, v.dtype, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

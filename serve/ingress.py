@@ -37,6 +37,7 @@ from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionReq
                                CompletionStreamResponse, ModelCard, ModelList, UsageInfo, chat_logprobs,
                                completion_logprobs, new_id, sampling_kwargs, sse_error, sse_event)
 from k3.serve.servers import GenerateRequest, HandoffFailed, load_tokenizer
+import k3.model
 
 api = FastAPI(title="k3", description="OpenAI-compatible API of a k3 model served on Ray Serve.")
 install_error_handlers(api)
@@ -81,9 +82,7 @@ class Ingress:
         src = self.config.model
         if src.preset:
             return get_preset(src.preset)
-        from k3.model.hf_k3 import pretrained_config
-
-        return pretrained_config(src.path)
+        return k3.model.load_config(src.path)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:

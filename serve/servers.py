@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
-from k3.model.hf_k3 import load_pretrained, pretrained_config
 from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.prefix_pool import PrefixPool
 from k3.serve.router import prefix_route_key
+import k3.model
 
 logger = logging.getLogger("ray.serve")
 
@@ -58,12 +58,11 @@ class HandoffFailed(RuntimeError):
 
 
 def load_model(src: ModelSource) -> K3ForCausalLM | K3ForConditionalGeneration:
-    """The served model; with its vision tower when the config has one."""
+    """The served model (with its vision tower when the config has one). A preset's random weights
+    come from `src.seed`, so every replica builds the same model."""
     if src.path is not None:
-        return load_pretrained(src.path, vision=pretrained_config(src.path).vision_config is not None)
-    torch.manual_seed(src.seed)  # every replica builds the same random weights from the same seed
-    cfg = get_preset(src.preset)
-    return (K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)).eval()
+        return k3.model.load(src.path)
+    return k3.model.build(get_preset(src.preset), seed=src.seed).eval()
 
 
 async def fetch_media(req: GenerateRequest) -> list | None:

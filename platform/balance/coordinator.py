@@ -51,7 +51,9 @@ import ray
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance.quantile import BalanceConfig, HistLayerState, check_layers, hist_step, max_violation
+from k3.platform.balance.config import BalanceConfig
+from k3.platform.balance.quantile import HistLayerState, hist_step
+from k3.platform.balance.routing import check_layers, max_violation
 
 STATE_FORMAT = 1
 

@@ -21,159 +21,13 @@ nor the Ray coordinator (k3.platform.balance.coordinator) is needed to use or te
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k3.kernels.qb_histogram import qb_histogram
-from k3.model.moe import select_experts
-
-METHODS = ("quantile", "quantile_hist", "loss_free", "aux_loss", "none")
-
-
-class BalanceConfig(BaseModel):
-    """How a model balances its routed experts. Loadable from YAML/JSON (`BalanceConfig(**d)`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    method: Literal[METHODS] = Field(
-        "quantile_hist",
-        description="quantile: exact QB on one process's margins; quantile_hist: QB from margin "
-        "histograms (what the distributed coordinator runs); loss_free: DeepSeek-V3 sign update of "
-        "the bias; aux_loss: Switch auxiliary loss added to the training loss (bias stays zero); "
-        "none: plain top-k.",
-    )
-    bins: int = Field(256, ge=2, description="quantile_hist: bins per expert in each margin histogram.")
-    range_policy: Literal["follow", "fixed"] = Field(
-        "follow",
-        description="quantile_hist: 'follow' gives expert e the window -b_e +- w (its current selection "
-        "boundary), w per layer adapted to how far the thresholds moved; 'fixed' uses fixed_range for all.",
-    )
-    fixed_range: tuple[float, float] = Field((-1.0, 1.0), description="quantile_hist, range_policy='fixed': [lo, hi) of every histogram.")
-    init_halfwidth: float = Field(1.0, gt=0, description="'follow': first half-width w; 1.0 covers every margin of sigmoid scores at b = 0.")
-    min_halfwidth: float = Field(1e-4, gt=0, description="'follow': w never shrinks below this.")
-    max_halfwidth: float = Field(4.0, gt=0, description="'follow': w never grows beyond this.")
-    fine_pass: bool = Field(
-        False,
-        description="quantile_hist: bin the margins a second time inside the bin each threshold fell "
-        "in (same bin count), dividing the error by `bins`. Single-process Balancer only for now.",
-    )
-    gain: Literal["one", "adaptive"] = Field(
-        "one",
-        description="QB update b <- b + g (b_solve - b). 'one' (g = 1) is the algorithm of DESIGN.md. "
-        "'adaptive' sets g = clip(1 - 1/z2, min_gain, 1), z2 = mean over experts of "
-        "(load - q)^2 / (q (1 - k/E)) on the batch just seen: g is 1 while loads are far off and "
-        "drops once they are within sampling noise, which averages the solve over batches.",
-    )
-    min_gain: float = Field(0.1, gt=0, le=1, description="gain='adaptive': lower bound of g.")
-    margins_after_step: bool = Field(
-        True,
-        description="quantile/quantile_hist in the training job: solve from the margins of a no-grad forward of "
-        "the step's batch under the weights the optimizer step just produced (one extra forward per step), not "
-        "from the training forward's. The bias is then solved for the router (and router inputs) that will use "
-        "it; at high learning rates the deep layers' routers move more per step than their tokens differ, and "
-        "a bias solved for the previous weights lets them collapse (docs/benchmarks.md, 'Quantile Balancing in "
-        "the training job').",
-    )
-    solve_rounds: int = Field(
-        2, ge=1, le=8,
-        description="quantile/quantile_hist in the training job, with margins_after_step: solves per step. Round 1 "
-        "solves every layer from the after-step forward; each further round sets those biases, runs the "
-        "after-step forward again and solves again. A layer's router input depends on how the layers below it "
-        "route, so a deep layer's bias solved while the shallow layers still route with last step's biases is "
-        "solved for inputs it will not see; at high learning rates that left the deep layers 2x above the "
-        "fixed-bias floor (docs/benchmarks.md). Each round is one more no-grad forward and, with the "
-        "coordinator, one more histogram round trip that the step waits on.",
-    )
-    loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
-    aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "BalanceConfig":
-        lo, hi = self.fixed_range
-        if not lo < hi:
-            raise ValueError(f"fixed_range must have lo < hi, got {self.fixed_range}")
-        if self.min_halfwidth > self.max_halfwidth:
-            raise ValueError(f"min_halfwidth {self.min_halfwidth} > max_halfwidth {self.max_halfwidth}")
-        if self.solve_rounds > 1 and not self.margins_after_step and self.method in ("quantile", "quantile_hist"):
-            raise ValueError(f"solve_rounds={self.solve_rounds} re-runs the after-step forward: it needs "
-                             "margins_after_step=True (or solve_rounds=1)")
-        return self
-
-
-# ---------------------------------------------------------------------------------------------
-# Router-side quantities
-
-
-def _check_scores(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
-    if scores.dim() != 2 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a floating [N, E] tensor, got {tuple(scores.shape)} {scores.dtype}")
-    check_k(k, scores.shape[1])
-    if bias.shape != (scores.shape[1],):
-        raise ValueError(f"bias must be [E={scores.shape[1]}], got {tuple(bias.shape)}")
-
-
-def check_k(k: int, num_experts: int) -> None:
-    """QB needs a (k+1)-th expert per token: 1 <= k < E."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < num_experts:
-        raise ValueError(f"k (num_experts_per_token) must satisfy 1 <= k < experts, got k={k!r} with {num_experts} experts")
-
-
-def check_layers(num_layers: int, num_experts: int, k: int) -> None:
-    """What a balancer over `num_layers` MoE layers needs: at least one layer, 1 <= k < E."""
-    check_k(k, num_experts)
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-
-
-def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing as the model does it, plus QB margins.
-
-    scores [N, E], bias [E] -> (margins [N, E] = s - alpha, topk_idx [N, k]).
-    """
-    _check_scores(scores, bias, k)
-    idx, margins = select_experts(scores, bias, k)
-    return margins, idx
-
-
-def token_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [N, E], bias [E] -> margins [N, E] = s - alpha, alpha = (k+1)-th largest of s + b per token."""
-    return route(scores, bias, k)[0]
-
-
-def expert_loads(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_idx [N, k] -> tokens per expert [E] int64."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
-
-
-def max_violation(loads: torch.Tensor) -> float:
-    """MaxVio = max load / mean load - 1 (0 when perfectly balanced)."""
-    loads = loads.double()
-    mean = loads.mean()
-    if mean <= 0:
-        raise ValueError("max_violation: no token was routed")
-    return float(loads.max() / mean - 1)
-
-
-def centred(bias: torch.Tensor) -> torch.Tensor:
-    """Subtract the mean; top-k of s + b is unchanged by a shift of every b_e."""
-    return bias - bias.mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# The solves
-
-
-def quantile_target(n_tokens: int, k: int, num_experts: int) -> float:
-    """q = N k / E, the load every expert should carry; raises if it is outside (0, N)."""
-    check_k(k, num_experts)
-    q = n_tokens * k / num_experts
-    if not 0 < q < n_tokens:
-        raise ValueError(f"q = N k / E = {n_tokens} * {k} / {num_experts} = {q:g} is outside (0, N={n_tokens})")
-    return q
-
+from .config import BalanceConfig
+from .routing import centred, expert_loads, quantile_target, route
 
 def _integer_q(q: float, n: int) -> int:
     """N k / E need not divide: both solves round q, which moves a load by half a token at most."""
@@ -285,32 +139,6 @@ def fine_window(
     return lo + j_E * width, lo + (j_E + 1) * width
 
 
-# ---------------------------------------------------------------------------------------------
-# Baselines
-
-
-def loss_free_update(bias: torch.Tensor, loads: torch.Tensor, step_size: float = 1e-3) -> torch.Tensor:
-    """DeepSeek-V3 auxiliary-loss-free balancing: b_e += step * sign(mean load - load_e)."""
-    loads = loads.to(torch.float64)
-    return (bias + step_size * torch.sign(loads.mean() - loads).to(bias.dtype)).to(bias.dtype)
-
-
-def switch_aux_loss(probs: torch.Tensor, topk_idx: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
-    """Switch Transformer load-balancing loss, generalised to top-k; a differentiable scalar.
-
-    probs [N, E]: router probabilities (rows sum to 1; normalise sigmoid scores per token);
-    topk_idx [N, k]: the selection. Loss = coef * E * sum_e f_e P_e with f_e the fraction of the
-    N k routed slots that went to e (not differentiable) and P_e the mean probability of e.
-    It equals coef under uniform routing; gradients reach the router through P only.
-    """
-    if probs.dim() != 2 or topk_idx.dim() != 2 or probs.shape[0] != topk_idx.shape[0]:
-        raise ValueError(f"switch_aux_loss: need probs [N, E] and topk_idx [N, k], got {tuple(probs.shape)} and {tuple(topk_idx.shape)}")
-    n, e = probs.shape
-    f = expert_loads(topk_idx, e).to(probs.dtype) / topk_idx.numel()
-    p = probs.mean(0)
-    return coef * e * (f * p).sum()
-
-
 def adaptive_gain(loads: torch.Tensor, q: float, k: int, min_gain: float) -> float:
     """Gain for b <- b + g (b_solve - b) from how far the observed loads are from q.
 
@@ -335,8 +163,7 @@ def blend(config: BalanceConfig, bias: torch.Tensor, solved: torch.Tensor, loads
     return bias + gain * (solved - bias), gain
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-layer histogram QB step, shared by the Balancer and the coordinator
+# Per-layer histogram QB step, shared by the single-process QuantileHist balancer and the coordinator
 
 
 @dataclass
@@ -404,148 +231,6 @@ def hist_step(
     return HistLayerState(bias, lo, hi, w), info
 
 
-# ---------------------------------------------------------------------------------------------
-# The single-process balancer
-
-
-@dataclass
-class _Pending:
-    margins: list[torch.Tensor] = field(default_factory=list)
-    hist: torch.Tensor | None = None
-    loads: torch.Tensor | None = None
-
-
-class Balancer:
-    """Balancing state of one model: a bias [E] per MoE layer, updated once per training step.
-
-    Per step: route every layer with `bias(layer)`, call `observe(layer, margins, counts)` (or
-    `observe_scores`) for each micro-batch, then `step()`. Biases solved in `step()` are what
-    `bias()` returns afterwards: a batch is never routed with a bias computed from itself.
-    With method 'aux_loss', add `aux_loss(probs, topk_idx)` to the training loss.
-    """
-
-    def __init__(self, config: BalanceConfig, num_layers: int, num_experts: int, k: int):
-        check_layers(num_layers, num_experts, k)
-        self.config, self.num_layers, self.num_experts, self.k = config, num_layers, num_experts, k
-        self.steps = 0
-        self.hist_states = [HistLayerState.initial(config, num_experts) for _ in range(num_layers)]
-        self._bias = torch.zeros(num_layers, num_experts)  # [L, E] in use now
-        self._pending: dict[int, _Pending] = {}
-        self.last_info: dict[int, dict[str, Any]] = {}
-
-    # -- what the router uses
-    def bias(self, layer: int | None = None) -> torch.Tensor:
-        """[L, E], or [E] for one layer: the bias to route the current batch with (a copy)."""
-        return self._bias.clone() if layer is None else self._bias[self._layer(layer)].clone()
-
-    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """quantile_hist: the histogram window (lo [E], hi [E]) of the current step."""
-        s = self.hist_states[self._layer(layer)]
-        return s.lo.clone(), s.hi.clone()
-
-    # -- per micro-batch
-    def observe_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        """Route scores [N, E] with the current bias, observe them; returns topk_idx [N, k]."""
-        margins, topk_idx = route(scores, self._bias[self._layer(layer)], self.k)
-        self.observe(layer, margins, expert_loads(topk_idx, self.num_experts))
-        return topk_idx
-
-    def observe(self, layer: int, margins: torch.Tensor | None, counts: torch.Tensor) -> None:
-        """margins [N, E] (from routing with `bias(layer)`; unused by loss_free/aux_loss/none), counts [E]."""
-        layer = self._layer(layer)
-        if counts.shape != (self.num_experts,):
-            raise ValueError(f"counts must be [E={self.num_experts}], got {tuple(counts.shape)}")
-        p = self._pending.setdefault(layer, _Pending())
-        needs_margins = self.config.method in ("quantile", "quantile_hist")
-        if needs_margins:
-            if margins is None or margins.dim() != 2 or margins.shape[1] != self.num_experts:
-                shape = None if margins is None else tuple(margins.shape)
-                raise ValueError(f"margins must be [N, E={self.num_experts}], got {shape}")
-            if self.config.method == "quantile" or self.config.fine_pass:
-                p.margins.append(margins.detach())
-            if self.config.method == "quantile_hist":
-                s = self.hist_states[layer]
-                h = qb_histogram(margins.detach(), s.lo, s.hi, self.config.bins)
-                p.hist = h if p.hist is None else p.hist + h
-        counts = counts.detach().long()
-        p.loads = counts if p.loads is None else p.loads + counts
-
-    def aux_loss(self, probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        """Switch auxiliary loss times config.aux_loss_coef (zero unless method is 'aux_loss')."""
-        if self.config.method != "aux_loss":
-            return probs.new_zeros(())
-        return switch_aux_loss(probs, topk_idx, self.config.aux_loss_coef)
-
-    # -- end of step
-    def step(self) -> dict[int, dict[str, Any]]:
-        """Solve every observed layer; the results route the next batch. Returns per-layer info."""
-        infos: dict[int, dict[str, Any]] = {}
-        for layer, p in sorted(self._pending.items()):
-            info: dict[str, Any] = {}
-            if p.loads is not None and int(p.loads.sum()) > 0:
-                info["maxvio"] = max_violation(p.loads)
-                info["loads"] = p.loads
-            method = self.config.method
-            if method == "quantile":
-                self._bias[layer] = self._solve_exact(layer, p, info)
-            elif method == "quantile_hist":
-                self._bias[layer] = self._solve_hist(layer, p, info)
-            elif method == "loss_free":
-                self._bias[layer] = loss_free_update(self._bias[layer], p.loads, self.config.loss_free_step)
-            info["bias_spread"] = float(self._bias[layer].max() - self._bias[layer].min())
-            infos[layer] = info
-        self._pending.clear()
-        self.steps += 1
-        self.last_info = infos
-        return infos
-
-    def _solve_exact(self, layer: int, p: _Pending, info: dict[str, Any]) -> torch.Tensor:
-        margins = torch.cat(p.margins) if len(p.margins) > 1 else p.margins[0]
-        q = quantile_target(margins.shape[0], self.k, self.num_experts)
-        thresholds = exact_thresholds(margins, q)
-        bias, gain = blend(self.config, self._bias[layer], centred(-thresholds).float(), p.loads, q, self.k)
-        info.update(q=q, thresholds=thresholds, gain=gain)
-        return bias
-
-    def _solve_hist(self, layer: int, p: _Pending, info: dict[str, Any]) -> torch.Tensor:
-        state = self.hist_states[layer]
-        fine = None
-        if self.config.fine_pass:
-            margins = torch.cat(p.margins) if len(p.margins) > 1 else p.margins[0]
-            q = quantile_target(margins.shape[0], self.k, self.num_experts)
-            lo_f, hi_f = fine_window(p.hist, state.lo, state.hi, q)
-            fine = (qb_histogram(margins, lo_f, hi_f, self.config.bins), lo_f, hi_f)
-        new_state, step_info = hist_step(self.config, state, p.hist, p.loads, self.k, fine)
-        info.update(step_info)
-        info["bin_width"] = float(((state.hi - state.lo) / self.config.bins).max())
-        self.hist_states[layer] = new_state
-        return new_state.bias
-
-    def _layer(self, layer: int) -> int:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        return layer
-
-    # -- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config.model_dump(),
-            "steps": self.steps,
-            "bias": self._bias.clone(),
-            "hist": [(s.bias.clone(), s.lo.clone(), s.hi.clone(), s.halfwidth) for s in self.hist_states],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        bias = state["bias"]
-        if tuple(bias.shape) != (self.num_layers, self.num_experts) or len(state["hist"]) != self.num_layers:
-            raise ValueError(f"state is for bias {tuple(bias.shape)}, this balancer has [{self.num_layers}, {self.num_experts}]")
-        self.steps = int(state["steps"])
-        self._bias = bias.clone().float()
-        self.hist_states = [HistLayerState(b.clone(), lo.clone(), hi.clone(), float(w)) for b, lo, hi, w in state["hist"]]
-        self._pending.clear()
-
-
-# ---------------------------------------------------------------------------------------------
 # Iterating the exact solve on one batch (the worked example and the fixed-point property)
 
 
@@ -582,11 +267,3 @@ def format_trace(trace: list[dict[str, Any]]) -> str:
         b = ", ".join(f"{x:+.4f}" for x in row["bias"])
         lines.append(f"iter {row['iter']:3d}  loads {tuple(row['loads'])}  bias [{b}]")
     return "\n".join(lines)
-
-
-__all__ = [
-    "METHODS", "BalanceConfig", "Balancer", "HistLayerState", "adaptive_gain", "centred", "check_k",
-    "exact_bias", "exact_thresholds", "expert_loads", "fine_window", "format_trace", "hist_step",
-    "histogram_bias", "histogram_thresholds", "loss_free_update", "max_violation", "quantile_target",
-    "route", "solve_batch", "switch_aux_loss", "token_margins", "window_for",
-]

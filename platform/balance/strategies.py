@@ -1,30 +1,32 @@
-"""Expert balancing in the training job: one strategy object per method.
+"""Expert balancing in the training job: the Trainer's hooks over one balancer.
 
-Each strategy owns its state, its update, its metrics and its checkpoint state; the Trainer
-calls the same five hooks whatever the method, so a new method is one class here (plus its name
-in `balance.METHODS`, the list the config validates against):
+The Trainer calls the same hooks whatever the method (`--balance`):
 
-    check(train_cfg, model_cfg)      on the driver, before any worker starts (ValueError)
-    begin_step(model) -> seconds     route this step with the bias in hand (QB: fetch it)
+    begin_step(model) -> seconds     route this step with the bias in hand (coordinated: fetch it)
     extra_loss(routers) -> tensor    added to the training loss (aux_loss) or None
     observe(model, step, routers, rerun)
-                                     QB: the margins to solve from; the Trainer passes those of a
-                                     no-grad forward under the updated weights when
-                                     `refreshed_margins` is True (and `rerun`, that forward again
-                                     under the bias now set, for `solve_rounds` > 1), else the
-                                     training forward's
-    after_step(model, step, loads)   update the bias for the next step from global loads [L, E]
+                                     the step's router outputs to balance from: those of a no-grad
+                                     forward under the updated weights when `refreshed_margins` is
+                                     True (and `rerun`, that forward again under the bias now set,
+                                     for `solve_rounds` > 1), else the training forward's
+    after_step(model, step, loads)   the step's global loads [L, E] (methods without margins)
 
-plus `start()` (after a resume), `state_dict()`/`load_state_dict()` and `metrics()`. A bias is
-never computed from the batch it routes.
+plus `start()` (after a resume), `state_dict()`/`load_state_dict()` and `metrics()`. What a method
+does lives in its balancer (k3.platform.balance.methods); here are only the two ways a job runs
+one: `LocalStrategy` steps the balancer on each worker (every worker sees the same global loads,
+or there is one worker), `CoordinatedStrategy` sends the margin histograms to the
+BalanceCoordinator actor, which solves for all workers (the methods marked `coordinated`).
+A bias is never computed from the batch it routes.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import time
+from typing import Any
 
 import torch
 
-from k3.platform.balance.quantile import METHODS, BalanceConfig, Balancer, loss_free_update, switch_aux_loss
+from .config import BalanceConfig
+from .methods import Balancer, balancer_class, make_balancer
 
 
 def _rounds(config: BalanceConfig, rerun) -> int:
@@ -37,20 +39,21 @@ def _bias(model) -> torch.Tensor:
     return torch.stack([g.bias for g in gates]) if gates else torch.zeros(0, 0)
 
 
+def check_method(train_cfg, model_cfg) -> None:
+    """What the driver checks before any worker starts (ValueError)."""
+    if "moe" in model_cfg.mlp_types:
+        balancer_class(train_cfg.balance.method).check(train_cfg, model_cfg)
+
+
+def needs_coordinator(config: BalanceConfig) -> bool:
+    return balancer_class(config.method).coordinated
+
+
 class BalanceStrategy:
-    method: ClassVar[str] = ""
-    needs_coordinator: ClassVar[bool] = False
+    def __init__(self, config: BalanceConfig, device: torch.device) -> None:
+        self.config, self.device = config, device
 
-    def __init__(self, config: BalanceConfig, num_layers: int, num_experts: int, k: int, device: torch.device,
-                 rank: int = 0, coordinator_name: str | None = None) -> None:
-        self.config, self.num_layers, self.num_experts, self.k = config, num_layers, num_experts, k
-        self.device, self.rank, self.coordinator_name = device, rank, coordinator_name
-
-    @classmethod
-    def check(cls, train_cfg, model_cfg) -> None:
-        """Raise ValueError for a run this method cannot do (called on the driver)."""
-
-    def start(self) -> None:
+    def start(self, model) -> None:
         """After the model is built and any checkpoint loaded, before the first step."""
 
     def begin_step(self, model) -> float:
@@ -83,54 +86,30 @@ class BalanceStrategy:
         return {"bias_spread": (b.max(1).values - b.min(1).values).tolist() if b.numel() else []}
 
 
-class NoBalance(BalanceStrategy):
-    """Plain top-k: the bias stays zero."""
+class LocalStrategy(BalanceStrategy):
+    """The balancer stepped on this worker: from the step's global loads (the same on every rank)
+    for methods without margins, from this worker's margins for exact QB (one worker)."""
 
-    method = "none"
+    def __init__(self, balancer: Balancer, device: torch.device) -> None:
+        super().__init__(balancer.config, device)
+        self.balancer = balancer
 
-
-class AuxLoss(BalanceStrategy):
-    """Switch's auxiliary loss on the router (bias stays zero)."""
-
-    method = "aux_loss"
+    def start(self, model) -> None:
+        # the bias in use is the model's: a release's router bias, or a resumed run's
+        self.balancer.set_bias(_bias(model))
 
     def extra_loss(self, routers) -> torch.Tensor | None:
-        return sum(switch_aux_loss(r.scores, r.topk_idx, self.config.aux_loss_coef) for r in routers)
-
-
-class LossFree(BalanceStrategy):
-    """DeepSeek-V3's sign update from the global loads: the same bias on every rank."""
-
-    method = "loss_free"
-
-    def after_step(self, model, step: int, loads: torch.Tensor) -> None:
-        b = _bias(model)
-        new = torch.stack([loss_free_update(b[i], loads[i].to(b.device), self.config.loss_free_step)
-                           for i in range(len(b))])
-        model.set_router_bias(new)
-
-
-class QuantileExact(BalanceStrategy):
-    """Exact QB on one process's margins (one worker only)."""
-
-    method = "quantile"
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.balancer = Balancer(self.config, self.num_layers, self.num_experts, self.k)
-
-    @classmethod
-    def check(cls, train_cfg, model_cfg) -> None:
-        QuantileHist.check(train_cfg, model_cfg)
-        if train_cfg.num_workers > 1:
-            raise ValueError("balance.method 'quantile' (exact) needs every token's margins in one process; with "
-                             "more than one worker use 'quantile_hist' (the coordinator's histogram solve)")
+        if not routers or not self.balancer.adds_loss:
+            return None
+        return sum(self.balancer.aux_loss(r.scores, r.topk_idx) for r in routers)
 
     @property
     def refreshed_margins(self) -> bool:
-        return self.config.margins_after_step
+        return self.balancer.needs_margins and self.config.margins_after_step
 
     def observe(self, model, step: int, routers, rerun=None) -> None:
+        if not self.balancer.needs_margins:
+            return
         for r in range(_rounds(self.config, rerun)):
             if r:
                 routers = rerun()
@@ -138,6 +117,14 @@ class QuantileExact(BalanceStrategy):
                 self.balancer.observe(i, out.margins, out.counts)
             self.balancer.step()
             model.set_router_bias(self.balancer.bias().to(self.device))
+
+    def after_step(self, model, step: int, loads: torch.Tensor) -> None:
+        if self.balancer.needs_margins:
+            return
+        for i in range(len(loads)):
+            self.balancer.observe(i, None, loads[i].long().cpu())
+        self.balancer.step()
+        model.set_router_bias(self.balancer.bias().to(self.device))
 
     def state_dict(self) -> dict[str, Any]:
         return self.balancer.state_dict()
@@ -147,32 +134,23 @@ class QuantileExact(BalanceStrategy):
             self.balancer.load_state_dict(state)
 
 
-class QuantileHist(BalanceStrategy):
+class CoordinatedStrategy(BalanceStrategy):
     """QB through the BalanceCoordinator actor: histograms out once the step's margins are in
     hand, the solved bias collected at the start of the next step."""
 
-    method = "quantile_hist"
-    needs_coordinator = True
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self, config: BalanceConfig, device: torch.device, rank: int, coordinator_name: str) -> None:
+        super().__init__(config, device)
+        self.rank, self.coordinator_name = rank, coordinator_name
         self.client = None
 
-    @classmethod
-    def check(cls, train_cfg, model_cfg) -> None:
-        if model_cfg.num_experts_per_token >= model_cfg.num_experts:
-            raise ValueError("quantile balancing needs num_experts_per_token < num_experts")
-
-    def start(self) -> None:
+    def start(self, model) -> None:
         import ray
 
-        from k3.platform.balance.coordinator import BalanceClient
+        from .coordinator import BalanceClient
 
         self.client = BalanceClient(ray.get_actor(self.coordinator_name), f"rank-{self.rank}")
 
     def begin_step(self, model) -> float:
-        import time
-
         t0 = time.perf_counter()
         model.set_router_bias(self.client.fetch().bias.to(self.device))
         return time.perf_counter() - t0
@@ -182,8 +160,7 @@ class QuantileHist(BalanceStrategy):
         return self.config.margins_after_step
 
     def observe(self, model, step: int, routers, rerun=None) -> None:
-        rounds = _rounds(self.config, rerun)
-        for r in range(rounds):
+        for r in range(_rounds(self.config, rerun)):
             if r:  # the previous round's solve, waited for: the next forward routes with it
                 model.set_router_bias(self.client.fetch().bias.to(self.device))
                 routers = rerun()
@@ -207,13 +184,15 @@ class QuantileHist(BalanceStrategy):
             ray.get(ray.get_actor(self.coordinator_name).load_state_dict.remote(state))
 
 
-STRATEGIES: dict[str, type[BalanceStrategy]] = {
-    c.method: c for c in (QuantileHist, QuantileExact, LossFree, AuxLoss, NoBalance)}
-if set(STRATEGIES) != set(METHODS):
-    raise RuntimeError(f"balance methods {sorted(METHODS)} and strategies {sorted(STRATEGIES)} differ")
-
-
-def strategy_class(method: str) -> type[BalanceStrategy]:
-    if method not in STRATEGIES:
-        raise ValueError(f"balance method {method!r} is not one of {sorted(STRATEGIES)}")
-    return STRATEGIES[method]
+def make_strategy(config: BalanceConfig, num_layers: int, num_experts: int, k: int, device: torch.device,
+                  rank: int = 0, coordinator_name: str | None = None) -> BalanceStrategy:
+    """The strategy a training worker runs for `config.method` over `num_layers` MoE layers (a
+    model without MoE layers balances nothing)."""
+    if num_layers == 0:
+        return BalanceStrategy(config, device)
+    if balancer_class(config.method).coordinated:
+        if coordinator_name is None:
+            raise ValueError(f"balance method {config.method!r} runs through the BalanceCoordinator: "
+                             "coordinator_name is required")
+        return CoordinatedStrategy(config, device, rank, coordinator_name)
+    return LocalStrategy(make_balancer(config, num_layers, num_experts, k), device)

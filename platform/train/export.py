@@ -11,6 +11,7 @@ from k3.model import save_model_dir
 from tokenizers import Tokenizer
 
 from k3.model.tokenizer import load_chat_template, save_chat_template, special_ids
+import k3.model
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:
@@ -24,14 +25,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
 
 def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
     """Write the checkpoint's model (all experts, one process) as a k3 model directory."""
-    from k3.platform.train.worker import load_checkpoint_model
 
     ckpt = Path(checkpoint)
     k3dir = ckpt / "k3" if (ckpt / "k3").is_dir() else ckpt
     tok = k3dir / "tokenizer.json"
     if not tok.is_file():
         raise ValueError(f"{ckpt}: no tokenizer.json beside the weights; a served model needs its tokenizer")
-    model = load_checkpoint_model(ckpt)
+    model = k3.model.load(ckpt)
     ids = special_ids(Tokenizer.from_file(str(tok)))
     # The served config names the tokenizer's special tokens, so generation stops at <|eos|>.
     model.cfg = model.cfg.replace(eos_token_id=ids["eos"], bos_token_id=ids["bos"], pad_token_id=ids["pad"])

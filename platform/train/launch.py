@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from k3.platform.balance.strategies import strategy_class
-from k3.platform.train.worker import TrainConfig, summarize, train_loop_per_worker
+from k3.platform.balance.strategies import needs_coordinator
+
+from .config import TrainConfig
+from .worker import summarize, train_loop_per_worker
 
 
 def fit(cfg: TrainConfig) -> dict:
@@ -23,7 +25,7 @@ def fit(cfg: TrainConfig) -> dict:
     from ray.train.torch import TorchTrainer
 
     from k3.platform.balance.coordinator import get_or_create_coordinator
-    from k3.platform.train.data import read_manifest
+    from .data import read_manifest
 
     cfg = cfg.model_copy(update={"storage_path": str(Path(cfg.storage_path).resolve()),
                                  "data": str(Path(cfg.data).resolve())})
@@ -37,7 +39,7 @@ def fit(cfg: TrainConfig) -> dict:
     # The balance coordinator: a named actor that outlives worker restarts.
     coordinator = None
     n_moe = mcfg.mlp_types.count("moe")
-    if strategy_class(cfg.balance.method).needs_coordinator and n_moe:
+    if needs_coordinator(cfg.balance) and n_moe:
         coordinator = get_or_create_coordinator(
             cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
             config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))

@@ -1,21 +1,10 @@
-"""Distributed pretraining: the config, what each Ray Train worker runs, and checkpoints.
+"""What each Ray Train worker runs: `train_loop_per_worker`.
 
 A worker builds a `k3.platform.train.trainer.Trainer` (its model shard holding only its experts,
-DeepSpeed ZeRO-1/2 for the rest, one balancing strategy), feeds it its split of the token
-shards through Ray Data (and, for a multimodal preset, image/video examples from its slice of
-the media set on the steps `MediaSchedule` names), prints one log line per `log_every` steps and reports metrics and
-checkpoints through `ray.train.report`.
-
-Checkpoint layout (one directory per checkpoint; Ray Train merges every worker's files and
-registers the checkpoint only once all are persisted, so a half-written one is never "latest"):
-
-    ds/...                      DeepSpeed engine state (ZeRO optimizer partitions per rank)
-    k3/config.json              K3Config
-    k3/shared.pt                every non-expert parameter and buffer (rank 0)
-    k3/experts-ep{r}-of-{n}.pt  routed experts + their AdamW state of expert-parallel rank r,
-                                by full parameter name (k3.platform.train.expert_parallel; loads with any ep_size)
-    k3/state.pt                 step, losses so far, the balancing strategy's state
-    k3/tokenizer.json           the tokenizer the data was made with
+DeepSpeed ZeRO-1/2 for the rest, one balancing strategy), feeds it its split of the token shards
+through Ray Data (and, for a multimodal preset, image/video examples from its slice of the media
+set on the steps `MediaSchedule` names), prints one log line per `log_every` steps and reports
+metrics and checkpoints through `ray.train.report` (the layout: k3.platform.train.config).
 """
 from __future__ import annotations
 
@@ -25,119 +14,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from k3.model import K3Config, K3ForCausalLM, K3ForConditionalGeneration, get_preset
-from k3.model.config import PRESETS
-from k3.model.hf_k3 import pretrained_config
-
-from k3.platform.balance.quantile import BalanceConfig
-from k3.platform.balance.strategies import strategy_class
-from k3.platform.train.data import read_manifest
-from k3.platform.train.expert_parallel import read_all_experts
-from k3.platform.train.vision_data import read_vision_info
-
-
-class TrainConfig(BaseModel):
-    """Everything a pretraining run needs; validated on the driver before any worker starts."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
-                        "kimi-linear-48b-a3b).")
-    init_from: str | None = Field(None, description="Start from a checkpoint directory (a k3 model directory, the K3 "
-                                  "release layout or Kimi Linear); its config.json replaces the preset.")
-    model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
-    data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py.")
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (one model shard each).")
-    ep_size: int = Field(1, ge=1, description="Expert-parallel ranks; must divide num_experts and num_workers.")
-    zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage.")
-    micro_batch: int = Field(8, ge=1, description="Sequences per worker per step.")
-    steps: int = Field(200, ge=1, description="Optimizer steps.")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine).")
-    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
-    grad_clip: float = Field(1.0, gt=0, description="Clip of the one global gradient norm (every parameter of "
-                             "every rank, experts included; with optimizer='muon' see there).")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="AdamW, or Muon for the dense matrices + AdamW for the rest (DeepSpeed's Muon). With "
-        "Muon, DeepSpeed orthogonalises the matrix gradients before it measures a norm, so its clip is off, the "
-        "experts are clipped at grad_clip by their own norm, and grad_norm reports sqrt(orthogonalised-update "
-        "norm^2 + expert norm^2); Muon wants a larger peak lr than AdamW, ~0.02.")
-    activation_checkpointing: bool = Field(False, description="Recompute sub-layers in backward.")
-    balance: BalanceConfig = Field(default_factory=BalanceConfig, description="Expert balancing method and knobs.")
-    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and at the end).")
-    log_every: int = Field(10, ge=1, description="Steps between log lines and metric reports.")
-    storage_path: str = Field("runs", description="Where Ray Train persists checkpoints.")
-    name: str = Field("k3-pretrain", description="Run name (a directory under storage_path).")
-    resume: bool = Field(False, description="Continue from the run's latest checkpoint.")
-    max_failures: int = Field(2, ge=0, description="Worker-group restarts after failures.")
-    seed: int = Field(0, description="Seed of the model init, data order and sampling.")
-    use_gpu: bool = Field(False, description="One GPU per worker (NCCL, bf16).")
-    coordinator_name: str = Field("k3-balance", description="Name of the BalanceCoordinator actor.")
-    fail_at_step: int | None = Field(None, description="Testing: rank 1 exits at this step once (fault drill).")
-    media_micro_batch: int = Field(32, ge=1, description="Multimodal presets: image/video examples per worker per "
-                                   "media step (from <data>/media, jobs/prepare_data.py --vision).")
-    text_every: int = Field(4, ge=1, description="Multimodal presets: every text_every-th step is a text batch, the "
-                            "others image/video batches (1: text only). Text batches still run the vision tower.")
-
-    def model_cfg(self) -> K3Config:
-        if self.init_from:
-            if self.model_overrides:
-                raise ValueError("model_overrides cannot change a model loaded with init_from")
-            return pretrained_config(self.init_from)
-        return get_preset(self.preset, **self.model_overrides)
-
-    def check(self) -> dict:
-        """Everything that can be known before a worker starts; returns the manifest as a dict."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
-        cfg = self.model_cfg()
-        if self.num_workers % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide num_workers={self.num_workers}")
-        if "moe" in cfg.mlp_types and cfg.num_experts % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide num_experts={cfg.num_experts}")
-        if not Path(self.data).exists():
-            raise ValueError(f"data path {self.data!r} does not exist (run jobs/prepare_data.py)")
-        m = read_manifest(self.data)
-        if m.vocab_size > cfg.vocab_size:
-            raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {cfg.vocab_size}")
-        per_step = self.micro_batch * self.num_workers
-        if per_step > m.num_sequences:
-            raise ValueError(f"micro_batch x num_workers = {per_step} sequences per step, but the data has only "
-                             f"{m.num_sequences}")
-        if "moe" in cfg.mlp_types:
-            strategy_class(self.balance.method).check(self, cfg)
-        if cfg.vision_config is not None:
-            if m.special_ids.get("media_pad") != cfg.media_placeholder_token_id:
-                raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the "
-                                 f"model expects {cfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
-            info = read_vision_info(self.data)
-            if self.text_every > 1 and info["counts"]["train"]["rows"] < self.media_micro_batch * self.num_workers:
-                raise ValueError(f"media_micro_batch x num_workers = {self.media_micro_batch * self.num_workers} "
-                                 f"examples per step, but the media set has {info['counts']['train']['rows']}")
-        return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
-
-
-# -- checkpoints as one model -------------------------------------------------------------------
-def load_checkpoint_model(path: str | Path, device: str = "cpu") -> K3ForCausalLM | K3ForConditionalGeneration:
-    """A training checkpoint as one single-process model (all experts), for eval/serving:
-    K3ForConditionalGeneration when the config has a vision tower, else K3ForCausalLM."""
-    root = Path(path)
-    k3dir = root / "k3" if (root / "k3").is_dir() else root
-    if not (k3dir / "config.json").exists():
-        raise ValueError(f"{path}: not a k3 training checkpoint (no k3/config.json)")
-    cfg = K3Config.from_json(k3dir / "config.json")
-    state = torch.load(k3dir / "shared.pt", map_location=device)
-    state.update(read_all_experts(k3dir, map_location=device)[0])
-    with torch.device("meta"):
-        model = K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+from .config import TrainConfig
 
 
 # -- the worker ---------------------------------------------------------------------------------

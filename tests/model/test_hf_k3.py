@@ -15,11 +15,12 @@ from release_reference import (load_release_files, reference_logits, release_ten
                                write_release_checkpoint)
 
 from k3.model import K3ForCausalLM, SamplingConfig, generate, get_preset
-from k3.model.hf_k3 import CheckpointReader, load_k3, load_pretrained, save_k3
+from k3.model.hf_k3 import CheckpointReader, load_k3, save_k3
 from k3.model.hf_k3_config import config_from_release, config_to_release, mlp_schedule, vision_from_release
 from k3.model.multimodal import K3ForConditionalGeneration
 from k3.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
+import k3.model
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED = REPO / "model" / "data" / "k3_release_config.json"
@@ -347,6 +348,6 @@ def test_bad_checkpoints_get_clear_errors(release, tmp_path):
 
 
 def test_load_pretrained_reads_the_release(release):
-    a = load_pretrained(release, dtype=torch.float32, ep_rank=1, ep_size=2)
+    a = k3.model.load(release, dtype=torch.float32, ep_rank=1, ep_size=2)
     b = load_k3(release, dtype=torch.float32, ep_rank=1, ep_size=2)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -9,6 +9,7 @@ import torch
 from k3.model import SamplingConfig, generate, get_preset, K3ForCausalLM
 from helpers import kimi_linear_torch_only
 from k3.model.hf_kimi import load_kimi_linear, save_kimi_linear
+import k3.model
 
 transformers = pytest.importorskip("transformers")
 kimi_linear_torch_only()  # transformers' torch path, never fla's GPU kernels
@@ -129,12 +130,11 @@ def test_moe_layer_freq_is_honoured(tmp_path):
 
 
 def test_load_pretrained_reads_kimi_linear(checkpoint):
-    from k3.model.hf_k3 import load_pretrained, pretrained_config
 
     path, _ = checkpoint
-    assert pretrained_config(path) == load_kimi_linear(path).cfg
+    assert k3.model.load_config(path) == load_kimi_linear(path).cfg
     ids = torch.randint(3, 512, (1, 7))
     with torch.no_grad():
-        assert torch.equal(load_pretrained(path).eval()(ids).logits, load_kimi_linear(path).eval()(ids).logits)
+        assert torch.equal(k3.model.load(path).eval()(ids).logits, load_kimi_linear(path).eval()(ids).logits)
     with pytest.raises(ValueError, match="ep_size=2"):
-        load_pretrained(path, ep_size=2, ep_rank=0)
+        k3.model.load(path, ep_size=2, ep_rank=0)

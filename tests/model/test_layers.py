@@ -122,7 +122,7 @@ def test_grouped_experts_equal_loop(latent):
     moe = build(LatentMoE, cfg)
     x = torch.randn(3, 17, cfg.hidden_size)
     y, r = moe(x)
-    moe.use_loop = True
+    moe.experts.forward = moe.experts.forward_loop  # the readable per-expert loop, on this instance
     y2, r2 = moe(x)
     assert torch.equal(r.topk_idx, r2.topk_idx)
     assert_close("moe output", y, y2, 1e-6)
@@ -218,6 +218,6 @@ def test_padded_experts_for_decode_equal_the_loop(tokens):
     x = torch.randn(tokens, cfg.hidden_size)
     with torch.no_grad():
         fast, r = moe(x)  # few rows without grad: the padded batched path
-        moe.use_loop = True
+        moe.experts.forward = moe.experts.forward_loop
         slow, _ = moe(x)
     assert_close("padded vs loop", fast, slow, 1e-6)

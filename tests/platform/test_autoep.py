@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed.module_inject.auto_ep_layer")
 
+import k3.model  # noqa: E402
 from k3.jobs.bench_autoep import (  # noqa: E402
     K3_AUTOEP_PATTERN,
     AutoEPLatentMoE,
@@ -29,7 +30,6 @@ from k3.jobs.bench_autoep import (  # noqa: E402
     build_layer,
     register_situ_glu,
 )
-from k3.platform.train.expert_parallel import build_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_autoep_parser_reads_k3_router_bias_as_a_trainable_gate_bias():
 
     cfg = bench_config().replace(moe_latent_size=None, num_layers=2, layer_types=["kda", "mla"],
                                  mlp_types=["dense", "moe"])
-    specs = AutoEP(build_model(cfg), parse_autoep_config({**K3_AUTOEP_PATTERN, "top_k": 4})).ep_parser()
+    specs = AutoEP(k3.model.build(cfg), parse_autoep_config({**K3_AUTOEP_PATTERN, "top_k": 4})).ep_parser()
     assert [s.moe_module_name for s in specs] == ["model.layers.1.mlp"]
     assert specs[0].gate_bias is True
 

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance.quantile import (
+from k3.platform.balance import (
     BalanceConfig,
-    Balancer,
+    make_balancer,
     adaptive_gain,
     centred,
     exact_bias,
@@ -287,7 +287,7 @@ def test_adaptive_gain():
 
 def run_balancer(config: BalanceConfig, batches_: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     """The bias each batch was routed with."""
-    bal = Balancer(config, num_layers=1, num_experts=batches_[0].shape[1], k=k)
+    bal = make_balancer(config, num_layers=1, num_experts=batches_[0].shape[1], k=k)
     used = []
     for scores in batches_:
         used.append(bal.bias(0))
@@ -316,7 +316,7 @@ def test_bias_at_step_t_depends_only_on_earlier_batches(method, seed, t, gain):
 
 
 def test_observe_does_not_change_the_bias_in_use():
-    bal = Balancer(BalanceConfig(method="quantile"), 2, 8, 2)
+    bal = make_balancer(BalanceConfig(method="quantile"), 2, 8, 2)
     before = bal.bias()
     bal.observe_scores(0, skewed_scores(0, 64, 8, dtype=torch.float32))
     assert torch.equal(bal.bias(), before)
@@ -327,10 +327,10 @@ def test_observe_does_not_change_the_bias_in_use():
 def test_micro_batches_accumulate_like_one_batch():
     scores = skewed_scores(5, 256, 16, dtype=torch.float32)
     for method in ("quantile", "quantile_hist"):
-        one = Balancer(BalanceConfig(method=method, bins=64), 1, 16, 4)
+        one = make_balancer(BalanceConfig(method=method, bins=64), 1, 16, 4)
         one.observe_scores(0, scores)
         one.step()
-        two = Balancer(BalanceConfig(method=method, bins=64), 1, 16, 4)
+        two = make_balancer(BalanceConfig(method=method, bins=64), 1, 16, 4)
         two.observe_scores(0, scores[:100])
         two.observe_scores(0, scores[100:])
         two.step()
@@ -343,7 +343,7 @@ def test_qb_balances_a_stationary_router(method, gain):
     e, k, n = 32, 4, 8192
     g = torch.Generator().manual_seed(0)
     w, pop = torch.randn(e, 16, generator=g) / 4, torch.randn(e, generator=g)
-    bal = Balancer(BalanceConfig(method=method, bins=256, gain=gain), 1, e, k)
+    bal = make_balancer(BalanceConfig(method=method, bins=256, gain=gain), 1, e, k)
     vios = []
     for _ in range(12):
         scores = torch.sigmoid(torch.randn(n, 16, generator=g) @ w.T + pop)
@@ -354,7 +354,7 @@ def test_qb_balances_a_stationary_router(method, gain):
 
 
 def test_fine_pass_balancer_runs():
-    bal = Balancer(BalanceConfig(method="quantile_hist", bins=16, fine_pass=True), 1, 16, 2)
+    bal = make_balancer(BalanceConfig(method="quantile_hist", bins=16, fine_pass=True), 1, 16, 2)
     for i in range(3):
         bal.observe_scores(0, skewed_scores(i, 512, 16, dtype=torch.float32))
         info = bal.step()[0]
@@ -363,7 +363,7 @@ def test_fine_pass_balancer_runs():
 
 def test_aux_loss_and_none_keep_zero_bias():
     for method in ("aux_loss", "none"):
-        bal = Balancer(BalanceConfig(method=method), 1, 8, 2)
+        bal = make_balancer(BalanceConfig(method=method), 1, 8, 2)
         idx = bal.observe_scores(0, skewed_scores(0, 64, 8, dtype=torch.float32))
         bal.step()
         assert torch.equal(bal.bias(), torch.zeros(1, 8))
@@ -374,25 +374,25 @@ def test_aux_loss_and_none_keep_zero_bias():
 
 def test_balancer_state_round_trip():
     cfg = BalanceConfig(method="quantile_hist", bins=32)
-    a = Balancer(cfg, 2, 8, 2)
+    a = make_balancer(cfg, 2, 8, 2)
     for i in range(3):
         for layer in range(2):
             a.observe_scores(layer, skewed_scores(i * 2 + layer, 64, 8, dtype=torch.float32))
         a.step()
-    b = Balancer(cfg, 2, 8, 2)
+    b = make_balancer(cfg, 2, 8, 2)
     b.load_state_dict(a.state_dict())
     nxt = skewed_scores(99, 64, 8, dtype=torch.float32)
     a.observe_scores(0, nxt), b.observe_scores(0, nxt)
     a.step(), b.step()
     assert torch.equal(a.bias(), b.bias())
     with pytest.raises(ValueError, match="this balancer has"):
-        Balancer(cfg, 3, 8, 2).load_state_dict(a.state_dict())
+        make_balancer(cfg, 3, 8, 2).load_state_dict(a.state_dict())
 
 
 def test_balancer_bad_input():
     with pytest.raises(ValueError, match="1 <= k < experts"):
-        Balancer(BalanceConfig(), 1, 8, 8)
-    bal = Balancer(BalanceConfig(), 1, 8, 2)
+        make_balancer(BalanceConfig(), 1, 8, 8)
+    bal = make_balancer(BalanceConfig(), 1, 8, 2)
     with pytest.raises(ValueError, match=r"margins must be \[N, E=8\]"):
         bal.observe(0, torch.zeros(4, 7), torch.zeros(8))
     with pytest.raises(ValueError, match=r"counts must be \[E=8\]"):

@@ -11,7 +11,7 @@ import ray.cloudpickle
 import torch
 
 from k3.kernels.qb_histogram import qb_histogram
-from k3.platform.balance.quantile import BalanceConfig, Balancer, expert_loads, route
+from k3.platform.balance import BalanceConfig, expert_loads, make_balancer, route
 from k3.platform.balance.coordinator import BiasUpdate, CoordinatorCore
 
 L, E, K, BINS, N = 2, 8, 2, 32, 48
@@ -35,7 +35,7 @@ def worker_report(update: BiasUpdate, worker: int, step: int) -> tuple[torch.Ten
 
 def reference_biases(workers: int, steps: int) -> list[torch.Tensor]:
     """The single-process solve on the union of every worker's tokens: bias [L, E] after each step."""
-    bal = Balancer(BalanceConfig(bins=BINS), L, E, K)
+    bal = make_balancer(BalanceConfig(bins=BINS), L, E, K)
     out = []
     for step in range(steps):
         for layer in range(L):
@@ -399,7 +399,7 @@ def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(r
     try:
         strategy = QuantileHist(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
         strategy.start()
-        model, bal, once = RoundsModel(), Balancer(config, L, E, K), Balancer(config, L, E, K)
+        model, bal, once = RoundsModel(), make_balancer(config, L, E, K), make_balancer(config, L, E, K)
         for step in range(6):
             strategy.begin_step(model)
             assert torch.equal(model.bias, bal.bias()), f"step {step}"

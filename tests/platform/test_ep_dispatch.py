@@ -8,7 +8,6 @@ the next collective failed on both (gloo: "op.preamble.length <= op.nbytes")."""
 from __future__ import annotations
 
 import datetime
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from k3.platform.ops.local_ray import free_port
 
 from k3.model import get_preset
+import k3.model
 
 N = 24  # tokens per rank
 
@@ -35,15 +35,15 @@ def _inputs(rank: int, cfg, collapse: bool):
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from k3.platform.train.expert_parallel import apply_expert_parallel, build_model, ep_groups, moe_layers
+    from k3.platform.train.expert_parallel import apply_expert_parallel, ep_groups, moe_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))  # a desync fails, never hangs
     cfg = get_preset("k3-tiny")
-    model = build_model(cfg, rank, 2, seed=5)
+    model = k3.model.build(cfg, rank, 2, seed=5)
     apply_expert_parallel(model, *ep_groups(rank, 2, 2), world=2)
-    full = build_model(cfg, 0, 1, seed=5)  # every expert, the same values
+    full = k3.model.build(cfg, 0, 1, seed=5)  # every expert, the same values
     experts, ref_experts = moe_layers(model)[0].experts, moe_layers(full)[0].experts
     result = {}
     for collapse in (True, False, True):  # then ordinary routing: the ranks are still in step

@@ -1,5 +1,5 @@
 """`--init-from`: a training run takes its model config from a released checkpoint (checked on the
-driver, before any worker starts); the workers load it with k3.model.hf_k3.load_pretrained."""
+driver, before any worker starts); the workers load it with k3.model.load."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ import pytest
 from release_reference import tiny_release_config
 
 from k3.model.hf_k3_config import config_from_release
-from k3.platform.train.worker import TrainConfig
+from k3.platform.train.config import TrainConfig
+import k3.model
 
 
 def test_init_from_replaces_the_preset(tmp_path):
@@ -28,23 +29,6 @@ def test_init_from_mistakes_fail_on_the_driver(tmp_path, fields, match):
         TrainConfig(**{"init_from": str(tmp_path), **fields}).check()
 
 
-@pytest.mark.parametrize("ep_rank", [0, 3])
-def test_release_loading_places_experts_as_training_does(ep_rank):
-    """A rank loaded with load_k3(ep_rank, ep_size) holds the experts the trainer's placement gives it."""
-    import torch
-
-    from k3.model import K3ForCausalLM, get_preset
-    from k3.model.hf_k3 import keep_rank_experts
-    from k3.platform.train.expert_parallel import shard_experts
-
-    with torch.device("meta"):
-        a, b = K3ForCausalLM(get_preset("k3-tiny")), K3ForCausalLM(get_preset("k3-tiny"))
-    keep_rank_experts(a, ep_rank, 4)
-    shard_experts(b, ep_rank, 4)
-    ranges = [[(l.mlp.experts.first, l.mlp.experts.count) for l in m.model.layers if l.is_moe] for m in (a, b)]
-    assert ranges[0] == ranges[1] and ranges[0][0] == (ep_rank * 4, 4)
-
-
 def test_init_from_a_vision_language_directory_keeps_the_tower(tmp_path):
     """A k3 model directory with a vision tower starts training whole (tower and projector
     included), not as its language model alone."""
@@ -52,10 +36,9 @@ def test_init_from_a_vision_language_directory_keeps_the_tower(tmp_path):
 
     from k3.model import K3ForConditionalGeneration, get_preset
     from k3.model.pretrained import save_model_dir
-    from k3.platform.train.expert_parallel import build_model
     from k3.platform.train.trainer import initial_model
 
-    src = build_model(get_preset("k3-tiny-vl"), seed=3)
+    src = k3.model.build(get_preset("k3-tiny-vl"), seed=3)
     save_model_dir(src, tmp_path)
     tc = TrainConfig(init_from=str(tmp_path))
     model = initial_model(tc, tc.model_cfg(), 0, 1, torch.device("cpu"))

@@ -13,7 +13,8 @@ import torch
 
 from k3.platform.train.data import prepare
 from k3.platform.ops.local_ray import LocalRayHead
-from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.config import TrainConfig
+import k3.model
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
@@ -62,7 +63,7 @@ def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path
     rel = ((la - lb).abs() / la.abs()).max().item()
     assert rel <= 1e-4, f"ep_size 1 vs 2 losses differ by {rel:.2e} relative: {la.tolist()} vs {lb.tolist()}"
     # the checkpoint loads as one single-process model holding every expert
-    model = load_checkpoint_model(b["checkpoint"])
+    model = k3.model.load(b["checkpoint"])
     assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
 
 
@@ -81,7 +82,7 @@ def test_worker_failure_restarts_from_checkpoint_and_reproduces_the_run(ray_loca
     for c in ckpts:
         assert (c / "k3" / "state.pt").exists() and (c / "k3" / "shared.pt").exists()
         assert len(list((c / "k3").glob("experts-ep*-of-2.pt"))) == 2
-        load_checkpoint_model(c)
+        k3.model.load(c)
 
 
 def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
@@ -137,6 +138,6 @@ def test_muon_with_loss_free_balancing_and_activation_checkpointing(ray_local, d
     lx = losses(s)
     assert s["loss_is_finite"] and s["steps"] == 8
     assert lx[-2:].mean() < lx[:2].mean() - 0.1, f"Muon's loss did not fall: {lx.tolist()}"
-    model = load_checkpoint_model(s["checkpoint"])
+    model = k3.model.load(s["checkpoint"])
     biases = torch.stack([layer.mlp.gate.bias for layer in model.model.layers if layer.is_moe])
     assert biases.abs().sum() > 0, "loss-free balancing never moved the bias"

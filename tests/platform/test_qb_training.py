@@ -38,7 +38,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     import deepspeed
 
-    from k3.platform.train.worker import TrainConfig
+    from k3.platform.train.config import TrainConfig
     from k3.platform.train.trainer import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")

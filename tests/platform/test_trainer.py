@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from k3.platform.ops.local_ray import free_port
-
-from k3.platform.train.expert_parallel import build_model
-from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.config import TrainConfig
+import k3.model
 
 CLIP = 0.05  # far below the first step's gradient norm, so the clip is active
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +37,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     import deepspeed
 
-    from k3.platform.train.expert_parallel import expert_parameters
-    from k3.platform.train.trainer import Trainer, ds_config
+    from k3.platform.train.ds_adapter import ds_config
+    from k3.platform.train.trainer import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")
     root = Path(out)
@@ -73,16 +72,16 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     groups._create_expert_and_data_parallel(2)
     cfg = _cfg(2)
-    model = build_model(cfg.model_cfg(), rank % 2, 2, seed=cfg.seed)
-    apply_expert_parallel(model, *ep_groups(rank, 2, 2), world=2)
-    for p in expert_parameters(model):
+    model = k3.model.build(cfg.model_cfg(), rank % 2, 2, seed=cfg.seed)
+    ep = apply_expert_parallel(model, *ep_groups(rank, 2, 2), world=2)
+    for p in ep.params:
         p.allreduce, p.group_name = False, "ep_size_2"
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=ds_config(cfg))
     tok = _batch(rank, 0, vocab)["tokens"]
     engine.backward(engine(tok, labels=tok).loss)
     engine.step()
-    w = expert_parameters(model)[0].detach().contiguous()
+    w = ep.params[0].detach().contiguous()
     both = [torch.empty_like(w) for _ in range(2)]
     dist.all_gather(both, w)
     torch.save({"norms": norms, "ds_has_moe": engine.has_moe_layers, "experts_same_on_both_ranks":
@@ -98,7 +97,7 @@ def runs(tmp_path_factory):
 
 
 def _params(path: Path) -> dict[str, torch.Tensor]:
-    return dict(load_checkpoint_model(path).named_parameters())
+    return dict(k3.model.load(path).named_parameters())
 
 
 def _rel(a: dict, b: dict) -> tuple[float, float, str]:
@@ -124,14 +123,14 @@ def test_global_clip_same_step_with_ep_size_1_and_2(runs):
     assert rel <= 1e-5 and worst <= 1e-3, f"parameters after one clipped step differ by {rel:.2e} relative " \
         f"(worst tensor {name}: {worst:.2e})"
     # the step did move every parameter group, experts included
-    init = dict(build_model(_cfg(1).model_cfg(), seed=3).named_parameters())
+    init = dict(k3.model.build(_cfg(1).model_cfg(), seed=3).named_parameters())
     after = _params(runs / "ep1-step1")
     assert all(not torch.equal(init[n], after[n]) for n in after if ".experts." in n or "lm_head" in n)
 
 
 def test_reported_norm_is_the_norm_over_every_parameter(runs):
     cfg = _cfg(1)
-    model = build_model(cfg.model_cfg(), seed=cfg.seed)
+    model = k3.model.build(cfg.model_cfg(), seed=cfg.seed)
     vocab = cfg.model_cfg().vocab_size
     losses = [model(b["tokens"], labels=b["tokens"]).loss for b in (_batch(0, 0, vocab), _batch(1, 0, vocab))]
     (sum(losses) / 2).backward()  # the data-parallel mean over the two workers

@@ -16,9 +16,9 @@ from k3.platform.ops.local_ray import free_port
 
 from k3.model import K3ForConditionalGeneration
 from k3.platform.train.data import prepare
-from k3.platform.train.expert_parallel import build_model
-from k3.platform.train.worker import TrainConfig, load_checkpoint_model
+from k3.platform.train.config import TrainConfig
 from k3.platform.train.vision_data import write_vision_set
+import k3.model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def run(tmp_path_factory):
 def test_media_step_norm_equals_the_hand_computed_norm(run):
     root, data = run
     cfg = _cfg(data)
-    model = build_model(cfg.model_cfg(), seed=cfg.seed).train()
+    model = k3.model.build(cfg.model_cfg(), seed=cfg.seed).train()
     from k3.platform.train.trainer import Trainer
 
     losses = []
@@ -101,9 +101,9 @@ def test_tower_replicated_text_step_reaches_it_and_checkpoint_loads(run):
     for rank in range(2):
         r = torch.load(root / f"rank{rank}.pt")
         assert r["tower_same"] and r["text_reaches_tower"] and r["routers_match"]
-    model = load_checkpoint_model(root / "ckpt")
+    model = k3.model.load(root / "ckpt")
     assert isinstance(model, K3ForConditionalGeneration)
-    init = build_model(_cfg(run[1]).model_cfg(), seed=5)
+    init = k3.model.build(_cfg(run[1]).model_cfg(), seed=5)
     assert not torch.equal(model.vision_tower.patch_embed.proj.weight, init.vision_tower.patch_embed.proj.weight)
 
 

@@ -10,7 +10,8 @@ import httpx
 import pytest
 import torch
 
-from k3.model import K3ForCausalLM, get_preset
+import k3.model
+from k3.model import get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -55,8 +56,7 @@ def apps(serve_session, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_model():
-    torch.manual_seed(0)  # the replicas' random weights, built the same way
-    return K3ForCausalLM(get_preset("k3-tiny")).eval()
+    return k3.model.build(get_preset("k3-tiny"), seed=0).eval()  # the replicas' random weights
 
 
 def client(base):

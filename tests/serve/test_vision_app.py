@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from k3.model import K3ForConditionalGeneration, get_preset
+import k3.model
+from k3.model import get_preset
 from k3.serve.chat import ChatTemplate
 from k3.serve.config import MediaConfig
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -101,12 +101,11 @@ def stats(app, deployment):
 
 def engine_answer(tokenizer, msgs, max_tokens=6):
     """What the bare engine answers for the same conversation (the ingress's prompt, same weights)."""
-    torch.manual_seed(0)
     cfg = get_preset("k3-tiny-vl")
     media = ChatMedia(cfg, MediaConfig(**MEDIA), "k3-vl")
     ids, items = media.prompt(ChatTemplate(), ChatCompletionRequest.model_validate(
         {"model": "k3-vl", "messages": msgs}).messages, tokenizer)
-    eng = LLMEngine(K3ForConditionalGeneration(cfg).eval(), EngineConfig(**ENGINE), tokenizer)
+    eng = LLMEngine(k3.model.build(cfg, seed=0).eval(), EngineConfig(**ENGINE), tokenizer)
     out = eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, stop=["<|im_end|>"]),
                        media=[items])[0]
     return out.text, ids
