@@ -106,6 +106,10 @@ class DeepSpeedAdapter:
     def __call__(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
 
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        self.expert_opt.zero_grad(set_to_none=True)
+
     def set_lr(self, lr: float) -> None:
         for g in list(self.engine.optimizer.param_groups) + list(self.expert_opt.param_groups):
             g["lr"] = lr

@@ -392,13 +392,13 @@ def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(r
     """solve_rounds=2: per step the strategy reports round 1, routes the same batch with its solve,
     reports round 2 and leaves that for the next step; the biases equal the single-process
     Balancer solving twice per step on the same re-routed batches, and differ from one round."""
-    from k3.platform.balance.strategies import QuantileHist
+    from k3.platform.balance.strategies import make_strategy
 
     config = BalanceConfig(bins=BINS, solve_rounds=2)
     coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, k=K, config=config, world_size=1)
     try:
-        strategy = QuantileHist(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
-        strategy.start()
+        strategy = make_strategy(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
+        strategy.start(None)
         model, bal, once = RoundsModel(), make_balancer(config, L, E, K), make_balancer(config, L, E, K)
         for step in range(6):
             strategy.begin_step(model)

@@ -21,7 +21,7 @@ def test_init_from_replaces_the_preset(tmp_path):
 
 @pytest.mark.parametrize("fields,match", [
     ({"model_overrides": {"num_layers": 2}}, "model_overrides"),
-    ({"init_from": "/nonexistent/k3"}, "config.json"),
+    ({"init_from": "/nonexistent/k3"}, "/nonexistent/k3: no such checkpoint directory"),
 ])
 def test_init_from_mistakes_fail_on_the_driver(tmp_path, fields, match):
     (tmp_path / "config.json").write_text(json.dumps(tiny_release_config()))

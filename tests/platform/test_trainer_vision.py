@@ -46,15 +46,14 @@ def _worker(rank: int, port: int, data: str, out: str) -> None:
     media_batch = t.make_batch({"examples": sched.examples(0)})
     media = t.train_step(media_batch, 0)
     with torch.no_grad():  # the margins QB solves from see the media rows, as the training forward does
-        full = t.engine(media_batch["input_ids"], media_batch["pixel_values"], media_batch["grid_thws"],
-                        collect_router=True).router
+        full = t.forward(media_batch).router
     after = t.router_pass(media_batch)()
     routers_match = all(torch.allclose(a.margins, b.margins, atol=1e-5) for a, b in zip(after, full))
     g = torch.Generator().manual_seed(rank)
     text_batch = t.make_batch({"tokens": torch.randint(7, 300, (2, 33), generator=g)})
-    t.engine(text_batch["input_ids"], labels=text_batch["labels"]).loss.backward()  # gradients of a text batch
+    t.forward(text_batch).loss.backward()  # gradients of a text batch
     reached = all(p.grad is not None for n, p in t.model.named_parameters() if n.startswith("vision_tower."))
-    t.engine.zero_grad()
+    t.ds.zero_grad()
     t.train_step(text_batch, 1)
     w = t.model.vision_tower.encoder.blocks[0].wqkv.weight.detach().contiguous()
     both = [torch.empty_like(w) for _ in range(2)]
