@@ -17,6 +17,8 @@ from k3.platform.ops.local_ray import free_port
 from k3.platform.train.expert_parallel import build_model
 from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 CLIP = 0.05  # far below the first step's gradient norm, so the clip is active
 REPO = Path(__file__).resolve().parents[2]
 

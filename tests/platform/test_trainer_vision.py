@@ -20,6 +20,8 @@ from k3.platform.train.expert_parallel import build_model
 from k3.platform.train.worker import TrainConfig, load_checkpoint_model
 from k3.platform.train.vision_data import write_vision_set
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
