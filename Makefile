@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test lint bench bench-kernels prometheus clean
+.PHONY: venv demo test test-fast lint bench bench-kernels prometheus clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,11 @@ lint: $(STAMP)
 test: $(STAMP) $(PROM_DIR)/.installed
 	.ci/lint-imports
 	$(BIN)/python -m pytest -q --durations=20 tests
+
+# The unit tier for the inner loop: no Ray cluster, no spawned training processes, nothing slow
+# (markers in pyproject.toml). CI runs `make test`.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 -m "not ray and not distributed and not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/python jobs/bench_model.py

@@ -12,7 +12,8 @@
     k3 report RUN_DIR                   an HTML page with PNG plots of a pretraining run
 
 Operational commands print one line `k3: error: ...` and exit 1 on bad input or an unreachable
-service, leaving nothing they started running.
+service, leaving nothing they started running. Only the commands that need torch, Ray or the
+monitoring packages import them, so help and argument errors answer at once.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import sys
 from pathlib import Path
 
 from k3.model.config import PRESETS, get_preset
-from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
 
 
 def _human(n: int) -> str:
@@ -34,6 +34,8 @@ def _human(n: int) -> str:
 
 
 def cmd_params(args: argparse.Namespace) -> int:
+    from k3.model.params import count_parameters, count_release_parameters, count_vision_parameters
+
     cfg = get_preset(args.preset)
     c = count_parameters(cfg)
     v = count_vision_parameters(cfg)

@@ -32,9 +32,10 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
 
 def read_run(run_dir: str | os.PathLike) -> tuple[list[dict], dict]:
     """(history, config) of the run's latest checkpoint."""
+    ckpt = latest_checkpoint(run_dir)  # a bad run directory is refused before torch loads
     import torch
 
-    state = torch.load(latest_checkpoint(run_dir) / "k3" / "state.pt", weights_only=False)
+    state = torch.load(ckpt / "k3" / "state.pt", weights_only=False)
     history = state.get("history") or []
     if not history:
         raise ValueError(f"{run_dir}: the latest checkpoint holds no training history")

@@ -17,6 +17,8 @@ from k3.platform.ops.local_ray import free_port
 from k3.model import get_preset
 import k3.model
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 N = 24  # tokens per rank
 
 

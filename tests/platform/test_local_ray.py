@@ -40,6 +40,7 @@ def test_autoscaling_head_points_the_provider_at_its_own_gcs(tmp_path):
     assert not again.alive()
 
 
+@pytest.mark.ray  # starts a Ray head
 def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(tmp_path):
     """A port free when it was picked can be taken by another process before Ray binds it (seen
     on a busy machine: the raylet could not start its server and `ray start` timed out)."""

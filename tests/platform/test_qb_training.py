@@ -17,6 +17,8 @@ import torch
 import torch.multiprocessing as mp
 from k3.platform.ops.local_ray import free_port
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 STEPS, MICRO_BATCH, SEQ, LR = 20, 8, 64, 4e-2
 BOUND = 1.0  # per-layer MaxVio, mean over the last third of the run (collapse is 3.0)
 RUNS = {"training_forward": {"margins_after_step": False, "solve_rounds": 1},

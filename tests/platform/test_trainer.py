@@ -16,6 +16,8 @@ from k3.platform.ops.local_ray import free_port
 from k3.platform.train.config import TrainConfig
 import k3.model
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 CLIP = 0.05  # far below the first step's gradient norm, so the clip is active
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,6 +20,8 @@ from k3.platform.train.config import TrainConfig
 from k3.platform.train.vision_data import write_vision_set
 import k3.model
 
+pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
