@@ -86,7 +86,7 @@ def test_mxfp4_rejects_bad_tensors(packed, scale, match):
 
 # -- load: logits, dtypes ------------------------------------------------------------------------------
 def test_logits_match_independent_reference(release):
-    model = load_k3(release, dtype=torch.float32).eval()
+    model = load_k3(release, dtype=torch.float32, vision=False).eval()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = model(ids).logits
@@ -96,7 +96,7 @@ def test_logits_match_independent_reference(release):
 
 def test_cached_greedy_decode_follows_the_reference(release):
     """The cache path (KDA state slots, MLA pages) the engine runs, on the loaded release weights."""
-    model = load_k3(release, dtype=torch.float32).eval()
+    model = load_k3(release, dtype=torch.float32, vision=False).eval()
     prompt = [5, 17, 3, 99, 42, 7, 250]
     got = generate(model, [prompt], SamplingConfig(max_new_tokens=5))[0]
     ref = reference_logits(release, torch.tensor([prompt + got]))[0]
@@ -104,7 +104,7 @@ def test_cached_greedy_decode_follows_the_reference(release):
 
 
 def test_default_dtypes_follow_the_checkpoint(release):
-    model = load_k3(release)
+    model = load_k3(release, vision=False)
     params = dict(model.named_parameters())
     assert params["model.layers.1.mlp.experts.w_gate"].dtype == torch.bfloat16
     assert params["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
@@ -165,7 +165,7 @@ def test_k3_model_round_trip_keeps_logits(tmp_path):
                      num_experts=8, attn_res_block_size=1)
     model = K3ForCausalLM(cfg).eval()
     save_k3(model, tmp_path / "t")
-    again = load_k3(tmp_path / "t", dtype=torch.float32).eval()
+    again = load_k3(tmp_path / "t", dtype=torch.float32, vision=False).eval()
     w, back = model.model.layers[1].mlp.experts.w_up, again.model.layers[1].mlp.experts.w_up
     assert torch.equal(back[3], dequantize_mxfp4(*quantize_mxfp4(w[3]), torch.float32))
     assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
@@ -178,8 +178,8 @@ def test_k3_model_round_trip_keeps_logits(tmp_path):
 @pytest.mark.parametrize("ep_rank", [0, 1])
 def test_ep_rank_reads_only_its_experts(release, ep_rank):
     reader = CheckpointReader(release)
-    part = load_k3(release, ep_rank=ep_rank, ep_size=2, reader=reader)
-    full = load_k3(release)
+    part = load_k3(release, ep_rank=ep_rank, ep_size=2, reader=reader, vision=False)
+    full = load_k3(release, vision=False)
     n = 4  # 8 experts over 2 ranks
     mine = range(ep_rank * n, (ep_rank + 1) * n)
     expert_reads = [k for k in reader.reads if ".experts." in k]
@@ -203,12 +203,12 @@ from k3.model.hf_k3 import load_k3
 from k3.model.params import count_parameters
 from k3.model.hf_k3 import read_config
 path, warm = sys.argv[1], sys.argv[2]
-load_k3(warm)  # torch's lazy imports (dynamo, ~100 MB) and allocator warm-up, outside the measurement
+load_k3(warm, vision=False)  # torch's lazy imports (dynamo, ~100 MB) and allocator warm-up, outside the measurement
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
 base = status("VmRSS:")
-m = load_k3(path, dtype=torch.float32, ep_rank=0, ep_size=2)
+m = load_k3(path, dtype=torch.float32, ep_rank=0, ep_size=2, vision=False)
 peak = status("VmHWM:") - base
 rank = sum(p.numel() * p.element_size() for p in m.parameters())
 full = count_parameters(read_config(path)[1]).total * 4
@@ -275,7 +275,7 @@ def test_config_values_k3_cannot_honour_are_refused(release, tmp_path, field, va
     (bad / "model.safetensors.index.json").unlink()
     (bad / "model.safetensors.index.json").symlink_to(release / "model.safetensors.index.json")
     with pytest.raises(ValueError, match=match):
-        load_k3(bad)
+        load_k3(bad, vision=False)
 
 
 def test_vision_tower_loads_as_released(release):
@@ -286,7 +286,7 @@ def test_vision_tower_loads_as_released(release):
     assert sorted(names) == sorted(n for n in files if n.startswith(VISION))
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], files[n].float()) for n in names)
-    text = load_k3(release, dtype=torch.float32)
+    text = load_k3(release, dtype=torch.float32, vision=False)
     assert all(torch.equal(a, b) for a, b in zip(model.language_model.state_dict().values(),
                                                  text.state_dict().values()))
     grid = [(1, 4, 4)]  # one image of 4 x 4 patches -> 2 x 2 merged tokens
@@ -326,28 +326,28 @@ def test_moe_layer_freq_is_honoured():
 
 def test_bad_checkpoints_get_clear_errors(release, tmp_path):
     with pytest.raises(ValueError, match="config.json"):
-        load_k3(tmp_path)
+        load_k3(tmp_path, vision=False)
     tensors = release_tensors(tiny_release_config())
     extra = copy.copy(tensors)
     extra["language_model.model.layers.4.eh_proj.weight"] = torch.zeros(2, 2)  # an MTP layer k3 would drop
     _bad = tmp_path / "extra"
     write_release_checkpoint(_bad, tiny_release_config(), extra)
     with pytest.raises(ValueError, match="does not map"):
-        load_k3(_bad)
+        load_k3(_bad, vision=False)
     tensors["language_model.model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 64, dtype=torch.bfloat16)
     write_release_checkpoint(tmp_path / "shape", tiny_release_config(), tensors)
     with pytest.raises(ValueError, match="q_proj.*shape"):
-        load_k3(tmp_path / "shape")
-    save_k3(load_k3(release), tmp_path / "text-only")
+        load_k3(tmp_path / "shape", vision=False)
+    save_k3(load_k3(release, vision=False), tmp_path / "text-only")
     with pytest.raises(ValueError, match="no vision_config"):
         load_k3(tmp_path / "text-only", vision=True)
     with pytest.raises(ValueError, match="ep_rank"):
-        load_k3(release, ep_rank=2, ep_size=2)
+        load_k3(release, ep_rank=2, ep_size=2, vision=False)
     with pytest.raises(ValueError, match="ep_size=3"):
-        load_k3(release, ep_rank=0, ep_size=3)
+        load_k3(release, ep_rank=0, ep_size=3, vision=False)
 
 
 def test_load_pretrained_reads_the_release(release):
     a = k3.model.load(release, dtype=torch.float32, ep_rank=1, ep_size=2)
-    b = load_k3(release, dtype=torch.float32, ep_rank=1, ep_size=2)
+    b = load_k3(release, dtype=torch.float32, ep_rank=1, ep_size=2, vision=False)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -129,12 +129,20 @@ def test_moe_layer_freq_is_honoured(tmp_path):
         load_kimi_linear(tmp_path / "hf")
 
 
-def test_load_pretrained_reads_kimi_linear(checkpoint):
-
+def test_k3_model_load_reads_kimi_linear(checkpoint):
     path, _ = checkpoint
-    assert k3.model.load_config(path) == load_kimi_linear(path).cfg
+    full = load_kimi_linear(path).eval()
+    assert k3.model.load_config(path) == full.cfg
     ids = torch.randint(3, 512, (1, 7))
     with torch.no_grad():
-        assert torch.equal(k3.model.load(path).eval()(ids).logits, load_kimi_linear(path).eval()(ids).logits)
-    with pytest.raises(ValueError, match="ep_size=2"):
-        k3.model.load(path, ep_size=2, ep_rank=0)
+        assert torch.equal(k3.model.load(path)(ids).logits, full(ids).logits)
+    rank = k3.model.load(path, ep_rank=1, ep_size=2)  # one expert-parallel rank: its rows of the experts
+    E = full.cfg.num_experts
+    for layer, want in zip(rank.model.layers, full.model.layers):
+        if layer.is_moe:
+            assert (layer.mlp.experts.first, layer.mlp.experts.count) == (E // 2, E // 2)
+            assert torch.equal(layer.mlp.experts.w_down, want.mlp.experts.w_down[E // 2:])
+    with pytest.raises(ValueError, match="vision=True"):
+        k3.model.load(path, vision=True)
+    with pytest.raises(ValueError, match="ep_rank=2 must lie in"):
+        k3.model.load(path, ep_rank=2, ep_size=2)
