@@ -103,9 +103,9 @@ if args.compile_only:
             (o.float().sum() + s.sum()).backward()
         kda_step_triton(*(torch.zeros(2, 2, K, dtype=dt) for _ in range(4)), torch.zeros(2, 2, dtype=dt),
                         torch.zeros(3, 2, K, K), torch.tensor([0, 2]), 0.1)
-        for bs in (16, 64):
+        for ps in (16, 64):
             mla_decode_triton(torch.zeros(2, 96, 512, dtype=dt), torch.zeros(2, 96, 64, dtype=dt),
-                              torch.zeros(4, bs, 576, dtype=dt), torch.zeros(2, 2, dtype=torch.int32),
+                              torch.zeros(4, ps, 576, dtype=dt), torch.zeros(2, 2, dtype=torch.int32),
                               torch.tensor([5, 9]), 0.1)
         gate = torch.zeros(100, dtype=dt, requires_grad=True)
         situ_glu_triton(gate, gate.detach().clone().requires_grad_()).sum().backward()
@@ -255,22 +255,22 @@ for dtype in (torch.float32, torch.bfloat16):
         gen = torch.Generator(device=dev).manual_seed(5)
         lens = torch.tensor([1, 70, 150, 64] if tiny else [1, 700, 4097, 64], device=dev, dtype=torch.int32)
         H_mla, L_mla = (16, 64) if tiny else (96, 512)
-        for bs in (16, 64):
-            need = ((lens + bs - 1) // bs).tolist()
+        for ps in (16, 64):
+            need = ((lens + ps - 1) // ps).tolist()
             ids = torch.randperm(sum(need) + 5, device=dev, generator=gen).to(torch.int32)
             table = torch.zeros(4, max(need), dtype=torch.int32, device=dev)
             pos = 0
             for i, n in enumerate(need):
                 table[i, :n] = ids[pos:pos + n]
                 pos += n
-            kv = (torch.randn(ids.numel(), bs, L_mla + 64, device=dev, generator=gen) * 0.5).to(dtype)
+            kv = (torch.randn(ids.numel(), ps, L_mla + 64, device=dev, generator=gen) * 0.5).to(dtype)
             q_lat = (torch.randn(4, H_mla, L_mla, device=dev, generator=gen) * 0.05).to(dtype)
             q_rope = (torch.randn(4, H_mla, 64, device=dev, generator=gen) * 0.05).to(dtype)
             w_uv = (torch.randn(H_mla, 128, L_mla, device=dev, generator=gen) * 0.05).to(dtype)
             gate = torch.randn(4, H_mla, 128, device=dev, generator=gen).to(dtype)
             got = mla_decode(q_lat, q_rope, kv, table, lens, 0.07, w_uv, gate, backend="triton")
             want = naive_mla_decode(q_lat, q_rope, kv, table, lens, 0.07, w_uv, gate)
-            record(f"mla_decode block_size={bs}", dtype, {"o": rel_rms(got, want)}, TOL[dtype][0])
+            record(f"mla_decode page_size={ps}", dtype, {"o": rel_rms(got, want)}, TOL[dtype][0])
     if within_budget(f"qb_histogram {dtype}"):
         gen = torch.Generator(device=dev).manual_seed(6)
         n_tok, n_exp = (300, 40) if tiny else (65536, 896)

@@ -150,22 +150,22 @@ def check_situ(fn, gate, up, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, **kw):
     assert torch.equal(gate, g0) and torch.equal(up, u0), "inputs were modified"
 
 
-def mla_case(lens, H=3, L=32, R=16, block_size=16, dtype=torch.float32, seed=0, spare_blocks=3):
-    """A paged latent cache holding len(lens) sequences in shuffled, interleaved blocks.
+def mla_case(lens, H=3, L=32, R=16, page_size=16, dtype=torch.float32, seed=0, spare_pages=3):
+    """A paged latent cache holding len(lens) sequences in shuffled, interleaved pages.
 
-    Returns q_lat, q_rope, kv_cache, block_table (int32, -1 past each sequence's end), seq_lens.
+    Returns q_lat, q_rope, kv_cache, page_table (int32, -1 past each sequence's end), seq_lens.
     """
     gen = torch.Generator().manual_seed(seed)
     N = len(lens)
-    need = [(n + block_size - 1) // block_size for n in lens]
-    n_blocks = sum(need) + spare_blocks
-    ids = torch.randperm(n_blocks, generator=gen)  # out-of-order pages, shared pool
+    need = [(n + page_size - 1) // page_size for n in lens]
+    n_pages = sum(need) + spare_pages
+    ids = torch.randperm(n_pages, generator=gen)  # out-of-order pages, shared pool
     table = torch.full((N, max(need) + 1), -1, dtype=torch.int32)
     used = 0
     for i, k in enumerate(need):
         table[i, :k] = ids[used:used + k]
         used += k
-    kv = torch.randn(n_blocks, block_size, L + R, generator=gen)
+    kv = torch.randn(n_pages, page_size, L + R, generator=gen)
     q_lat = torch.randn(N, H, L, generator=gen) * 0.3
     q_rope = torch.randn(N, H, R, generator=gen) * 0.3
     return q_lat.to(dtype), q_rope.to(dtype), kv.to(dtype), table, torch.tensor(lens, dtype=torch.int32)
