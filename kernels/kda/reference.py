@@ -1,15 +1,38 @@
-"""Readable Kimi Delta Attention: the per-token recurrence, in fp32. The ground truth for tests.
+"""Readable Kimi Delta Attention in fp32: the ground truth for tests.
 
 Per head, with a state S of shape [K, V]:
 
     S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T (q_t * scale)
 
-which is computed as: decay S, read the memory at k_t, write beta_t times the error back.
+`naive_recurrent_kda` runs that token by token: decay S, read the memory at k_t, write beta_t
+times the error back. The fast paths (cpu.py, triton_*.py) compute the same thing a chunk of C
+tokens at a time. Within a chunk, with G_i the cumulative log-decay up to token i and delta_j
+the "new value" written at token j, unrolling the recurrence gives
+
+    (I + A) delta = beta v - (beta k e^G) S_0,     A_ij = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i
+    o_i   = (q_i e^(G_i)) S_0 + sum_(j <= i) [sum_c q_ic k_jc e^(G_ic - G_jc)] delta_j
+    S_C   = diag(e^(G_C)) S_0 + sum_j (k_j e^(G_C - G_j)) delta_j^T
+
+so delta = u - w S_0 with [u | w] = (I + A)^-1 [beta v | beta k e^G] (the WY/UT form): only the
+hand-off of S from chunk to chunk is sequential.
+
+`naive_recurrent_kda` takes `chunk_kda`'s arguments (but chunk_size and lower_bound, which it
+does not need) and returns its `KDAOutput`, states_at included.
 """
 from __future__ import annotations
 
 import torch
+
+from .contract import KDAOutput
+
+
+def _sequences(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(batch row, first token, end) of each sequence, in token order."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    cu = cu_seqlens.tolist()
+    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
 def naive_recurrent_kda(
@@ -22,7 +45,9 @@ def naive_recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    *,
+    states_at: dict[int, list[int]] | None = None,
+) -> KDAOutput:
     """Token-by-token KDA.
 
     Args:
@@ -30,28 +55,22 @@ def naive_recurrent_kda(
         scale: multiplies q; defaults to K ** -0.5.
         initial_state: [N, H, K, V], N = B, or the number of sequences when packed.
         cu_seqlens: [N + 1] int offsets of packed sequences (then B must be 1).
+        states_at: {sequence: [token offsets]}: also the state after each.
     Returns:
-        o: [B, T, H, V] in v's dtype; the final state [N, H, K, V] in fp32 (or None).
+        KDAOutput(o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None, states).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     dtype = v.dtype
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if cu_seqlens is None:
-        bounds = [(b, 0, T) for b in range(B)]
-    else:
-        cu = cu_seqlens.tolist()
-        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
     # Per-token views from one unbind per tensor: indexing x[b, t] inside the loop would give each
     # token a backward that writes a whole [B, T, ...] gradient, O(T^2) for the sequence.
     qs, ks, vs, gs, betas = ([xb.unbind(0) for xb in x.unbind(0)] for x in (q, k, v, g, beta))
-    outs, finals = [], []  # bounds run through every token in order, so the outputs stack into o
-    for n, (b, start, end) in enumerate(bounds):
-        if initial_state is None:
-            S = q.new_zeros(H, K, V)
-        else:
-            S = initial_state[n].float()
+    outs, finals, states = [], [], {}  # the sequences run through every token in order
+    for n, (b, start, end) in enumerate(_sequences(B, T, cu_seqlens)):
+        S = q.new_zeros(H, K, V) if initial_state is None else initial_state[n].float()
+        want = set((states_at or {}).get(n, []))
         for t in range(start, end):
             k_t = ks[b][t]
             S = S * gs[b][t].exp()[..., None]
@@ -59,10 +78,11 @@ def naive_recurrent_kda(
             delta = betas[b][t][:, None] * (vs[b][t] - memory)
             S = S + k_t[..., None] * delta[:, None, :]
             outs.append(torch.einsum("hk,hkv->hv", qs[b][t] * scale, S))
+            if t + 1 - start in want:
+                states[(n, t + 1 - start)] = S
         finals.append(S)
-    o = torch.stack(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V, dtype=torch.float32)
-    final = torch.stack(finals) if output_final_state else None
-    return o.to(dtype), final
+    o = torch.stack(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V)
+    return KDAOutput(o.to(dtype), torch.stack(finals) if output_final_state else None, states)
 
 
 def naive_kda_step(
@@ -85,7 +105,7 @@ def naive_kda_step(
     outs = []
     for n in range(N):
         slot = int(slot_idx[n])
-        o, S = naive_recurrent_kda(
+        o, S, _ = naive_recurrent_kda(
             q[n][None, None], k[n][None, None], v[n][None, None], g[n][None, None], beta[n][None, None],
             scale=scale, initial_state=state_pool[slot][None], output_final_state=True,
         )
