@@ -10,8 +10,8 @@ Public functions (shape-checked, dispatching to the best path for the device):
 CUDA tensors run the Triton kernels (triton.py over triton_fwd.py and triton_bwd.py;
 triton_step.py), CPU tensors the torch path (cpu.py over cpu_blocks.py); `backend="torch"` or
 `"triton"` forces one (Triton on CPU needs TRITON_INTERPRET=1). Both cut a batch into chunks
-the same way (chunks.py). `naive_recurrent_kda` and `naive_kda_step` (reference.py) are the
-readable ground truth with the same signatures.
+the same way (chunks.py). `naive_recurrent_kda`, `naive_chunk_kda` and `naive_kda_step`
+(reference.py) are the readable ground truth with the same signatures.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from .._dispatch import use_triton
 from .contract import (KDAOutput, check_chunk_size, check_gate, check_kda_inputs, check_lower_bound,
                        check_states_at, check_step_inputs, kda_fail)
 from .cpu import chunk_kda_torch, kda_step_torch
-from .reference import naive_kda_step, naive_recurrent_kda
+from .reference import naive_chunk_kda, naive_kda_step, naive_recurrent_kda
 
-__all__ = ["chunk_kda", "kda_step", "KDAOutput", "naive_recurrent_kda", "naive_kda_step", "check_kda_inputs"]
+__all__ = ["chunk_kda", "kda_step", "KDAOutput", "naive_recurrent_kda", "naive_chunk_kda", "naive_kda_step",
+           "check_kda_inputs"]
 
 MAX_TRITON_HEAD_DIM = 256  # one [BT, K] block per program; fla has the same limit
 # exp(-88) is below fp32's smallest normal number: a gate under -88 decays the state to 0 as

@@ -1,6 +1,6 @@
 """Chunkwise Kimi Delta Attention in plain torch, forward and hand-written backward: the CPU path.
 
-The chunk form (the WY/UT transform) is the one reference.py's docstring spells out:
+The chunk form (the WY/UT transform) is the one `naive_chunk_kda` in reference.py spells out:
 everything but the chunk-to-chunk state hand-off runs in parallel over chunks. Its pairwise decays
 are dense matmuls over sub-chunks (cpu_blocks.py), and the chunks are the ChunkTable's (chunks.py),
 so a sequence cut at an asked-for offset has a shorter chunk there and nothing else changes.

@@ -1,4 +1,4 @@
-"""Readable Kimi Delta Attention in fp32: the ground truth for tests.
+"""Readable Kimi Delta Attention in fp32: the ground truth for tests, two ways.
 
 Per head, with a state S of shape [K, V]:
 
@@ -6,9 +6,10 @@ Per head, with a state S of shape [K, V]:
     o_t = S_t^T (q_t * scale)
 
 `naive_recurrent_kda` runs that token by token: decay S, read the memory at k_t, write beta_t
-times the error back. The fast paths (cpu.py, triton_*.py) compute the same thing a chunk of C
-tokens at a time. Within a chunk, with G_i the cumulative log-decay up to token i and delta_j
-the "new value" written at token j, unrolling the recurrence gives
+times the error back. `naive_chunk_kda` computes the same thing a chunk of C tokens at a time,
+the form the fast paths use (cpu.py, triton_*.py), without their tiling, sub-chunk anchoring or
+layout. Within a chunk, with G_i the cumulative log-decay up to token i and delta_j the "new
+value" written at token j, unrolling the recurrence gives
 
     (I + A) delta = beta v - (beta k e^G) S_0,     A_ij = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i
     o_i   = (q_i e^(G_i)) S_0 + sum_(j <= i) [sum_c q_ic k_jc e^(G_ic - G_jc)] delta_j
@@ -17,8 +18,8 @@ the "new value" written at token j, unrolling the recurrence gives
 so delta = u - w S_0 with [u | w] = (I + A)^-1 [beta v | beta k e^G] (the WY/UT form): only the
 hand-off of S from chunk to chunk is sequential.
 
-`naive_recurrent_kda` takes `chunk_kda`'s arguments (but chunk_size and lower_bound, which it
-does not need) and returns its `KDAOutput`, states_at included.
+Both take `chunk_kda`'s arguments (the chunk form its chunk_size; neither needs a lower_bound)
+and return its `KDAOutput`, states_at included.
 """
 from __future__ import annotations
 
@@ -83,6 +84,68 @@ def naive_recurrent_kda(
         finals.append(S)
     o = torch.stack(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V)
     return KDAOutput(o.to(dtype), torch.stack(finals) if output_final_state else None, states)
+
+
+def naive_chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    *,
+    states_at: dict[int, list[int]] | None = None,
+) -> KDAOutput:
+    """Chunkwise KDA in the WY/UT form, one chunk at a time; `naive_recurrent_kda`'s contract.
+
+    chunk_size: tokens per chunk (any size >= 1). A sequence is also cut at its states_at
+    offsets, so each asked-for state is a chunk's leaving state. Gates must be finite.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    outs, finals, states = [], [], {}  # chunks in token order
+    for n, (b, start, end) in enumerate(_sequences(B, T, cu_seqlens)):
+        S = q.new_zeros(H, K, V) if initial_state is None else initial_state[n].float()
+        want = set((states_at or {}).get(n, []))
+        cuts = sorted(set(range(0, end - start, chunk_size)) | {c for c in want if c < end - start})
+        for c0, c1 in zip(cuts, cuts[1:] + [end - start]):
+            sl = slice(start + c0, start + c1)
+            o_c, S = _one_chunk(q[b, sl] * scale, k[b, sl], v[b, sl], g[b, sl], beta[b, sl], S)
+            outs.append(o_c)
+            if c1 in want:
+                states[(n, c1)] = S
+        finals.append(S)
+    o = torch.cat(outs).view(B, T, H, V) if outs else v.new_zeros(B, T, H, V)
+    return KDAOutput(o.to(dtype), torch.stack(finals) if output_final_state else None, states)
+
+
+def _one_chunk(q, k, v, g, beta, S):
+    """q (scaled), k, g: [C, H, K]; v: [C, H, V]; beta: [C, H]; S: [H, K, V], the state entering.
+    Returns o [C, H, V] and the state leaving the chunk."""
+    C = k.shape[0]
+    G = g.cumsum(0)  # [C, H, K], decay from the chunk's start through token i
+    on_or_below = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()[..., None, None]
+    # e^(G_i - G_j) for j <= i, 0 above the diagonal (masked before exp: there it would overflow)
+    decay = (G[:, None] - G[None, :]).masked_fill(~on_or_below, float("-inf")).exp()  # [i, j, H, K]
+    kb = k * beta[..., None]
+    A = torch.einsum("ihc,jhc,ijhc->hij", kb, k, decay).tril(-1)  # [H, C, C], strictly below
+    Aqk = torch.einsum("ihc,jhc,ijhc->hij", q, k, decay)  # on and below the diagonal
+    unit_lower = torch.eye(C, device=k.device) + A
+    # [u | w] = (I + A)^-1 [beta v | beta k e^G], by forward substitution
+    u = torch.linalg.solve_triangular(unit_lower, (v * beta[..., None]).transpose(0, 1), upper=False)
+    w = torch.linalg.solve_triangular(unit_lower, (kb * G.exp()).transpose(0, 1), upper=False)
+    delta = u - w @ S  # [H, C, V]
+    o = (q * G.exp()).transpose(0, 1) @ S + Aqk @ delta
+    k_end = (k * (G[-1] - G).exp()).transpose(0, 1)  # [H, C, K]: decay from token j to the chunk's end
+    S = S * G[-1].exp()[..., None] + k_end.transpose(1, 2) @ delta
+    return o.transpose(0, 1), S
 
 
 def naive_kda_step(

@@ -1,6 +1,6 @@
 """KDA's chunked forward in Triton: cumsum -> intra -> solve -> state.
 
-The chunk form is the one in reference.py's docstring; the pairwise decays are anchored as on the
+The chunk form is `naive_chunk_kda`'s (reference.py); the pairwise decays are anchored as on the
 CPU path (cpu_blocks.py). A batch arrives packed ([T_total, ...] with a ChunkTable, chunks.py); a
 program owns one chunk or one sequence, never both, so varlen and cuts at asked-for offsets cost
 nothing but the table. Decays are kept in base 2 (G2 = cumsum(g) * log2 e) so every exponential

@@ -8,8 +8,12 @@ import torch
 from helpers import assert_close
 from kernel_cases import (BF16_TOL, FWD_TOL, check_kda, check_kda_states, check_kda_step, kda_inputs,  # noqa: F401
                           lower_bound_for, one_thread, packed_lengths_cu)
-from k3.kernels.kda import chunk_kda, kda_step
+from k3.kernels.kda import chunk_kda, kda_step, naive_chunk_kda
 from k3.kernels.kda.cpu_blocks import pair_products, unit_lower_inverse
+
+
+def naive_chunk(*args, lower_bound=None, **kw):
+    return naive_chunk_kda(*args, **kw)  # the reference needs no bound
 
 
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
@@ -56,6 +60,17 @@ def test_states_at_any_offset_equal_the_recurrence(chunk_size):
 
 def test_states_at_chunk_boundaries_change_nothing():
     check_kda_states(chunk_kda, [130, 64, 0, 200, 5], {0: [64, 128], 1: [64], 3: [192]}, 64)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_naive_chunk_form_equals_the_recurrence(chunk_size, gate):
+    # the readable chunk form (the WY/UT transform) against the per-token one, forward and backward
+    lengths = [63, 0, 17, 1]
+    xs = kda_inputs(1, sum(lengths), 2, 16, 8, gate, seed=chunk_size)
+    check_kda(naive_chunk, xs, torch.randn(len(lengths), 2, 16, 8), cu_seqlens=packed_lengths_cu(lengths),
+              chunk_size=chunk_size)
+    check_kda_states(naive_chunk, [40, 0, 33], {0: [7, 32, 40], 2: [33]}, chunk_size)
 
 
 def test_bf16_inputs():
