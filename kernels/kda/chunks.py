@@ -9,8 +9,8 @@ class ChunkTable:
 
     A sequence is cut every `size` tokens from its start and also at every offset in `cuts`
     ({sequence: [offsets]}), so the chunk-to-chunk pass crosses each asked-for offset: the state
-    entering the chunk that starts there is the state after that many tokens, at any offset and
-    for no extra work but a shorter chunk. Chunk j covers flat tokens bounds[j] = [start, end);
+    entering the chunk that starts there is the state after that many tokens, at any offset, for
+    the cost of one more (shorter) chunk. Chunk j covers flat tokens bounds[j] = [start, end);
     the chunks of sequence i are first[i] .. first[i + 1] - 1.
 
     cu_seqlens: [N + 1] offsets on the batch's device; cuts: checked offsets in (0, length].
@@ -35,7 +35,8 @@ class ChunkTable:
         self.num_chunks = starts.numel()
         self.num_seqs = lengths.numel()
         # Every non-empty sequence begins a chunk, so a chunk ends where the next one starts.
-        self.bounds = torch.stack([starts, torch.cat([starts[1:], cu[-1:]])], 1).contiguous()  # [NT, 2]
+        ends = torch.cat([starts[1:], cu[-1:]])[: starts.numel()]
+        self.bounds = torch.stack([starts, ends], 1).contiguous()  # [NT, 2]
         self.first = torch.searchsorted(starts, cu).contiguous()  # [N + 1]
         self.state_chunk = self._state_chunks(cuts, host_cu, starts)
 
