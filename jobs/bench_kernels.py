@@ -26,7 +26,7 @@ KDA (B=1, H=4, K=V=64, K3's bounded gate g = -5 sigmoid(z), q and k L2-normalise
   installed transformers would dispatch to fla's Triton kernels, which cannot run on a CPU);
 - fla_naive_chunk, fla_naive_recurrent: fla's naive_chunk_kda and naive_recurrent_kda.
 SiTU-GLU ([tokens, 3072], K3's expert width): k3's fused function vs autograd through the formula.
-MLA decode (K3's MLA: 96 heads, latent 512 + rope 64, bf16 paged cache of 64-token blocks,
+MLA decode (K3's MLA: 96 heads, latent 512 + rope 64, bf16 paged cache of 64-token pages,
 batch 1): k3's absorbed kernel, its readable reference, and attention over an expanded
 per-head K/V cache (what a non-absorbed decoder keeps and reads).
 """
@@ -149,11 +149,11 @@ def situ_case(spec, torch):
 def mla_case(spec, torch):
     from k3.kernels.mla_decode import mla_decode, naive_mla_decode
 
-    ctx, H, L, R, bs, nope, vd = spec["context"], spec["heads"], 512, 64, 64, 128, 128
+    ctx, H, L, R, ps, nope, vd = spec["context"], spec["heads"], 512, 64, 64, 128, 128
     gen = torch.Generator().manual_seed(0)
-    n_blocks = (ctx + bs - 1) // bs
-    kv = (torch.randn(n_blocks, bs, L + R, generator=gen) * 0.5).to(torch.bfloat16)
-    table = torch.randperm(n_blocks, generator=gen)[None].to(torch.int32)
+    n_pages = (ctx + ps - 1) // ps
+    kv = (torch.randn(n_pages, ps, L + R, generator=gen) * 0.5).to(torch.bfloat16)
+    table = torch.randperm(n_pages, generator=gen)[None].to(torch.int32)
     lens = torch.tensor([ctx], dtype=torch.int32)
     q_nope = torch.randn(1, H, nope, generator=gen) * 0.1
     q_rope = torch.randn(1, H, R, generator=gen) * 0.1

@@ -7,9 +7,10 @@
 
 Checks (each against the op's readable reference, or against k3's torch path on the same GPU
 where the per-token reference would be too slow): KDA chunked forward and backward (bounded
-and unbounded gate, initial state, packed sequences), the KDA decode step over state slots
-(untouched slots bit-identical), SiTU-GLU forward and backward, MLA decode over shuffled pages
-with W_uv and the gate, and the QB histogram (bin for bin). Tolerances are relative RMS errors.
+and unbounded gate, initial state, packed sequences), KDA states at asked-for offsets, the KDA
+decode step over state slots (untouched slots bit-identical), SiTU-GLU forward and backward, MLA
+decode over shuffled pages with W_uv and the gate, and the QB histogram (bin for bin). Tolerances
+are relative RMS errors.
 
 Timing: KDA chunked forward and forward + backward at H=16, K=V=128, bf16, K3's bounded gate:
 k3's Triton kernel, fla's chunk_kda (with safe_gate, when fla is installed) and k3's torch path
@@ -84,7 +85,8 @@ if args.compile_only:
         sys.exit("--compile-only needs TRITON_INTERPRET unset")
     launches = []
     JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))  # capture, don't launch
-    from k3.kernels.kda.triton import chunk_kda_triton, kda_step_triton
+    from k3.kernels.kda.triton import chunk_kda_triton
+    from k3.kernels.kda.triton_step import kda_step_triton
     from k3.kernels.mla_decode.triton import mla_decode_triton
     from k3.kernels.situ_glu.triton import situ_glu_triton
 
@@ -99,13 +101,16 @@ if args.compile_only:
             xs = [torch.zeros(1, 100, 2, K, dtype=dt) for _ in range(3)] + [torch.zeros(1, 100, 2, K),
                                                                            torch.zeros(1, 100, 2, dtype=dt)]
             xs = [x.requires_grad_() for x in xs]
-            o, s = chunk_kda_triton(*xs, K ** -0.5, torch.zeros(1, 2, K, K), True, None, 64, -5.0 if bounded else None)
+            lb = -5.0 if bounded else None
+            o, s, _ = chunk_kda_triton(*xs, K ** -0.5, torch.zeros(1, 2, K, K), True, None, 64, lb, {})
             (o.float().sum() + s.sum()).backward()
+            with torch.no_grad():  # states_at: the state kernel storing chosen chunks' entering states
+                chunk_kda_triton(*xs, K ** -0.5, None, False, None, 64, lb, {0: [10, 64, 100]})
         kda_step_triton(*(torch.zeros(2, 2, K, dtype=dt) for _ in range(4)), torch.zeros(2, 2, dtype=dt),
                         torch.zeros(3, 2, K, K), torch.tensor([0, 2]), 0.1)
-        for bs in (16, 64):
+        for ps in (16, 64):
             mla_decode_triton(torch.zeros(2, 96, 512, dtype=dt), torch.zeros(2, 96, 64, dtype=dt),
-                              torch.zeros(4, bs, 576, dtype=dt), torch.zeros(2, 2, dtype=torch.int32),
+                              torch.zeros(4, ps, 576, dtype=dt), torch.zeros(2, 2, dtype=torch.int32),
                               torch.tensor([5, 9]), 0.1)
         gate = torch.zeros(100, dtype=dt, requires_grad=True)
         situ_glu_triton(gate, gate.detach().clone().requires_grad_()).sum().backward()
@@ -199,10 +204,10 @@ def kda_check(name, T, H, K, bounded, dtype, cu=None, B=1, reference="naive"):
     for backend in ("triton", reference):
         a = [x.detach().clone().requires_grad_() for x in xs] + [h0.clone().requires_grad_()]
         if backend == "naive":
-            o, s = naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
+            o, s, _ = naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
         else:
-            o, s = chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu, lower_bound=lb,
-                             backend=backend)
+            o, s, _ = chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu, lower_bound=lb,
+                                backend=backend)
         gen = torch.Generator(device=dev).manual_seed(1)
         do, ds = torch.randn(o.shape, device=dev, generator=gen), torch.randn(s.shape, device=dev, generator=gen)
         ((o.float() * do).sum() + (s * ds).sum()).backward()
@@ -215,6 +220,17 @@ def kda_check(name, T, H, K, bounded, dtype, cu=None, B=1, reference="naive"):
     record(name + " gradients", dtype, {n: errs[n] for n in names[2:]}, grad_tol, extra)
 
 
+def kda_states_check(lengths, dtype):
+    """states_at at chunk boundaries and off them, against the recurrence's states."""
+    cu = torch.tensor([0] + lengths, device=dev).cumsum(0).to(torch.int32)
+    xs = kda_inputs(1, int(cu[-1]), 2, 64, 64, True, dtype, seed=9)
+    want = {0: [1, 64, 100, lengths[0]], 2: [lengths[2] // 2]}
+    with torch.no_grad():
+        got = chunk_kda(*xs, cu_seqlens=cu, lower_bound=-5.0, states_at=want, backend="triton").states
+        ref = naive_recurrent_kda(*xs, cu_seqlens=cu, states_at=want).states
+    record("kda_chunk states_at", dtype, {f"state{key}": rel_rms(got[key], ref[key]) for key in ref}, TOL[dtype][0])
+
+
 small = args.quick
 tiny = args.interpret  # the interpreter runs each program in numpy: shapes a GPU would not notice take minutes
 for dtype in (torch.float32, torch.bfloat16):
@@ -225,6 +241,8 @@ for dtype in (torch.float32, torch.bfloat16):
         lengths = [17, 0, 40, 1, 70] if tiny else [17, 0, 283, 1, 399]
         cu = torch.tensor([0] + lengths, device=dev).cumsum(0).to(torch.int32)
         kda_check("kda_chunk packed K=128", int(cu[-1]), 1 if tiny else 4, 128, True, dtype, cu=cu)
+    if within_budget(f"kda_chunk states_at {dtype}"):
+        kda_states_check([130, 0, 41] if tiny else [300, 0, 1001], dtype)
     if not small and within_budget(f"kda_chunk long {dtype}"):
         kda_check("kda_chunk T=8192 K=128 vs torch path", 8192, 8, 128, True, dtype, B=2, reference="torch")
     if within_budget(f"kda_step {dtype}"):
@@ -255,22 +273,22 @@ for dtype in (torch.float32, torch.bfloat16):
         gen = torch.Generator(device=dev).manual_seed(5)
         lens = torch.tensor([1, 70, 150, 64] if tiny else [1, 700, 4097, 64], device=dev, dtype=torch.int32)
         H_mla, L_mla = (16, 64) if tiny else (96, 512)
-        for bs in (16, 64):
-            need = ((lens + bs - 1) // bs).tolist()
+        for ps in (16, 64):
+            need = ((lens + ps - 1) // ps).tolist()
             ids = torch.randperm(sum(need) + 5, device=dev, generator=gen).to(torch.int32)
             table = torch.zeros(4, max(need), dtype=torch.int32, device=dev)
             pos = 0
             for i, n in enumerate(need):
                 table[i, :n] = ids[pos:pos + n]
                 pos += n
-            kv = (torch.randn(ids.numel(), bs, L_mla + 64, device=dev, generator=gen) * 0.5).to(dtype)
+            kv = (torch.randn(ids.numel(), ps, L_mla + 64, device=dev, generator=gen) * 0.5).to(dtype)
             q_lat = (torch.randn(4, H_mla, L_mla, device=dev, generator=gen) * 0.05).to(dtype)
             q_rope = (torch.randn(4, H_mla, 64, device=dev, generator=gen) * 0.05).to(dtype)
             w_uv = (torch.randn(H_mla, 128, L_mla, device=dev, generator=gen) * 0.05).to(dtype)
             gate = torch.randn(4, H_mla, 128, device=dev, generator=gen).to(dtype)
             got = mla_decode(q_lat, q_rope, kv, table, lens, 0.07, w_uv, gate, backend="triton")
             want = naive_mla_decode(q_lat, q_rope, kv, table, lens, 0.07, w_uv, gate)
-            record(f"mla_decode block_size={bs}", dtype, {"o": rel_rms(got, want)}, TOL[dtype][0])
+            record(f"mla_decode page_size={ps}", dtype, {"o": rel_rms(got, want)}, TOL[dtype][0])
     if within_budget(f"qb_histogram {dtype}"):
         gen = torch.Generator(device=dev).manual_seed(6)
         n_tok, n_exp = (300, 40) if tiny else (65536, 896)

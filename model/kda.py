@@ -5,7 +5,8 @@ Two entry points:
   optionally continuing from a carried state and over packed sequences (`cu_seqlens`);
 - `forward_cached`: against a `CacheBatch` whose owner holds the state in slots: the recurrent
   step (`k3.kernels.kda.kda_step`) for a decode batch, the chunkwise form otherwise (prefill,
-  chunked prefill, mixed batches), with snapshots of the state at asked-for offsets.
+  chunked prefill, mixed batches), with snapshots of the state at asked-for offsets read in the
+  same chunkwise pass.
 """
 from __future__ import annotations
 
@@ -130,8 +131,7 @@ class KimiDeltaAttention(nn.Module):
         """Chunkwise form, no cache owner: x [B, T, D] (or [1, T, D] packed with cu_seqlens [N + 1]),
         each sequence starting from `state` (conv [N, 3HK, W-1], recurrent [N, H, K, V]) or zeros.
         Returns (y [B, T, D], the final state of each sequence)."""
-        y, final = self._chunkwise(x, cu_seqlens, state, None, None)
-        return y, final
+        return self._chunkwise(x, cu_seqlens, state, None)
 
     def forward_cached(self, x: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
         """x [1, T, D] packed per cache.cu_seqlens: read each sequence's state from its slot in
@@ -142,43 +142,35 @@ class KimiDeltaAttention(nn.Module):
         if cache.decode:
             return self._decode(x.reshape(-1, 1, x.shape[-1]), pool, slots).reshape(x.shape)
         start = KDAState(pool.conv.index_select(0, slots), pool.recurrent.index_select(0, slots))
-        y, final = self._chunkwise(x, cache.cu_seqlens, start, cache.snapshot_offsets, cache)
+        y, final = self._chunkwise(x, cache.cu_seqlens, start, cache)
         pool.conv.index_copy_(0, slots, final.conv.to(pool.conv.dtype))
         pool.recurrent.index_copy_(0, slots, final.recurrent)
         return y
 
-    def _chunkwise(self, x, cu_seqlens, state, snapshot_offsets, cache):
+    def _chunkwise(self, x, cu_seqlens, state, cache: CacheBatch | None):
+        """The chunkwise form over x [B, T, D] (packed when cu_seqlens is given); with a cache, the
+        snapshots it asks for are read in the same pass (chunk_kda's states_at) and recorded."""
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
-        packed_cu = cu_seqlens
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, (B + 1) * T, T, device=x.device)
+        conv_cu = torch.arange(0, (B + 1) * T, T, device=x.device) if cu_seqlens is None else cu_seqlens
         xt = x.reshape(B * T, D)
         qkv_in = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
-        qkv, conv_state = causal_conv1d(qkv_in, self.conv_weight, None if state is None else state.conv, cu_seqlens)
+        qkv, conv_state = causal_conv1d(qkv_in, self.conv_weight, None if state is None else state.conv, conv_cu)
         q, k, v = F.silu(qkv).reshape(B, T, 3, H, K).unbind(2)
         q, k = l2norm(q), l2norm(k)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        init = None if state is None else state.recurrent
-        C = self.cfg.kda_chunk_size
-        if snapshot_offsets and x.device.type == "cpu" and all(o % C == 0 for v_ in snapshot_offsets.values()
-                                                               for o in v_):
-            o, final = self._chunk_reading_snapshots(q, k, v, g, beta, init, cu_seqlens, packed_cu,
-                                                     qkv_in.detach(), state, snapshot_offsets, cache)
-        elif snapshot_offsets:
-            o, final = self._chunk_with_snapshots(q, k, v, g, beta, init, cu_seqlens, qkv_in.detach(), state,
-                                                  snapshot_offsets, cache)
-        else:
-            o, final = self._chunk(q, k, v, g, beta, init, packed_cu)
-        return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
-
-    def _chunk(self, q, k, v, g, beta, init, cu_seqlens):
-        return chunk_kda(
-            q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens,
-            chunk_size=self.cfg.kda_chunk_size,
+        o, final, snapshots = chunk_kda(
+            q, k, v, g, beta, initial_state=None if state is None else state.recurrent, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=self.cfg.kda_chunk_size,
             lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
+            states_at=cache.snapshot_offsets if cache is not None else None,
         )
+        starts, pre_conv = (conv_cu.tolist(), qkv_in.detach()) if snapshots else ([], None)
+        for (i, c), recurrent in sorted(snapshots.items()):
+            conv = self._snapshot_window(i, c, starts[i], pre_conv, state)
+            cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, recurrent, conv))
+        return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
 
     def _snapshot_window(self, i: int, c: int, a: int, qkv_in: torch.Tensor, state) -> torch.Tensor:
         """The conv state of sequence i (starting at flat token a) after its first c new tokens:
@@ -186,56 +178,6 @@ class KimiDeltaAttention(nn.Module):
         W1 = self.cfg.kda_conv_size - 1
         conv0 = qkv_in.new_zeros(qkv_in.shape[1], W1) if state is None else state.conv[i].to(qkv_in.dtype)
         return torch.cat([conv0, qkv_in[a:a + c].T], dim=-1)[:, -W1:].clone()
-
-    def _chunk_reading_snapshots(self, q, k, v, g, beta, init, cu_seqlens, packed_cu, qkv_in, state, offsets, cache):
-        """One pass over the whole batch; the asked-for states (at chunk boundaries) are read
-        where the pass crosses them (CPU path)."""
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        want = {i: sorted({o for o in offs if 0 < o <= lengths[i]}) for i, offs in offsets.items()}
-        o, final, states = chunk_kda(
-            q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=packed_cu,
-            chunk_size=self.cfg.kda_chunk_size,
-            lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
-            states_at={i: offs for i, offs in want.items() if offs},
-        )
-        a = cu_seqlens.tolist()
-        for (i, c), S in sorted(states.items()):
-            cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S, self._snapshot_window(i, c, a[i], qkv_in, state)))
-        return o, final
-
-    def _chunk_with_snapshots(self, q, k, v, g, beta, init, cu_seqlens, qkv_in, state, offsets, cache):
-        """Run each sequence piece by piece, cutting at the requested offsets, and record states.
-
-        q..beta are [B, T, ...] with tokens flattened per cu_seqlens; qkv_in is the pre-conv input
-        [B*T, 3HK], from which the conv state at any offset is read directly."""
-        B, T = k.shape[:2]
-        flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-        q, k, v, g, beta = (flat(t) for t in (q, k, v, g, beta))
-        W1 = self.cfg.kda_conv_size - 1
-        outs, finals = [], []
-        cu = cu_seqlens.tolist()
-        for i in range(len(cu) - 1):
-            a, b = cu[i], cu[i + 1]
-            S = None if init is None else init[i:i + 1]
-            want = set(offsets.get(i, []))
-            cuts = sorted(o for o in want if 0 < o <= b - a)
-            if (b - a) and cuts and cuts[-1] != b - a:
-                cuts.append(b - a)
-            prev = 0
-            for c in cuts or ([b - a] if b > a else []):
-                sl = slice(a + prev, a + c)
-                o, S = self._chunk(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S, None)
-                outs.append(o)
-                if c in want:
-                    cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, S[0].clone(),
-                                                                      self._snapshot_window(i, c, a, qkv_in, state)))
-                prev = c
-            if S is None:  # an empty sequence keeps its state
-                S = init[i:i + 1] if init is not None else q.new_zeros(1, self.num_heads, self.head_dim,
-                                                                       self.head_dim, dtype=torch.float32)
-            finals.append(S)
-        o = torch.cat(outs, dim=1).reshape(B, T, *outs[0].shape[2:])
-        return o, torch.cat(finals)
 
     def _decode(self, x: torch.Tensor, pool: KDAPool, slot_idx: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape

@@ -98,9 +98,10 @@ def check_kda(fn, xs, h0=None, cu_seqlens=None, grads=True, fwd_tol=FWD_TOL, gra
     ha = hb = None
     if h0 is not None:
         ha, hb = (h0.detach().clone().requires_grad_(grads) for _ in range(2))
-    o, s = fn(*a, initial_state=ha, output_final_state=True, cu_seqlens=cu_seqlens, lower_bound=lower_bound, **kw)
-    o_ref, s_ref = naive_recurrent_kda(*b, initial_state=hb, output_final_state=True, cu_seqlens=cu_seqlens)
-    assert o.dtype == xs[2].dtype and s.dtype == torch.float32
+    o, s, states = fn(*a, initial_state=ha, output_final_state=True, cu_seqlens=cu_seqlens, lower_bound=lower_bound,
+                      **kw)
+    o_ref, s_ref, _ = naive_recurrent_kda(*b, initial_state=hb, output_final_state=True, cu_seqlens=cu_seqlens)
+    assert o.dtype == xs[2].dtype and s.dtype == torch.float32 and states == {}
     assert_rel("o", o, o_ref, fwd_tol)
     assert_rel("final_state", s, s_ref, fwd_tol)
     if not grads:
@@ -119,6 +120,30 @@ def check_kda(fn, xs, h0=None, cu_seqlens=None, grads=True, fwd_tol=FWD_TOL, gra
 
 def packed_lengths_cu(lengths):
     return torch.tensor([0] + list(lengths)).cumsum(0)
+
+
+def check_kda_states(fn, lengths, states_at, chunk_size):
+    """states_at through fn (chunk_kda's signature, no grad) on a packed batch with h0: every
+    asked-for state, the output and the final state against the recurrence's. When every offset
+    is a multiple of chunk_size (no extra cut), asking changes neither o nor the final state."""
+    from k3.kernels.kda import naive_recurrent_kda
+
+    cu = packed_lengths_cu(lengths)
+    xs = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=sum(lengths))
+    h0 = torch.randn(len(lengths), 2, 16, 16, generator=torch.Generator().manual_seed(2))
+    run = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    with torch.no_grad():
+        got = fn(*xs, **run, chunk_size=chunk_size, lower_bound=-5.0, states_at=states_at)
+        plain = fn(*xs, **run, chunk_size=chunk_size, lower_bound=-5.0)
+        ref = naive_recurrent_kda(*xs, **run, states_at=states_at)
+    assert sorted(got.states) == sorted(ref.states) == sorted((i, o) for i, offs in states_at.items() for o in offs)
+    for key, state in got.states.items():
+        assert state.dtype == torch.float32
+        assert_rel(f"state after {key[1]} of sequence {key[0]}", state, ref.states[key], FWD_TOL)
+    assert_rel("o", got.o, ref.o, FWD_TOL)
+    assert_rel("final_state", got.final_state, ref.final_state, FWD_TOL)
+    if all(off % chunk_size == 0 for offs in states_at.values() for off in offs):
+        assert torch.equal(got.o, plain.o) and torch.equal(got.final_state, plain.final_state)
 
 
 def situ_inputs(shape, dtype=torch.float32, seed=0):
@@ -150,22 +175,22 @@ def check_situ(fn, gate, up, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, **kw):
     assert torch.equal(gate, g0) and torch.equal(up, u0), "inputs were modified"
 
 
-def mla_case(lens, H=3, L=32, R=16, block_size=16, dtype=torch.float32, seed=0, spare_blocks=3):
-    """A paged latent cache holding len(lens) sequences in shuffled, interleaved blocks.
+def mla_case(lens, H=3, L=32, R=16, page_size=16, dtype=torch.float32, seed=0, spare_pages=3):
+    """A paged latent cache holding len(lens) sequences in shuffled, interleaved pages.
 
-    Returns q_lat, q_rope, kv_cache, block_table (int32, -1 past each sequence's end), seq_lens.
+    Returns q_lat, q_rope, kv_cache, page_table (int32, -1 past each sequence's end), seq_lens.
     """
     gen = torch.Generator().manual_seed(seed)
     N = len(lens)
-    need = [(n + block_size - 1) // block_size for n in lens]
-    n_blocks = sum(need) + spare_blocks
-    ids = torch.randperm(n_blocks, generator=gen)  # out-of-order pages, shared pool
+    need = [(n + page_size - 1) // page_size for n in lens]
+    n_pages = sum(need) + spare_pages
+    ids = torch.randperm(n_pages, generator=gen)  # out-of-order pages, shared pool
     table = torch.full((N, max(need) + 1), -1, dtype=torch.int32)
     used = 0
     for i, k in enumerate(need):
         table[i, :k] = ids[used:used + k]
         used += k
-    kv = torch.randn(n_blocks, block_size, L + R, generator=gen)
+    kv = torch.randn(n_pages, page_size, L + R, generator=gen)
     q_lat = torch.randn(N, H, L, generator=gen) * 0.3
     q_rope = torch.randn(N, H, R, generator=gen) * 0.3
     return q_lat.to(dtype), q_rope.to(dtype), kv.to(dtype), table, torch.tensor(lens, dtype=torch.int32)

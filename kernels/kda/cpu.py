@@ -1,44 +1,29 @@
 """Chunkwise Kimi Delta Attention in plain torch, forward and hand-written backward: the CPU path.
 
-Within a chunk of C tokens, write G_i for the cumulative log-decay up to token i (per key
-channel, relative to the chunk start) and delta_j = beta_j (v_j - k_j^T D_j S_{j-1}) for the
-"new value" written at token j. Unrolling the recurrence gives
-
-    (I + A) delta = beta v - (beta k e^G) S_0,     A_ij = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i
-    o_i   = (q_i e^(G_i)) S_0 + sum_(j <= i) [sum_c q_ic k_jc e^(G_ic - G_jc)] delta_j
-    S_C   = diag(e^(G_C)) S_0 + sum_j (k_j e^(G_C - G_j)) delta_j^T
-
-so everything but the chunk-to-chunk state hand-off runs in parallel over chunks (the WY/UT
-form: delta = u - w S_0 with [u | w] = (I + A)^-1 [beta v | beta k e^G]).
-
-The pairwise decays e^(G_i - G_j) are where naive implementations pay: a [C, C, K] tensor per
-chunk. Here they are dense matmuls over 16-token sub-chunks (`pair_products`). Between two
-sub-chunks the factorisation is anchored at the boundary between them, so both factors are <= 1
-for any gate. On a diagonal sub-chunk the anchor is its middle token: exact and overflow-free
-when the gate has a lower bound (K3's g > -5 keeps 8 tokens of decay above -40). Without a bound
-(Kimi Linear's gate) a diagonal sub-chunk is split again into 4-token blocks the same way, and
-only 4 x 4 diagonal blocks take the exact pairwise product.
+The chunk form (the WY/UT transform) is the one `naive_chunk_kda` in reference.py spells out:
+everything but the chunk-to-chunk state hand-off runs in parallel over chunks. Its pairwise decays
+are dense matmuls over sub-chunks (cpu_blocks.py), and the chunks are the ChunkTable's (chunks.py),
+so a sequence cut at an asked-for offset has a shorter chunk there and nothing else changes.
 
 Work goes one tile of chunks at a time (TILE_CHUNK_HEADS), so every intra-chunk tensor stays in
 cache and nothing [T, ...]-sized but the output is made. The backward is a custom
 autograd.Function that walks the tiles in reverse: it recomputes a tile's intra-chunk tensors
 from the inputs, carries dS across chunks (two matmuls per chunk) and writes the tile's input
-gradients; the only thing saved from the forward is the state entering each chunk. The gradient
-of a pair product P_ij = sum_c a_ic b_jc e^(G_ic - G_jc) is da = dP (b e^-G) e^G,
-db = dP^T (a e^G) e^-G, dG = a da - b db, computed with the same anchoring as the forward.
+gradients; the only thing saved from the forward is the state entering each chunk.
 
-Packed variable-length batches: every sequence is cut into its own chunks (the last one padded
-with tokens that leave the state unchanged: k = v = q = 0, g = 0, beta = 0). Sequences are
-sorted by chunk count, so at chunk position c the sequences still running are a prefix of the
-sorted order and the state hand-off is a slice, not a gather.
+Packed variable-length batches: every chunk sits in a slot of C tokens (a short one padded with
+tokens that leave the state unchanged: k = v = q = 0, g = 0, beta = 0). Sequences are sorted by
+chunk count, so at chunk position c the sequences still running are a prefix of the sorted order
+and the state hand-off is a slice, not a gather.
 """
 from __future__ import annotations
 
 import torch
 
-SUB_CHUNK = 16
-# Unbounded diagonal sub-chunks build [.., 16, 16, K] decays; do that this many elements at a time.
-_PAIRWISE_ELEMENTS = 1 << 24
+from .chunks import ChunkTable
+from .contract import KDAOutput
+from .cpu_blocks import pair_products, pair_products_backward, unit_lower_inverse
+
 # Chunks x heads per tile: 512 KB per [m, H, 64, 64] fp32 tensor, so a tile's working set stays in
 # cache (measured best on a 2-core EPYC with 1 MB L2 per core).
 TILE_CHUNK_HEADS = 32
@@ -47,174 +32,54 @@ LOG2E = 1.4426950408889634
 
 
 class ChunkLayout:
-    """Chunk-major, length-sorted token layout of a (packed) batch, and its tiles.
+    """The chunks of a ChunkTable in chunk-major, length-sorted order, and its tiles.
 
     order: sequences sorted by chunk count (descending); active[c]: sequences with a chunk at
-    position c (a prefix of `order`); chunk m = ends[c] + r is the c-th chunk of order[r].
+    position c (a prefix of `order`); layout chunk m = ends[c] + r is the c-th chunk of order[r].
     in_idx [M, C]: flat token read by each chunk slot (0 for padding, which `pad` marks);
-    out_idx [M, C]: where each slot is written (padding goes to the spare row BT).
+    out_idx [M, C]: where each slot is written (padding goes to the spare row, the token count).
+    of_table [NT]: the layout chunk of each table chunk.
     tiles: ranges of chunk positions holding about TILE_CHUNK_HEADS chunks x heads each.
     """
 
-    def __init__(self, lengths: list[int], chunk_size: int, n_heads: int, device: torch.device) -> None:
-        C = self.C = chunk_size
-        n_chunks = [(L + C - 1) // C for L in lengths]
-        self.order = sorted(range(len(lengths)), key=lambda i: -n_chunks[i])
-        starts = [0]
-        for L in lengths:
-            starts.append(starts[-1] + L)
-        max_chunks = n_chunks[self.order[0]] if lengths else 0
+    def __init__(self, table: ChunkTable, n_heads: int, device: torch.device) -> None:
+        C = self.C = table.size
+        first = table.first.tolist()
+        n_chunks = [b - a for a, b in zip(first, first[1:])]
+        self.order = sorted(range(len(n_chunks)), key=lambda i: -n_chunks[i])
+        max_chunks = n_chunks[self.order[0]] if n_chunks else 0
         self.active = [sum(1 for i in self.order if n_chunks[i] > c) for c in range(max_chunks)]
         self.ends = [0]
         for a in self.active:
             self.ends.append(self.ends[-1] + a)
         self.n_chunks = self.ends[-1]
-        first = torch.tensor([starts[i] for i in self.order], dtype=torch.long)
-        length = torch.tensor([lengths[i] for i in self.order], dtype=torch.long)
         pos = torch.cat([torch.arange(a) for a in self.active]) if self.active else torch.zeros(0, dtype=torch.long)
         c_of = torch.repeat_interleave(torch.arange(max_chunks), torch.tensor(self.active, dtype=torch.long))
-        tok = c_of[:, None] * C + torch.arange(C)  # [M, C] position inside the sequence
-        valid = tok < length[pos][:, None]
-        flat_tok = first[pos][:, None] + tok
-        self.in_idx = torch.where(valid, flat_tok, 0).to(device)
-        self.out_idx = torch.where(valid, flat_tok, starts[-1]).to(device)
+        j = torch.tensor([first[i] for i in self.order], dtype=torch.long)[pos] + c_of  # table chunk of each
+        bounds = table.bounds.cpu()[j]
+        tok = bounds[:, :1] + torch.arange(C)  # [M, C]
+        valid = tok < bounds[:, 1:]
+        spare = int(table.bounds[-1, 1]) if table.num_chunks else 0
+        self.in_idx = torch.where(valid, tok, 0).to(device)
+        self.out_idx = torch.where(valid, tok, spare).to(device)
         self.pad = (~valid).to(device) if not bool(valid.all()) else None
         self.order_t = torch.tensor(self.order, dtype=torch.long, device=device)
-        per_tile = max(1, TILE_CHUNK_HEADS // max(n_heads, 1))
-        self.tiles = []
-        c0 = 0
+        of_table = torch.empty(table.num_chunks, dtype=torch.long).index_copy_(0, j, torch.arange(j.numel()))
+        self.of_table = of_table.tolist()
+        self.tiles = self._tiles(max_chunks, max(1, TILE_CHUNK_HEADS // max(n_heads, 1)))
+
+    def _tiles(self, max_chunks: int, per_tile: int) -> list[tuple[int, int]]:
+        tiles, c0 = [], 0
         for c in range(max_chunks):
             if c > c0 and self.ends[c + 1] - self.ends[c0] > per_tile:
-                self.tiles.append((c0, c))
+                tiles.append((c0, c))
                 c0 = c
         if max_chunks:
-            self.tiles.append((c0, max_chunks))
+            tiles.append((c0, max_chunks))
+        return tiles
 
     def pad_of(self, m0: int, m1: int) -> torch.Tensor | None:
         return None if self.pad is None else self.pad[m0:m1]
-
-
-def _sub_size(C: int, target: int) -> int:
-    """The largest divisor of C that is <= target."""
-    return max(d for d in range(1, min(C, target) + 1) if C % d == 0)
-
-
-def _pairwise_decay(G: torch.Tensor) -> torch.Tensor:
-    """[..., s, K] -> 2^(G_i - G_j) for j <= i, else 0: [..., s, s, K]."""
-    diff = G[..., :, None, :] - G[..., None, :, :]
-    s = G.shape[-2]
-    keep = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
-    return diff.masked_fill_(~keep[..., None], float("-inf")).exp2_()
-
-
-def _row_slices(n_rows: int, per_row: int):
-    step = max(1, _PAIRWISE_ELEMENTS // max(per_row, 1))
-    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
-
-
-def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK) -> torch.Tensor:
-    """P_ij = sum_c X_ic Y_jc 2^(G_ic - G_jc) for j <= i (0 above the diagonal).
-
-    X: [..., C, P, K], P products (q and beta k) interleaved by token so each one matmul;
-    Y, G: [..., C, 1, K]; G is the cumulative log2-decay, non-increasing in C. Returns [..., C, P, C].
-    Diagonal blocks of an unbounded gate recurse with 4x smaller blocks down to 4 x 4 pairwise.
-    """
-    C, Pn = X.shape[-3], X.shape[-2]
-    s = _sub_size(C, sub)
-    n = C // s
-    out = X.new_zeros(*X.shape[:-1], C)
-    for ib in range(n - 1):
-        e = (ib + 1) * s
-        anchor = G[..., e - 1:e, :, :]
-        y_t = Y[..., e - s:e, 0, :] * (anchor[..., 0, :] - G[..., e - s:e, 0, :]).exp2()  # [..., s, K]
-        x_t = X[..., e:, :, :] * (G[..., e:, :, :] - anchor).exp2()  # [..., C - e, P, K]
-        out[..., e:, :, e - s:e] = (x_t.flatten(-3, -2) @ y_t.transpose(-1, -2)).unflatten(-2, (C - e, Pn))
-    Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))  # [..., n, s, P|1, K]
-    if bounded:
-        mid = Gr[..., s // 2:s // 2 + 1, :, :]
-        blk = (Xr * (Gr - mid).exp2()).flatten(-3, -2) @ (Yr * (mid - Gr).exp2())[..., 0, :].transpose(-1, -2)
-        # where, not a 0/1 multiply: above the diagonal the products may overflow to inf (huge
-        # q with the gate at its bound) and inf * 0 would be NaN
-        keep = torch.ones(s, s, dtype=torch.bool, device=X.device).tril()[:, None, :]
-        blk = torch.where(keep, blk.unflatten(-2, (s, Pn)), 0.0)
-    elif s > 4:
-        blk = pair_products(Xr, Yr, Gr, False, max(1, s // 4))
-    else:
-        blk = X.new_empty(*Xr.shape[:-1], s)
-        for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
-            E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
-            blk[r] = torch.einsum("...ipk,...jk,...ijk->...ipj", Xr[r], Yr[r][..., 0, :], E)
-    for i in range(n):
-        out[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] = blk[..., i, :, :, :]
-    return out
-
-
-def pair_products_backward(
-    dP: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of `pair_products` for a masked dP [..., C, P, C]: (dX [..., C, P, K], dY [..., C, 1, K]).
-
-    With P_ij = sum_c X_ic Y_jc e_ijc: dX_i = sum_j dP_ij Y_j e_ij, dY_j = sum_i dP_ij X_i e_ij, and
-    dG = sum_P X dX - Y dY (done by the caller); the same anchoring as the forward keeps it finite.
-    """
-    C, Pn = X.shape[-3], X.shape[-2]
-    s = _sub_size(C, sub)
-    n = C // s
-    dX = torch.zeros_like(X)
-    dY = torch.zeros_like(Y.expand(*X.shape[:-2], 1, X.shape[-1]))
-    for ib in range(n - 1):
-        e = (ib + 1) * s
-        anchor = G[..., e - 1:e, :, :]
-        f_y = (anchor[..., 0, :] - G[..., e - s:e, 0, :]).exp2()  # [..., s, K]
-        f_x = (G[..., e:, :, :] - anchor).exp2()  # [..., C - e, 1, K]
-        dp = dP[..., e:, :, e - s:e].flatten(-3, -2)  # [..., (C - e) P, s]
-        dX[..., e:, :, :] += (dp @ (Y[..., e - s:e, 0, :] * f_y)).unflatten(-2, (C - e, Pn)) * f_x
-        dY[..., e - s:e, 0, :] += (dp.transpose(-1, -2) @ (X[..., e:, :, :] * f_x).flatten(-3, -2)) * f_y
-    Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))
-    dPd = torch.stack([dP[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] for i in range(n)], dim=-4)
-    if bounded:
-        mid = Gr[..., s // 2:s // 2 + 1, :, :]
-        f_x, f_y = (Gr - mid).exp2(), (mid - Gr).exp2()[..., 0, :]  # [..., n, s, 1, K], [..., n, s, K]
-        dpd = dPd.flatten(-3, -2)  # [..., n, s P, s]
-        dXd = (dpd @ (Yr[..., 0, :] * f_y)).unflatten(-2, (s, Pn)) * f_x
-        dYd = ((dpd.transpose(-1, -2) @ (Xr * f_x).flatten(-3, -2)) * f_y)[..., None, :]
-    elif s > 4:
-        dXd, dYd = pair_products_backward(dPd, Xr, Yr, Gr, False, max(1, s // 4))
-    else:
-        dXd = torch.empty_like(Xr)
-        dYd = torch.empty_like(Yr.expand(*Xr.shape[:-2], 1, Xr.shape[-1]))
-        for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
-            E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
-            dXd[r] = torch.einsum("...ipj,...jk,...ijk->...ipk", dPd[r], Yr[r][..., 0, :], E)
-            dYd[r] = torch.einsum("...ipj,...ipk,...ijk->...jk", dPd[r], Xr[r], E)[..., None, :]
-    dX += dXd.flatten(-4, -3)
-    dY += dYd.flatten(-4, -3)
-    return dX, dY
-
-
-def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
-    """(I + tril(A, -1))^-1 for [..., C, C].
-
-    Doubling over diagonal blocks: with the inverses T11, T22 of two neighbouring b x b blocks
-    known, the 2b x 2b block's inverse has T21 = -T22 A21 T11. Six levels of batched matmuls
-    for C = 64; LAPACK's batched triangular solve is ~50x slower on many small matrices.
-    """
-    C = A.shape[-1]
-    P = 1 << max(C - 1, 0).bit_length()
-    if P != C:  # zero-pad to a power of two: the leading block of the inverse is the answer
-        return unit_lower_inverse(torch.nn.functional.pad(A, (0, P - C, 0, P - C)))[..., :C, :C]
-    A = A.contiguous()
-    T = torch.zeros_like(A)
-    T.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    lead = A.shape[:-2]
-    b = 1
-    while b < C:
-        size = (*lead, C // (2 * b), 2 * b, 2 * b)
-        stride = (*A.stride()[:-2], 2 * b * (C + 1), C, 1)  # the diagonal 2b x 2b blocks
-        Tv, Av = T.as_strided(size, stride), A.as_strided(size, stride)
-        Tv[..., b:, :b] = -(Tv[..., b:, b:] @ (Av[..., b:, :b] @ Tv[..., :b, :b]))
-        b *= 2
-    return T
 
 
 class _Tile:
@@ -260,7 +125,8 @@ def _store(out: torch.Tensor, idx: torch.Tensor, tile: torch.Tensor) -> None:
     out.index_copy_(0, idx, tile.transpose(1, 2).reshape(-1, *out.shape[1:]))
 
 
-def _forward(q, k, v, g, beta, h0, lay: "ChunkLayout", scale: float, bounded: bool, save: bool,
+
+def _forward(q, k, v, g, beta, h0, lay: ChunkLayout, scale: float, bounded: bool, save: bool,
              want: frozenset[int] = frozenset()):
     """The forward pass (see _ChunkKDA). With save, returns the state entering every chunk
     [M, H, K, V] for the backward; without, keeps one tile's worth at a time. `want`: layout
@@ -330,62 +196,86 @@ class _ChunkKDA(torch.autograd.Function):
         flat = [x.reshape(B * T, H, x.shape[3] if x.dim() == 4 else 1) for x in (q, k, v, g, beta)]
         do_flat = do.reshape(B * T, H, V)
         grads = [torch.empty(B * T + 1, H, x.shape[-1], dtype=torch.float32, device=k.device) for x in flat]
-        dq, dk, dv, dg, dbeta = grads
-        dS = dfinal[:0]
-        prev = 0
+        carry = _Carry(dfinal)
         for c0, c1 in reversed(lay.tiles):
             m0, m1 = lay.ends[c0], lay.ends[c1]
-            m = m1 - m0
             t = _load_tile(flat, lay, m0, m1, scale, bounded)
-            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m, lay.C)
+            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m1 - m0, lay.C)
             S0_t = S0[m0:m1]
-            S0T = S0_t.transpose(-1, -2)
             delta = torch.baddbmm(t.u.flatten(0, 1), t.w.flatten(0, 1), S0_t.flatten(0, 1), alpha=-1.0).view_as(dO)
-            dd0 = t.Aqk.transpose(-1, -2) @ dO  # [m, H, C, V]
-            qg_do = t.qg.transpose(-1, -2) @ dO  # [m, H, K, V]
-            dS1 = torch.empty_like(S0_t)  # gradient of the state leaving each chunk
-            ddelta = torch.empty_like(dd0)
-            for c in range(c1 - 1, c0 - 1, -1):
-                a = lay.active[c]
-                if a > prev:  # sequences whose last chunk is c
-                    dS = torch.cat([dS, dfinal[prev:a]])
-                    prev = a
-                sl = slice(lay.ends[c] - m0, lay.ends[c + 1] - m0)
-                dS1[sl] = dS
-                dd = torch.baddbmm(dd0[sl].flatten(0, 1), t.k_end[sl].flatten(0, 1), dS.flatten(0, 1))
-                ddelta[sl] = dd.view(a, H, -1, V)
-                dS = torch.baddbmm(
-                    (t.decay_last[sl] * dS + qg_do[sl]).flatten(0, 1), t.w[sl].flatten(0, 1).transpose(1, 2), dd,
-                    alpha=-1.0,
-                ).view(a, H, K, V)
-
-            dqg = dO @ S0T  # [m, H, C, K]
-            dAqk = (dO @ delta.transpose(-1, -2)).tril_()
-            dw = -(ddelta @ S0T)
-            dk_end = delta @ dS1.transpose(-1, -2)
-            dG_last = t.decay_last.squeeze(-1) * (S0_t * dS1).sum(-1)  # [m, H, K]
-            TT = t.T.transpose(-1, -2)
-            dbv, dkg = TT @ ddelta, TT @ dw
-            dA = torch.baddbmm(
-                (dbv @ t.u.transpose(-1, -2)).flatten(0, 1), dkg.flatten(0, 1), t.w.flatten(0, 1).transpose(1, 2)
-            ).view(m, H, lay.C, lay.C).tril_(-1).neg_()
-            dX, dY = pair_products_backward(
-                torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], bounded
-            )
-            dY = dY[..., 0, :]
-            dkb = dX[..., 1, :] + dkg * t.eG
-            dk_end_k = dk_end * t.k_end
-            dG = dqg * t.qg + dkg * t.kg + (t.X * dX).sum(-2) - t.k * dY - dk_end_k
-            dG[..., -1, :] += dk_end_k.sum(-2) + dG_last
+            dS1, ddelta = carry.through_tile(t, dO, lay, c0, c1)
             idx = lay.out_idx[m0:m1].flatten()
-            _store(dq, idx, (dqg * t.eG + dX[..., 0, :]).mul_(scale))
-            _store(dk, idx, dk_end * t.e_end + dY + dkb * t.beta[..., None])
-            _store(dv, idx, dbv * t.beta[..., None])
-            _store(dg, idx, dG.flip(-2).cumsum(-2).flip(-2))
-            _store(dbeta, idx, ((dkb * t.k).sum(-1) + (dbv * t.v).sum(-1))[..., None])
-        dh0 = torch.cat([dS, dfinal[prev:]])
+            for out, tile in zip(grads, _tile_grads(t, dO, S0_t, delta, dS1, ddelta, scale, bounded)):
+                _store(out, idx, tile)
+        dh0 = carry.entering()
         out = [gr[: B * T].view(x.shape).to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
         return (*out, dh0, None, None, None)
+
+
+class _Carry:
+    """The backward's dS, the gradient of the state entering the next chunk position, over the
+    sequences still running; a sequence's final-state gradient joins at its last chunk."""
+
+    def __init__(self, dfinal: torch.Tensor) -> None:
+        self.dfinal, self.dS, self.joined = dfinal, dfinal[:0], 0
+
+    def through_tile(self, t: "_Tile", dO: torch.Tensor, lay: ChunkLayout, c0: int, c1: int):
+        """The tile's chunk positions in reverse: the gradient of the state leaving each chunk
+        (dS1 [m, H, K, V]) and of each chunk's delta (ddelta [m, H, C, V])."""
+        m0 = lay.ends[c0]
+        H, K, V = self.dfinal.shape[1:]
+        dd0 = t.Aqk.transpose(-1, -2) @ dO  # [m, H, C, V]
+        qg_do = t.qg.transpose(-1, -2) @ dO  # [m, H, K, V]
+        dS1 = dO.new_empty(dO.shape[0], H, K, V)
+        ddelta = torch.empty_like(dd0)
+        dS = self.dS
+        for c in range(c1 - 1, c0 - 1, -1):
+            a = lay.active[c]
+            if a > self.joined:  # sequences whose last chunk is c
+                dS = torch.cat([dS, self.dfinal[self.joined:a]])
+                self.joined = a
+            sl = slice(lay.ends[c] - m0, lay.ends[c + 1] - m0)
+            dS1[sl] = dS
+            dd = torch.baddbmm(dd0[sl].flatten(0, 1), t.k_end[sl].flatten(0, 1), dS.flatten(0, 1))
+            ddelta[sl] = dd.view(a, H, -1, V)
+            dS = torch.baddbmm(
+                (t.decay_last[sl] * dS + qg_do[sl]).flatten(0, 1), t.w[sl].flatten(0, 1).transpose(1, 2), dd,
+                alpha=-1.0,
+            ).view(a, H, K, V)
+        self.dS = dS
+        return dS1, ddelta
+
+    def entering(self) -> torch.Tensor:
+        """dh0 in the sorted order, once every tile is through (sequences without chunks included)."""
+        return torch.cat([self.dS, self.dfinal[self.joined:]])
+
+
+def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float, bounded: bool):
+    """One tile's input gradients (dq, dk, dv, dg, dbeta as [m, H, C, *] tiles), given the state
+    entering each chunk (S0_t), its delta, and the gradients of the leaving state and of delta."""
+    m, H, C = delta.shape[:3]
+    S0T = S0_t.transpose(-1, -2)
+    dqg = dO @ S0T  # [m, H, C, K]
+    dAqk = (dO @ delta.transpose(-1, -2)).tril_()
+    dw = -(ddelta @ S0T)
+    dk_end = delta @ dS1.transpose(-1, -2)
+    dG_last = t.decay_last.squeeze(-1) * (S0_t * dS1).sum(-1)  # [m, H, K]
+    TT = t.T.transpose(-1, -2)
+    dbv, dkg = TT @ ddelta, TT @ dw
+    dA = torch.baddbmm(
+        (dbv @ t.u.transpose(-1, -2)).flatten(0, 1), dkg.flatten(0, 1), t.w.flatten(0, 1).transpose(1, 2)
+    ).view(m, H, C, C).tril_(-1).neg_()
+    dX, dY = pair_products_backward(
+        torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], bounded
+    )
+    dY = dY[..., 0, :]
+    dkb = dX[..., 1, :] + dkg * t.eG
+    dk_end_k = dk_end * t.k_end
+    dG = dqg * t.qg + dkg * t.kg + (t.X * dX).sum(-2) - t.k * dY - dk_end_k
+    dG[..., -1, :] += dk_end_k.sum(-2) + dG_last
+    return ((dqg * t.eG + dX[..., 0, :]).mul_(scale), dk_end * t.e_end + dY + dkb * t.beta[..., None],
+            dbv * t.beta[..., None], dG.flip(-2).cumsum(-2).flip(-2),
+            ((dkb * t.k).sum(-1) + (dbv * t.v).sum(-1))[..., None])
 
 
 def _load_tile(flat, lay: ChunkLayout, m0: int, m1: int, scale: float, bounded: bool, keep: bool = True) -> _Tile:
@@ -394,74 +284,39 @@ def _load_tile(flat, lay: ChunkLayout, m0: int, m1: int, scale: float, bounded: 
     return _Tile(q.mul_(scale), k, v, g, beta[..., 0], bounded, keep)
 
 
-def chunk_kda_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    lower_bound: float | None = None,
-    states_at: dict[int, list[int]] | None = None,
-):
-    """Chunkwise KDA, differentiable; same contract as `naive_recurrent_kda`, plus:
+def chunk_kda_torch(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+                    chunk_size: int, lower_bound: float | None, states_at: dict[int, list[int]]) -> KDAOutput:
+    """Chunkwise KDA, differentiable; the contract of `k3.kernels.kda.chunk_kda` (inputs checked).
 
     chunk_size: tokens per chunk (a multiple of 16, or <= 16).
     lower_bound: a promise that g >= lower_bound everywhere (K3's bounded gate, -5); enables the
         dense diagonal sub-chunks. None is always correct.
-    states_at: {sequence: [token offsets]} (inference only; offsets multiples of chunk_size in
-        (0, length]): also return the state after each offset, {(sequence, offset): [H, K, V]
-        fp32}, read at the chunk boundaries the pass crosses anyway (a prefix cache's snapshots
-        cost no extra pass).
+    states_at: checked {sequence: [offsets]} (inference only): the states there are read where the
+        pass crosses them, the sequences cut at those offsets (a prefix cache's snapshots cost no
+        extra pass).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    lengths = [T] * B if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    N = len(lengths)
-    lay = ChunkLayout(lengths, chunk_size, H, k.device)
-    if initial_state is None:
-        h0 = k.new_zeros(N, H, K, V, dtype=torch.float32)
-    else:
-        h0 = initial_state.float()
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=k.device)
+    table = ChunkTable(cu_seqlens, chunk_size, states_at)
+    lay = ChunkLayout(table, H, k.device)
+    N = table.num_seqs
+    h0 = k.new_zeros(N, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     h0 = h0[lay.order_t] if N else h0
     bounded = lower_bound is not None
-    want = _state_chunks(states_at or {}, lengths, lay)
+    kept: dict[int, torch.Tensor] = {}
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        if states_at:
-            raise ValueError("states_at is for inference: call under torch.no_grad() or with inputs that need no grad")
         o, final_sorted = _ChunkKDA.apply(q, k, v, g, beta, h0, lay, scale, bounded)
     else:  # inference: no per-chunk states kept for a backward
-        o, final_sorted, _, kept = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=False,
-                                            want=frozenset(want.values()))
+        want = frozenset(lay.of_table[j] for j in table.state_chunk.values() if j >= 0)
+        o, final_sorted, _, kept = _forward(q, k, v, g, beta, h0, lay, scale, bounded, save=False, want=want)
     final = None
-    if output_final_state or states_at:
+    if output_final_state or table.state_chunk:
         final = torch.empty_like(final_sorted)
         final[lay.order_t] = final_sorted
-    if states_at is None:
-        return o.to(v.dtype), final
-    states = {key: kept[m] if m >= 0 else final[key[0]].clone() for key, m in want.items()}
-    return o.to(v.dtype), final if output_final_state else None, states
-
-
-def _state_chunks(states_at: dict[int, list[int]], lengths: list[int], lay: ChunkLayout) -> dict[tuple[int, int], int]:
-    """{(sequence, offset): the layout chunk whose entering state is the state after offset, or -1
-    for the sequence's final state}; ValueError for an offset the pass does not cross."""
-    rank = {i: r for r, i in enumerate(lay.order)}
-    out = {}
-    for i, offsets in states_at.items():
-        if not 0 <= i < len(lengths):
-            raise ValueError(f"states_at: sequence {i} out of range [0, {len(lengths)})")
-        for off in offsets:
-            if off % lay.C or not 0 < off <= lengths[i]:
-                raise ValueError(f"states_at: offset {off} of sequence {i} must be a multiple of chunk_size "
-                                 f"{lay.C} in (0, {lengths[i]}]")
-            out[(i, off)] = -1 if off == lengths[i] else lay.ends[off // lay.C] + rank[i]
-    return out
+    states = {key: kept[lay.of_table[j]] if j >= 0 else final[key[0]].clone() for key, j in table.state_chunk.items()}
+    return KDAOutput(o.to(v.dtype), final if output_final_state else None, states)
 
 
 def kda_step_torch(

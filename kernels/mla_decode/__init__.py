@@ -1,6 +1,6 @@
 """Absorbed MLA attention for decode over the paged latent cache.
 
-`mla_decode` checks its inputs and dispatches: Triton (flash-decoding over the block table) on
+`mla_decode` checks its inputs and dispatches: Triton (flash-decoding over the page table) on
 CUDA, a batched torch path on CPU. `naive_mla_decode` is the per-sequence reference with the
 same signature. With `w_uv` the value projection is applied after the softmax, and with `gate`
 the output gate after that, so a layer can hand over everything between q_lat and o_proj.
@@ -39,7 +39,7 @@ def mla_decode(
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     w_uv: torch.Tensor | None = None,
@@ -51,10 +51,10 @@ def mla_decode(
 
     Args:
         q_lat: [N, H, L] query with W_uk absorbed; q_rope: [N, H, R].
-        kv_cache: [num_blocks, block_size, L + R] latents (c_kv then the rope key); any strides
+        kv_cache: [num_pages, page_size, L + R] latents (c_kv then the rope key); any strides
             with the last dim contiguous.
-        block_table: [N, max_blocks] int block ids, in any order; positions p of sequence n live
-            at kv_cache[block_table[n, p // block_size], p % block_size].
+        page_table: [N, max_pages] int page ids, in any order; positions p of sequence n live
+            at kv_cache[page_table[n, p // page_size], p % page_size].
         seq_lens: [N] tokens cached per sequence (>= 1, the current token included).
         scale: softmax scale (qk_head_dim ** -0.5).
         w_uv: optional [H, Vd, L]; then o = W_uv ctx per head.
@@ -63,7 +63,21 @@ def mla_decode(
     Returns:
         ctx [N, H, L], or o [N, H, Vd] with w_uv; in q_lat's dtype (fp32 softmax and sums).
     """
-    for name, x in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table),
+    _check_shapes(q_lat, q_rope, kv_cache, page_table, seq_lens, w_uv, gate)
+    N, H, L = q_lat.shape
+    if N == 0:
+        return q_lat.new_zeros(N, H, L if w_uv is None else w_uv.shape[1])
+    hi = _check_pages(kv_cache, page_table, seq_lens)
+    if _use_triton(q_lat, backend, L, q_rope.shape[2]):
+        from .triton import mla_decode_triton
+
+        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, page_table, seq_lens, float(scale), max_len=hi)
+        return finish(ctx, q_lat.dtype, w_uv, gate)
+    return mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, float(scale), w_uv, gate, max_len=hi)
+
+
+def _check_shapes(q_lat, q_rope, kv_cache, page_table, seq_lens, w_uv, gate) -> None:
+    for name, x in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("page_table", page_table),
                     ("seq_lens", seq_lens)):
         if not isinstance(x, torch.Tensor):
             _fail(name, f"must be a tensor, got {type(x).__name__}")
@@ -74,11 +88,11 @@ def mla_decode(
         _fail("q_rope", f"must be a floating [N, H, R] = [{N}, {H}, R] tensor, got {tuple(q_rope.shape)}")
     R = q_rope.shape[2]
     if kv_cache.dim() != 3 or kv_cache.shape[2] != L + R or not kv_cache.is_floating_point():
-        _fail("kv_cache", f"must be a floating [num_blocks, block_size, {L + R}] tensor, got {tuple(kv_cache.shape)}")
+        _fail("kv_cache", f"must be a floating [num_pages, page_size, {L + R}] tensor, got {tuple(kv_cache.shape)}")
     if kv_cache.stride(2) != 1:
         _fail("kv_cache", f"must be contiguous in its last dim, got strides {kv_cache.stride()}")
-    if block_table.dim() != 2 or block_table.shape[0] != N or block_table.dtype not in (torch.int32, torch.int64):
-        _fail("block_table", f"must be an integer [N={N}, max_blocks] tensor, got {tuple(block_table.shape)} {block_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != N or page_table.dtype not in (torch.int32, torch.int64):
+        _fail("page_table", f"must be an integer [N={N}, max_pages] tensor, got {tuple(page_table.shape)} {page_table.dtype}")
     if seq_lens.shape != (N,) or seq_lens.dtype not in (torch.int32, torch.int64):
         _fail("seq_lens", f"must be an integer [N={N}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     if w_uv is not None:
@@ -89,27 +103,24 @@ def mla_decode(
             _fail("gate", "is applied after W_uv; pass w_uv too")
         if not isinstance(gate, torch.Tensor) or gate.shape != (N, H, w_uv.shape[1]):
             _fail("gate", f"must be [N, H, Vd] = [{N}, {H}, {w_uv.shape[1]}], got {getattr(gate, 'shape', None)}")
-    for name, x in (("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens),
+    for name, x in (("q_rope", q_rope), ("kv_cache", kv_cache), ("page_table", page_table), ("seq_lens", seq_lens),
                     ("w_uv", w_uv), ("gate", gate)):
         if x is not None and x.device != q_lat.device:
             _fail(name, f"is on {x.device} but q_lat is on {q_lat.device}")
-    if N == 0:
-        return q_lat.new_zeros(N, H, L if w_uv is None else w_uv.shape[1])
-    bs = kv_cache.shape[1]
+
+
+def _check_pages(kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Every cached position has a page in the cache; returns max(seq_lens) (one host sync)."""
+    ps = kv_cache.shape[1]
     lens = seq_lens.long()
     lo, hi = (int(x) for x in torch.aminmax(lens))
     if lo < 1:
         _fail("seq_lens", f"must be >= 1, got min {lo}")
-    if hi > block_table.shape[1] * bs:
-        _fail("seq_lens", f"max {hi} exceeds block_table capacity {block_table.shape[1]} x {bs}")
-    n_blk = (hi + bs - 1) // bs
-    used = block_table[:, :n_blk].long()
-    valid_blocks = torch.arange(n_blk, device=lens.device)[None] * bs < lens[:, None]
-    if bool(((used < 0) | (used >= kv_cache.shape[0]))[valid_blocks].any()):
-        _fail("block_table", f"holds a block id outside [0, {kv_cache.shape[0]}) for a cached position")
-    if _use_triton(q_lat, backend, L, R):
-        from .triton import mla_decode_triton
-
-        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), max_len=hi)
-        return finish(ctx, q_lat.dtype, w_uv, gate)
-    return mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, float(scale), w_uv, gate, max_len=hi)
+    if hi > page_table.shape[1] * ps:
+        _fail("seq_lens", f"max {hi} exceeds page_table capacity {page_table.shape[1]} pages x {ps}")
+    n_pages = (hi + ps - 1) // ps
+    used = page_table[:, :n_pages].long()
+    cached = torch.arange(n_pages, device=lens.device)[None] * ps < lens[:, None]
+    if bool(((used < 0) | (used >= kv_cache.shape[0]))[cached].any()):
+        _fail("page_table", f"holds a page id outside [0, {kv_cache.shape[0]}) for a cached position")
+    return hi

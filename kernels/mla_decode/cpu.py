@@ -13,23 +13,23 @@ import torch
 CHUNK = 4096  # tokens per slice
 
 
-def mla_decode_torch(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, w_uv=None, gate=None, max_len=None):
+def mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, w_uv=None, gate=None, max_len=None):
     """The contract of `k3.kernels.mla_decode.mla_decode` (inputs already checked; max_len is
     seq_lens' max when the caller already has it on the host)."""
     N, H, L = q_lat.shape
-    bs = kv_cache.shape[1]
+    ps = kv_cache.shape[1]
     lens = seq_lens.long()
     T = int(lens.max()) if max_len is None else max_len
     q = torch.cat([q_lat, q_rope], dim=-1).float()  # [N, H, L + R]
     m = q.new_full((N, H, 1), float("-inf"))
     s = q.new_zeros(N, H, 1)
     acc = q.new_zeros(N, H, L)
-    step = max(bs, CHUNK // bs * bs)  # whole pages per slice
+    step = max(ps, CHUNK // ps * ps)  # whole pages per slice
     for t0 in range(0, T, step):
-        b0, b1 = t0 // bs, min((T + bs - 1) // bs, (t0 + step) // bs)
+        p0, p1 = t0 // ps, min((T + ps - 1) // ps, (t0 + step) // ps)
         # Pages past a sequence's end may hold any id (they are masked); clamp so the gather is safe.
-        ids = block_table[:, b0:b1].long().clamp(0, kv_cache.shape[0] - 1)
-        rows = kv_cache[ids].reshape(N, (b1 - b0) * bs, -1).float()  # [N, tokens, L + R]
+        ids = page_table[:, p0:p1].long().clamp(0, kv_cache.shape[0] - 1)
+        rows = kv_cache[ids].reshape(N, (p1 - p0) * ps, -1).float()  # [N, tokens, L + R]
         pos = t0 + torch.arange(rows.shape[1], device=lens.device)
         valid = pos[None, :] < lens[:, None]  # [N, tokens]
         # Rows past a sequence's end may hold anything (a reused page, NaN): mask them to zero, as

@@ -18,22 +18,22 @@ def naive_mla_decode(
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     w_uv: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q_lat [N, H, L], q_rope [N, H, R], kv_cache [num_blocks, block_size, L + R],
-    block_table [N, max_blocks], seq_lens [N], w_uv [H, Vd, L], gate [N, H, Vd] (pre-sigmoid)
+    """q_lat [N, H, L], q_rope [N, H, R], kv_cache [num_pages, page_size, L + R],
+    page_table [N, max_pages], seq_lens [N], w_uv [H, Vd, L], gate [N, H, Vd] (pre-sigmoid)
     -> ctx [N, H, L], or o [N, H, Vd] with w_uv; in q_lat's dtype (fp32 math)."""
     N, H, L = q_lat.shape
-    bs = kv_cache.shape[1]
+    ps = kv_cache.shape[1]
     out = []
     for n in range(N):
         T = int(seq_lens[n])
         pos = torch.arange(T, device=kv_cache.device)
-        rows = kv_cache[block_table[n, pos // bs].long(), pos % bs].float()  # [T, L + R]
+        rows = kv_cache[page_table[n, pos // ps].long(), pos % ps].float()  # [T, L + R]
         c, r = rows[:, :L], rows[:, L:]
         score = (q_lat[n].float() @ c.T + q_rope[n].float() @ r.T) * scale  # [H, T]
         o = torch.softmax(score, dim=-1) @ c  # [H, L]

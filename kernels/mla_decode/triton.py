@@ -1,7 +1,7 @@
 """Triton absorbed MLA decode over the paged latent cache (flash-decoding).
 
 Grid (sequence, block of BH heads, split of the context). Every program walks its share of the
-sequence's pages through the block table, TS tokens at a time, with an online softmax: the
+sequence's pages through the page table, TS tokens at a time, with an online softmax: the
 latent tile is loaded once and serves all BH heads (the cache is shared by every head, as in
 MQA). Splits write unnormalised partial contexts with their running max and sum; a second
 kernel merges them. W_uv and the output gate run after, in torch.
@@ -16,17 +16,17 @@ BH = 16  # heads per program: tl.dot needs >= 16 rows
 
 
 @triton.jit
-def mla_decode_split_kernel(q_lat, q_rope, kv, block_table, seq_lens, acc_out, ml_out, scale,
-                            stride_kb, stride_kt, stride_bt, n_splits,
-                            H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
+def mla_decode_split_kernel(q_lat, q_rope, kv, page_table, seq_lens, acc_out, ml_out, scale,
+                            stride_kp, stride_kt, stride_pt, n_splits,
+                            H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PS: tl.constexpr,
                             BH: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, TS: tl.constexpr,
                             PREC: tl.constexpr):
     i_n, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + i_n).to(tl.int32)
-    n_blocks = tl.cdiv(seq_len, BS)
-    per_split = tl.cdiv(n_blocks, n_splits)
-    b_lo = i_s * per_split
-    b_hi = tl.minimum(b_lo + per_split, n_blocks)
+    n_pages = tl.cdiv(seq_len, PS)
+    per_split = tl.cdiv(n_pages, n_splits)
+    p_lo = i_s * per_split
+    p_hi = tl.minimum(p_lo + per_split, n_pages)
     o_h = i_hb * BH + tl.arange(0, BH)
     o_l, o_r, o_t = tl.arange(0, BL), tl.arange(0, BR), tl.arange(0, TS)
     m_h, m_l, m_r = o_h < H, o_l < L, o_r < R
@@ -36,12 +36,12 @@ def mla_decode_split_kernel(q_lat, q_rope, kv, block_table, seq_lens, acc_out, m
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
     b_acc = tl.zeros([BH, BL], dtype=tl.float32)
-    for i_b in range(b_lo, b_hi):
-        blk = tl.load(block_table + i_n.to(tl.int64) * stride_bt + i_b).to(tl.int64)
-        for t0 in range(0, BS, TS):
-            pos = i_b * BS + t0 + o_t
-            m_t = (t0 + o_t < BS) & (pos < seq_len)
-            p_row = kv + blk * stride_kb + (t0 + o_t).to(tl.int64)[:, None] * stride_kt
+    for i_p in range(p_lo, p_hi):
+        page = tl.load(page_table + i_n.to(tl.int64) * stride_pt + i_p).to(tl.int64)
+        for t0 in range(0, PS, TS):
+            pos = i_p * PS + t0 + o_t
+            m_t = (t0 + o_t < PS) & (pos < seq_len)
+            p_row = kv + page * stride_kp + (t0 + o_t).to(tl.int64)[:, None] * stride_kt
             b_c = tl.load(p_row + o_l[None, :], mask=m_t[:, None] & m_l[None, :], other=0.).to(tl.float32)
             b_r = tl.load(p_row + L + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.).to(tl.float32)
             b_s = tl.dot(b_ql, tl.trans(b_c), input_precision=PREC) + tl.dot(b_qr, tl.trans(b_r), input_precision=PREC)
@@ -80,7 +80,7 @@ def mla_decode_merge_kernel(acc_in, ml_in, out, n_splits, H: tl.constexpr, L: tl
     tl.store(out + (i_n.to(tl.int64) * H + i_h) * L + o_l, b_acc / b_sum, mask=m_l)
 
 
-def mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, num_splits: int | None = None,
+def mla_decode_triton(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, num_splits: int | None = None,
                       max_len: int | None = None):
     """ctx [N, H, L] fp32 (inputs already checked; kv_cache's last dim contiguous).
 
@@ -89,26 +89,26 @@ def mla_decode_triton(q_lat, q_rope, kv_cache, block_table, seq_lens, scale, num
     """
     N, H, L = q_lat.shape
     R = q_rope.shape[-1]
-    BS = kv_cache.shape[1]
+    PS = kv_cache.shape[1]
     q_lat, q_rope = q_lat.contiguous(), q_rope.contiguous()
-    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
+    page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
     n_hb = triton.cdiv(H, BH)
     if N and max_len is None:
         max_len = int(seq_lens.max())
-    max_blocks = max(1, triton.cdiv(max_len, BS)) if N else 1
+    max_pages = max(1, triton.cdiv(max_len, PS)) if N else 1
     if num_splits is None:
-        num_splits = min(max_blocks, max(1, 264 // max(N * n_hb, 1)))
+        num_splits = min(max_pages, max(1, 264 // max(N * n_hb, 1)))
     acc = torch.empty(N, num_splits, H, L, dtype=torch.float32, device=q_lat.device)
     ml = torch.empty(N, num_splits, H, 2, dtype=torch.float32, device=q_lat.device)
     ctx = torch.empty(N, H, L, dtype=torch.float32, device=q_lat.device)
     if N == 0:
         return ctx
     BL, BR = max(16, triton.next_power_of_2(L)), max(16, triton.next_power_of_2(R))
-    TS = min(32 if BL <= 256 else 16, max(16, triton.next_power_of_2(BS)))
+    TS = min(32 if BL <= 256 else 16, max(16, triton.next_power_of_2(PS)))
     prec = "tf32x3" if q_lat.dtype == torch.float32 and kv_cache.dtype == torch.float32 else "tf32"
     mla_decode_split_kernel[(N, n_hb, num_splits)](
-        q_lat, q_rope, kv_cache, block_table, seq_lens, acc, ml, scale,
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), num_splits,
-        H=H, L=L, R=R, BS=BS, BH=BH, BL=BL, BR=BR, TS=TS, PREC=prec, num_stages=1)
+        q_lat, q_rope, kv_cache, page_table, seq_lens, acc, ml, scale,
+        kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), num_splits,
+        H=H, L=L, R=R, PS=PS, BH=BH, BL=BL, BR=BR, TS=TS, PREC=prec, num_stages=1)
     mla_decode_merge_kernel[(N, H)](acc, ml, ctx, num_splits, H=H, L=L, BL=BL)
     return ctx

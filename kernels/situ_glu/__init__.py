@@ -6,9 +6,12 @@ reference with the same signature is `naive_situ_glu`.
 """
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
-from .._dispatch import use_triton
+from .._dispatch import fail, use_triton
 from .cpu import situ_glu_torch
 from .reference import naive_situ_glu, naive_swiglu
 
@@ -27,17 +30,24 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"situ_glu: gate and up must share a floating dtype, got {gate.dtype} and {up.dtype}")
 
 
+def _check_bound(name: str, b) -> None:
+    # An infinite bound makes its factor b tanh(x / b) = inf * 0 = NaN; NaN fails every comparison.
+    if isinstance(b, bool) or not isinstance(b, Real) or not (math.isfinite(b) and b > 0):
+        fail("situ_glu", name, f"must be a finite number > 0, got {b!r}")
+
+
 def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0, *, backend: str | None = None
 ) -> torch.Tensor:
     """[..., I] x [..., I] -> [..., I]: [b1 tanh(gate/b1) sigmoid(gate)] * [b2 tanh(up/b2)].
 
     fp32 math, output in the inputs' dtype (bf16, fp16 or fp32); differentiable.
+    b1, b2: the soft clamps of the gate and up factors, finite and > 0.
     backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
     """
     _check(gate, up)
-    if not (b1 > 0 and b2 > 0):
-        raise ValueError(f"situ_glu: b1 and b2 must be positive, got b1={b1}, b2={b2}")
+    _check_bound("b1", b1)
+    _check_bound("b2", b2)
     if use_triton("situ_glu", gate, backend):
         from .triton import situ_glu_triton
 

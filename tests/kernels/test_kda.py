@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from helpers import assert_close
-from kernel_cases import BF16_TOL, FWD_TOL, check_kda, check_kda_step, kda_inputs, lower_bound_for, one_thread, packed_lengths_cu  # noqa: F401
-from k3.kernels.kda import chunk_kda, kda_step
-from k3.kernels.kda.cpu import pair_products, unit_lower_inverse
+from kernel_cases import (BF16_TOL, FWD_TOL, check_kda, check_kda_states, check_kda_step, kda_inputs,  # noqa: F401
+                          lower_bound_for, one_thread, packed_lengths_cu)
+from k3.kernels.kda import chunk_kda, kda_step, naive_chunk_kda
+from k3.kernels.kda.cpu_blocks import pair_products, unit_lower_inverse
+
+
+def naive_chunk(*args, lower_bound=None, **kw):
+    return naive_chunk_kda(*args, **kw)  # the reference needs no bound
 
 
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
@@ -36,45 +41,36 @@ def test_packed_equals_each_sequence_alone():
     cu = packed_lengths_cu(lengths)
     q, k, v, g, beta = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=4)
     h0 = torch.randn(len(lengths), 2, 16, 16)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
+    o, s, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        oi, si = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
+        oi, si, _ = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
                            output_final_state=True)
         if b > a:
             assert_close(f"o[seq {i}]", oi, o[:, a:b], FWD_TOL)
         assert_close(f"state[seq {i}]", si, s[i:i + 1], FWD_TOL)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_states_at_equal_the_state_after_each_prefix(chunk_size):
-    # a prefix cache's snapshots read in one pass: the state after `off` tokens of a sequence equals
-    # the final state of a pass over just those tokens (packed, several sequences, with h0)
-    lengths = [130, 64, 0, 200, 5]
-    cu = packed_lengths_cu(lengths)
-    q, k, v, g, beta = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=11)
-    h0 = torch.randn(len(lengths), 2, 16, 16, generator=torch.Generator().manual_seed(2))
-    want = {0: [chunk_size, 128], 1: [64], 3: [chunk_size, 192]}
-    with torch.no_grad():
-        o, s, states = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                 chunk_size=chunk_size, lower_bound=-5.0, states_at=want)
-        o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                 chunk_size=chunk_size, lower_bound=-5.0)
-        assert torch.equal(o, o_ref) and torch.equal(s, s_ref)  # asking for states changes nothing else
-        assert sorted(states) == sorted((i, off) for i, offs in want.items() for off in offs)
-        for (i, off), st in states.items():
-            a = cu[i].item()
-            _, si = chunk_kda(q[:, a:a + off], k[:, a:a + off], v[:, a:a + off], g[:, a:a + off],
-                              beta[:, a:a + off], initial_state=h0[i:i + 1], output_final_state=True,
-                              chunk_size=chunk_size, lower_bound=-5.0)
-            assert_close(f"state after {off} of seq {i}", st, si[0], FWD_TOL)
+@pytest.mark.parametrize("chunk_size", [16, 64, 5])
+def test_states_at_any_offset_equal_the_recurrence(chunk_size):
+    # a prefix cache's snapshots read in one pass: on chunk boundaries, off them (the pass cuts
+    # the chunk there), at a sequence's end; packed, several sequences, with h0
+    states_at = {0: [3, chunk_size, 128, 130], 1: [1, 64], 3: [100, 199], 4: [5]}
+    check_kda_states(chunk_kda, [130, 64, 0, 200, 5], states_at, chunk_size)
 
 
-@pytest.mark.parametrize("states_at, match", [({0: [10]}, "multiple of chunk_size"), ({0: [256]}, "in \\(0, 130\\]"),
-                                              ({0: [0]}, "multiple|in \\("), ({7: [64]}, "sequence 7 out of range")])
-def test_states_at_refuses_offsets_the_pass_does_not_cross(states_at, match):
-    q, k, v, g, beta = kda_inputs(1, 130, 2, 16, 16, "bounded", seed=12)
-    with torch.no_grad(), pytest.raises(ValueError, match=match):
-        chunk_kda(q, k, v, g, beta, chunk_size=64, states_at=states_at)
+def test_states_at_chunk_boundaries_change_nothing():
+    check_kda_states(chunk_kda, [130, 64, 0, 200, 5], {0: [64, 128], 1: [64], 3: [192]}, 64)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_naive_chunk_form_equals_the_recurrence(chunk_size, gate):
+    # the readable chunk form (the WY/UT transform) against the per-token one, forward and backward
+    lengths = [63, 0, 17, 1]
+    xs = kda_inputs(1, sum(lengths), 2, 16, 8, gate, seed=chunk_size)
+    check_kda(naive_chunk, xs, torch.randn(len(lengths), 2, 16, 8), cu_seqlens=packed_lengths_cu(lengths),
+              chunk_size=chunk_size)
+    check_kda_states(naive_chunk, [40, 0, 33], {0: [7, 32, 40], 2: [33]}, chunk_size)
 
 
 def test_bf16_inputs():
@@ -98,9 +94,9 @@ def test_stress_unbounded_gate_far_below_the_bound():
 
 def test_non_contiguous_inputs_are_handled():
     q, k, v, g, beta = kda_inputs(1, 40, 2, 16, 16, "bounded", seed=8)
-    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=-5.0)
+    o, s, _ = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=-5.0)
     t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
-    o2, s2 = chunk_kda(t(q), t(k), t(v), t(g), t(beta), output_final_state=True, lower_bound=-5.0)
+    o2, s2, _ = chunk_kda(t(q), t(k), t(v), t(g), t(beta), output_final_state=True, lower_bound=-5.0)
     assert not t(q).is_contiguous()
     assert torch.equal(o, o2) and torch.equal(s, s2)
 
@@ -127,7 +123,7 @@ def test_step_over_slots_matches_reference_and_leaves_other_slots():
     xs = kda_inputs(2, 9, H, K, V, "bounded", seed=8)
     pool = torch.zeros(4, H, K, V)
     outs = [kda_step(*(x[:, t] for x in xs), pool, torch.tensor([3, 1])) for t in range(9)]
-    o_chunk, s_chunk = chunk_kda(*xs, output_final_state=True)
+    o_chunk, s_chunk, _ = chunk_kda(*xs, output_final_state=True)
     assert_close("decode steps", torch.stack(outs, 1), o_chunk, FWD_TOL)
     assert_close("decode state", pool[[3, 1]], s_chunk, FWD_TOL)
 
@@ -182,7 +178,7 @@ def test_inference_path_equals_training_path():
     cu = packed_lengths_cu(lengths)
     h0 = torch.randn(3, 2, 16, 16)
     with torch.no_grad():
-        o1, s1 = chunk_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
-    o2, s2 = chunk_kda(*[x.requires_grad_() for x in xs], initial_state=h0, output_final_state=True, cu_seqlens=cu,
+        o1, s1, _ = chunk_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu, lower_bound=-5.0)
+    o2, s2, _ = chunk_kda(*[x.requires_grad_() for x in xs], initial_state=h0, output_final_state=True, cu_seqlens=cu,
                        lower_bound=-5.0)
     assert torch.equal(o1, o2.detach()) and torch.equal(s1, s2.detach())

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import (BF16_TOL, assert_interpreted, check_kda, check_kda_step, interpreter_or_skip, kda_inputs,
-                          lower_bound_for, one_thread, packed_lengths_cu)  # noqa: F401
+from kernel_cases import (BF16_TOL, assert_interpreted, check_kda, check_kda_states, check_kda_step,  # noqa: F401
+                          interpreter_or_skip, kda_inputs, lower_bound_for, one_thread, packed_lengths_cu)
 
 interpreter_or_skip()
 
 from k3.kernels.kda import chunk_kda, kda_step  # noqa: E402
-from k3.kernels.kda import triton as kda_triton  # noqa: E402
+from k3.kernels.kda import triton_bwd, triton_fwd, triton_step  # noqa: E402
 
 
 def chunk_kda_triton(*args, **kwargs):
@@ -19,7 +19,8 @@ def chunk_kda_triton(*args, **kwargs):
 
 
 def setup_module():
-    assert_interpreted(kda_triton.kda_state_kernel)
+    for kernel in (triton_fwd.kda_state_kernel, triton_bwd.kda_bwd_state_kernel, triton_step.kda_step_kernel):
+        assert_interpreted(kernel)
 
 
 # Each T and head dim, with and without a state, under both gates (a covering set, not the full
@@ -47,6 +48,17 @@ def test_packed_sequences(chunk_size):
     xs = kda_inputs(1, sum(lengths), 1, 16, 16, "bounded" if chunk_size != 32 else "unbounded", seed=3)
     check_kda(chunk_kda_triton, xs, torch.randn(len(lengths), 1, 16, 16), cu_seqlens=packed_lengths_cu(lengths),
               chunk_size=chunk_size, lower_bound=None if chunk_size == 32 else -5.0)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_states_at_any_offset_equal_the_recurrence(chunk_size):
+    # the state kernel stores the state entering each chunk that starts at an asked-for offset;
+    # off a chunk boundary, the pass cuts a chunk there
+    check_kda_states(chunk_kda_triton, [40, 0, 33, 5], {0: [3, 16, 40], 2: [32, 17], 3: [1]}, chunk_size)
+
+
+def test_states_at_chunk_boundaries_change_nothing():
+    check_kda_states(chunk_kda_triton, [40, 0, 33, 5], {0: [16, 32], 2: [32]}, 16)
 
 
 def test_a_bound_too_low_for_tritons_sub_chunks_is_dropped():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.kernels.kda import chunk_kda, kda_step, naive_recurrent_kda
+from k3.kernels.kda import KDAOutput, chunk_kda, kda_step, naive_recurrent_kda
 from k3.kernels.qb_histogram import naive_qb_histogram, qb_histogram
 
 
@@ -49,25 +49,57 @@ def test_qb_histogram_more_bins_than_fp32_counts_exactly():
 def test_chunk_kda_no_tokens(backend, with_state):
     q, k, v, g, beta = _kda(T=0)
     h0 = torch.randn(1, 2, 8, 8) if with_state else None
-    o, final = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend)
-    assert o.shape == v.shape
+    o, final, states = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend)
+    assert o.shape == v.shape and states == {}
     assert torch.equal(final, h0 if with_state else torch.zeros(1, 2, 8, 8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunk_kda_returns_the_same_triple_whatever_is_asked(backend):
+    xs = _kda(T=16, K=16, V=16)
+    for kw in (dict(), dict(output_final_state=True), dict(states_at={0: [5]})):
+        with torch.no_grad():
+            out = chunk_kda(*xs, **kw, backend=backend)
+        assert isinstance(out, KDAOutput) and len(out) == 3
+        assert (out.final_state is not None) == ("output_final_state" in kw)
+        assert sorted(out.states) == ([(0, 5)] if "states_at" in kw else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("states_at, match", [
+    ({0: [0]}, "offset 0 of sequence 0 must be an integer in \\(0, 20\\]"),
+    ({0: [21]}, "offset 21 of sequence 0"),
+    ({0: [2.5]}, "offset 2.5 of sequence 0"),
+    ({1: [4]}, "sequence 1 out of range \\[0, 1\\)"),
+    ({0: 4}, "offsets of sequence 0 must be a list"),
+    ([4], "must be a dict"),
+])
+def test_chunk_kda_bad_states_at(backend, states_at, match):
+    with torch.no_grad(), pytest.raises(ValueError, match=f"kda: states_at {match}"):
+        chunk_kda(*_kda(K=16, V=16), states_at=states_at, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunk_kda_states_at_is_for_inference(backend):
+    q, k, v, g, beta = _kda(K=16, V=16)
+    with pytest.raises(ValueError, match="kda: states_at is for inference"):
+        chunk_kda(q.requires_grad_(), k, v, g, beta, states_at={0: [4]}, backend=backend)
 
 
 def test_chunk_kda_huge_q_with_gate_at_the_bound():
     q, k, v, g, beta = _kda()
     q, g = q * 1e8, torch.full_like(g, -5.0)
-    o, _ = chunk_kda(q, k, v, g, beta, lower_bound=-5.0)
+    o = chunk_kda(q, k, v, g, beta, lower_bound=-5.0).o
     assert torch.isfinite(o).all()
-    assert _rel(o, naive_recurrent_kda(q, k, v, g, beta)[0]) < 1e-5
+    assert _rel(o, naive_recurrent_kda(q, k, v, g, beta).o) < 1e-5
 
 
 @pytest.mark.parametrize("value", [float("-inf"), -1e38])
 def test_chunk_kda_unbounded_gate_far_below_fp32_underflow(value):
     q, k, v, g, beta = _kda()
     g[0, 3, 0, 0] = value
-    o, _ = chunk_kda(q, k, v, g, beta)
-    want = naive_recurrent_kda(q, k, v, g, beta)[0]  # exp(g) = 0: the state's channel resets
+    o = chunk_kda(q, k, v, g, beta).o
+    want = naive_recurrent_kda(q, k, v, g, beta).o  # exp(g) = 0: the state's channel resets
     assert torch.isfinite(o).all() and _rel(o, want) < 1e-5
 
 

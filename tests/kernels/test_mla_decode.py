@@ -8,11 +8,11 @@ from kernel_cases import BF16_TOL, check_mla, mla_case, one_thread  # noqa: F401
 from k3.kernels.mla_decode import mla_decode
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("L", [32, 64])
 @pytest.mark.parametrize("with_uv", [False, True])
-def test_matches_reference_out_of_order_pages(block_size, L, with_uv):
-    check_mla(mla_decode, mla_case([1, 17, 100, 64], L=L, block_size=block_size, seed=L + block_size), with_uv)
+def test_matches_reference_out_of_order_pages(page_size, L, with_uv):
+    check_mla(mla_decode, mla_case([1, 17, 100, 64], L=L, page_size=page_size, seed=L + page_size), with_uv)
 
 
 def test_bf16_cache_and_queries():
@@ -33,8 +33,8 @@ def test_bad_inputs_name_the_argument():
         ("q_rope", lambda: mla_decode(q_lat, q_rope[:1], kv, table, lens, 0.1)),
         ("kv_cache", lambda: mla_decode(q_lat, q_rope, kv[..., :-1], table, lens, 0.1)),
         ("kv_cache", lambda: mla_decode(q_lat, q_rope, kv.transpose(0, 2).contiguous().transpose(0, 2), table, lens, 0.1)),
-        ("block_table", lambda: mla_decode(q_lat, q_rope, kv, table.float(), lens, 0.1)),
-        ("block_table", lambda: mla_decode(q_lat, q_rope, kv, table.clone().fill_(kv.shape[0]), lens, 0.1)),
+        ("page_table", lambda: mla_decode(q_lat, q_rope, kv, table.float(), lens, 0.1)),
+        ("page_table", lambda: mla_decode(q_lat, q_rope, kv, table.clone().fill_(kv.shape[0]), lens, 0.1)),
         ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens * 0, 0.1)),
         ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens * 100, 0.1)),
         ("seq_lens", lambda: mla_decode(q_lat, q_rope, kv, table, lens[:1], 0.1)),
@@ -60,13 +60,13 @@ def test_context_slices(monkeypatch):
     import k3.kernels.mla_decode.cpu as cpu_path
 
     monkeypatch.setattr(cpu_path, "CHUNK", 32)
-    check_mla(mla_decode, mla_case([1, 200, 33, 64], block_size=16, seed=11), with_uv=True)
+    check_mla(mla_decode, mla_case([1, 200, 33, 64], page_size=16, seed=11), with_uv=True)
 
 
 def test_garbage_past_a_sequence_end_stays_out():
     # A reused page, or the page a past-the-end table entry points at, may hold NaN/inf: the
     # output must not see it (a zero softmax weight times NaN is still NaN).
-    q_lat, q_rope, kv, table, lens = mla_case([5, 20], block_size=16, seed=12)
+    q_lat, q_rope, kv, table, lens = mla_case([5, 20], page_size=16, seed=12)
     want = mla_decode(q_lat, q_rope, kv.clone(), table, lens, 0.2)
     dirty = kv.clone()
     for i, n in enumerate(lens.tolist()):

@@ -1,5 +1,5 @@
 """MLA decode's Triton kernels under the interpreter (TRITON_INTERPRET=1, CPU tensors): paged,
-out-of-order blocks, context splits merged, the W_uv and gate epilogue."""
+out-of-order pages, context splits merged, the W_uv and gate epilogue."""
 from __future__ import annotations
 
 import pytest
@@ -22,23 +22,23 @@ def setup_module():
     assert_interpreted(mla_triton.mla_decode_split_kernel)
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("L", [32, 64])
-def test_matches_reference_out_of_order_pages(block_size, L):
-    check_mla(mla_decode_triton, mla_case([1, 17, 100, 64], L=L, block_size=block_size, seed=L + block_size),
-              with_uv=block_size == 16)
+def test_matches_reference_out_of_order_pages(page_size, L):
+    check_mla(mla_decode_triton, mla_case([1, 17, 100, 64], L=L, page_size=page_size, seed=L + page_size),
+              with_uv=page_size == 16)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_context_splits_merge(splits):
-    # 5 splits over 2 or 7 blocks: some splits are empty and must weigh nothing.
+    # 5 splits over 2 or 7 pages: some splits are empty and must weigh nothing.
     q_lat, q_rope, kv, table, lens = mla_case([20, 100], H=17, seed=splits)  # 17 heads: two head blocks
     got = mla_triton.mla_decode_triton(q_lat, q_rope, kv, table, lens, 0.125, num_splits=splits)
     check_mla(lambda *a: got, (q_lat, q_rope, kv, table, lens))
 
 
 def test_odd_sizes_and_bf16():
-    check_mla(mla_decode_triton, mla_case([3, 33], H=2, L=40, R=8, block_size=24, seed=7))
+    check_mla(mla_decode_triton, mla_case([3, 33], H=2, L=40, R=8, page_size=24, seed=7))
     check_mla(mla_decode_triton, mla_case([5, 70], dtype=torch.bfloat16, seed=8), with_uv=True, tol=BF16_TOL)
 
 

@@ -49,8 +49,15 @@ def test_bad_input(args, match):
         situ_glu(*args)
 
 
-def test_bad_bounds_and_backend():
-    with pytest.raises(ValueError, match="b1"):
-        situ_glu(torch.ones(2), torch.ones(2), b1=0.0)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["b1", "b2"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 0.0, -1.0, True, "4"])
+def test_bad_bounds_name_the_argument_on_every_backend(backend, name, bad):
+    # b = inf used to give inf * tanh(x / inf) = NaN instead of an error
+    with pytest.raises(ValueError, match=f"situ_glu: {name} must be a finite number > 0"):
+        situ_glu(torch.ones(2), torch.ones(2), **{name: bad}, backend=backend)
+
+
+def test_bad_backend():
     with pytest.raises(ValueError, match="backend"):
         situ_glu(torch.ones(2), torch.ones(2), backend="gpu")

@@ -1,0 +1,145 @@
+"""The CPU path's building blocks: pair products with pairwise decays, and the unit-lower inverse.
+
+The pairwise decays e^(G_i - G_j) of a chunk are where naive implementations pay: a [C, C, K]
+tensor per chunk. Here they are dense matmuls over 16-token sub-chunks (`pair_products`). Between
+two sub-chunks the factorisation is anchored at the boundary between them, so both factors are
+<= 1 for any gate. On a diagonal sub-chunk the anchor is its middle token: exact and overflow-free
+when the gate has a lower bound (K3's g > -5 keeps 8 tokens of decay above -40). Without a bound
+(Kimi Linear's gate) a diagonal sub-chunk is split again into 4-token blocks the same way, and
+only 4 x 4 diagonal blocks take the exact pairwise product.
+
+The gradient of a pair product P_ij = sum_c a_ic b_jc e^(G_ic - G_jc) is da = dP (b e^-G) e^G,
+db = dP^T (a e^G) e^-G, dG = a da - b db, computed with the same anchoring as the forward.
+Decays are in base 2 (G2 = G log2 e): torch's exp2 is several times faster than exp on CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+SUB_CHUNK = 16
+# Unbounded diagonal sub-chunks build [.., 16, 16, K] decays; do that this many elements at a time.
+_PAIRWISE_ELEMENTS = 1 << 24
+
+
+def _sub_size(C: int, target: int) -> int:
+    """The largest divisor of C that is <= target."""
+    return max(d for d in range(1, min(C, target) + 1) if C % d == 0)
+
+
+def _pairwise_decay(G: torch.Tensor) -> torch.Tensor:
+    """[..., s, K] -> 2^(G_i - G_j) for j <= i, else 0: [..., s, s, K]."""
+    diff = G[..., :, None, :] - G[..., None, :, :]
+    s = G.shape[-2]
+    keep = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
+    return diff.masked_fill_(~keep[..., None], float("-inf")).exp2_()
+
+
+def _row_slices(n_rows: int, per_row: int):
+    step = max(1, _PAIRWISE_ELEMENTS // max(per_row, 1))
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
+def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK) -> torch.Tensor:
+    """P_ij = sum_c X_ic Y_jc 2^(G_ic - G_jc) for j <= i (0 above the diagonal).
+
+    X: [..., C, P, K], P products (q and beta k) interleaved by token so each one matmul;
+    Y, G: [..., C, 1, K]; G is the cumulative log2-decay, non-increasing in C. Returns [..., C, P, C].
+    Diagonal blocks of an unbounded gate recurse with 4x smaller blocks down to 4 x 4 pairwise.
+    """
+    C, Pn = X.shape[-3], X.shape[-2]
+    s = _sub_size(C, sub)
+    n = C // s
+    out = X.new_zeros(*X.shape[:-1], C)
+    for ib in range(n - 1):
+        e = (ib + 1) * s
+        anchor = G[..., e - 1:e, :, :]
+        y_t = Y[..., e - s:e, 0, :] * (anchor[..., 0, :] - G[..., e - s:e, 0, :]).exp2()  # [..., s, K]
+        x_t = X[..., e:, :, :] * (G[..., e:, :, :] - anchor).exp2()  # [..., C - e, P, K]
+        out[..., e:, :, e - s:e] = (x_t.flatten(-3, -2) @ y_t.transpose(-1, -2)).unflatten(-2, (C - e, Pn))
+    Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))  # [..., n, s, P|1, K]
+    if bounded:
+        mid = Gr[..., s // 2:s // 2 + 1, :, :]
+        blk = (Xr * (Gr - mid).exp2()).flatten(-3, -2) @ (Yr * (mid - Gr).exp2())[..., 0, :].transpose(-1, -2)
+        # where, not a 0/1 multiply: above the diagonal the products may overflow to inf (huge
+        # q with the gate at its bound) and inf * 0 would be NaN
+        keep = torch.ones(s, s, dtype=torch.bool, device=X.device).tril()[:, None, :]
+        blk = torch.where(keep, blk.unflatten(-2, (s, Pn)), 0.0)
+    elif s > 4:
+        blk = pair_products(Xr, Yr, Gr, False, max(1, s // 4))
+    else:
+        blk = X.new_empty(*Xr.shape[:-1], s)
+        for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
+            E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
+            blk[r] = torch.einsum("...ipk,...jk,...ijk->...ipj", Xr[r], Yr[r][..., 0, :], E)
+    for i in range(n):
+        out[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] = blk[..., i, :, :, :]
+    return out
+
+
+def pair_products_backward(
+    dP: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `pair_products` for a masked dP [..., C, P, C]: (dX [..., C, P, K], dY [..., C, 1, K]).
+
+    With P_ij = sum_c X_ic Y_jc e_ijc: dX_i = sum_j dP_ij Y_j e_ij, dY_j = sum_i dP_ij X_i e_ij, and
+    dG = sum_P X dX - Y dY (done by the caller); the same anchoring as the forward keeps it finite.
+    """
+    C, Pn = X.shape[-3], X.shape[-2]
+    s = _sub_size(C, sub)
+    n = C // s
+    dX = torch.zeros_like(X)
+    dY = torch.zeros_like(Y.expand(*X.shape[:-2], 1, X.shape[-1]))
+    for ib in range(n - 1):
+        e = (ib + 1) * s
+        anchor = G[..., e - 1:e, :, :]
+        f_y = (anchor[..., 0, :] - G[..., e - s:e, 0, :]).exp2()  # [..., s, K]
+        f_x = (G[..., e:, :, :] - anchor).exp2()  # [..., C - e, 1, K]
+        dp = dP[..., e:, :, e - s:e].flatten(-3, -2)  # [..., (C - e) P, s]
+        dX[..., e:, :, :] += (dp @ (Y[..., e - s:e, 0, :] * f_y)).unflatten(-2, (C - e, Pn)) * f_x
+        dY[..., e - s:e, 0, :] += (dp.transpose(-1, -2) @ (X[..., e:, :, :] * f_x).flatten(-3, -2)) * f_y
+    Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))
+    dPd = torch.stack([dP[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] for i in range(n)], dim=-4)
+    if bounded:
+        mid = Gr[..., s // 2:s // 2 + 1, :, :]
+        f_x, f_y = (Gr - mid).exp2(), (mid - Gr).exp2()[..., 0, :]  # [..., n, s, 1, K], [..., n, s, K]
+        dpd = dPd.flatten(-3, -2)  # [..., n, s P, s]
+        dXd = (dpd @ (Yr[..., 0, :] * f_y)).unflatten(-2, (s, Pn)) * f_x
+        dYd = ((dpd.transpose(-1, -2) @ (Xr * f_x).flatten(-3, -2)) * f_y)[..., None, :]
+    elif s > 4:
+        dXd, dYd = pair_products_backward(dPd, Xr, Yr, Gr, False, max(1, s // 4))
+    else:
+        dXd = torch.empty_like(Xr)
+        dYd = torch.empty_like(Yr.expand(*Xr.shape[:-2], 1, Xr.shape[-1]))
+        for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
+            E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
+            dXd[r] = torch.einsum("...ipj,...jk,...ijk->...ipk", dPd[r], Yr[r][..., 0, :], E)
+            dYd[r] = torch.einsum("...ipj,...ipk,...ijk->...jk", dPd[r], Xr[r], E)[..., None, :]
+    dX += dXd.flatten(-4, -3)
+    dY += dYd.flatten(-4, -3)
+    return dX, dY
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + tril(A, -1))^-1 for [..., C, C].
+
+    Doubling over diagonal blocks: with the inverses T11, T22 of two neighbouring b x b blocks
+    known, the 2b x 2b block's inverse has T21 = -T22 A21 T11. Six levels of batched matmuls
+    for C = 64; LAPACK's batched triangular solve is ~50x slower on many small matrices.
+    """
+    C = A.shape[-1]
+    P = 1 << max(C - 1, 0).bit_length()
+    if P != C:  # zero-pad to a power of two: the leading block of the inverse is the answer
+        return unit_lower_inverse(torch.nn.functional.pad(A, (0, P - C, 0, P - C)))[..., :C, :C]
+    A = A.contiguous()
+    T = torch.zeros_like(A)
+    T.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    lead = A.shape[:-2]
+    b = 1
+    while b < C:
+        size = (*lead, C // (2 * b), 2 * b, 2 * b)
+        stride = (*A.stride()[:-2], 2 * b * (C + 1), C, 1)  # the diagonal 2b x 2b blocks
+        Tv, Av = T.as_strided(size, stride), A.as_strided(size, stride)
+        Tv[..., b:, :b] = -(Tv[..., b:, b:] @ (Av[..., b:, :b] @ Tv[..., :b, :b]))
+        b *= 2
+    return T
+
