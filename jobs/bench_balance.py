@@ -79,9 +79,9 @@ METHODS: dict[str, BalanceConfig] = {
 }
 
 
-def noise_floor(n: int, e: int, k: int, draws: int) -> tuple[float, float]:
+def noise_floor(n: int, e: int, top_k: int, draws: int) -> tuple[float, float]:
     """MaxVio of fair random top-k assignments (k distinct experts per token, uniform)."""
-    vals = [max_violation(expert_loads(torch.rand(n, e).topk(k, dim=1).indices, e)) for _ in range(draws)]
+    vals = [max_violation(expert_loads(torch.rand(n, e).topk(top_k, dim=1).indices, e)) for _ in range(draws)]
     mean = sum(vals) / draws
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / max(draws - 1, 1))
 
@@ -106,11 +106,11 @@ class SyntheticRouter:
         return torch.randn(n, self.dim, generator=self.gen) @ self.w.T + p
 
 
-def run(e: int, k: int, n: int, regime: str) -> dict:
-    gen = torch.Generator().manual_seed(args.seed * 1000 + e + k + n)
+def run(e: int, top_k: int, n: int, regime: str) -> dict:
+    gen = torch.Generator().manual_seed(args.seed * 1000 + e + top_k + n)
     router = SyntheticRouter(e, args.dim, args.skew, args.drift_period if regime == "drift" else None, gen)
-    q = n * k / e
-    balancers = {name: make_balancer(cfg, 1, e, k) for name, cfg in METHODS.items() if cfg.method != "aux_loss"}
+    q = n * top_k / e
+    balancers = {name: make_balancer(cfg, 1, e, top_k) for name, cfg in METHODS.items() if cfg.method != "aux_loss"}
     # the aux loss can only act through router parameters: a learnable logit offset per expert
     offsets = torch.zeros(e, requires_grad=True)
     opt = torch.optim.Adam([offsets], lr=args.aux_lr)
@@ -121,7 +121,7 @@ def run(e: int, k: int, n: int, regime: str) -> dict:
         scores = torch.sigmoid(logits)
         prev_bias = {name: bal.bias(0) for name, bal in balancers.items()}
         for name, bal in balancers.items():
-            margins, idx = route(scores, prev_bias[name], k)
+            margins, idx = route(scores, prev_bias[name], top_k)
             loads = expert_loads(idx, e)
             bal.observe(0, margins, loads)
             info = bal.step()[0]
@@ -134,12 +134,12 @@ def run(e: int, k: int, n: int, regime: str) -> dict:
                 # batch. Each token's (k+1)-th expert sits exactly on that expert's old boundary
                 # (m = -b), a point mass no threshold can split; leave it out.
                 kth = torch.zeros_like(margins, dtype=torch.bool)
-                kth[torch.arange(n), torch.topk(scores + prev_bias[name], k + 1, dim=1).indices[:, k]] = True
+                kth[torch.arange(n), torch.topk(scores + prev_bias[name], top_k + 1, dim=1).indices[:, top_k]] = True
                 m = margins.double().masked_fill(kth, float("nan"))
                 between = ((m > hist_t) != (m > exact)).sum(0)
                 errors[name].append((t, err_bins, float(between.max()) / q))
         s_aux = torch.sigmoid(logits + offsets)
-        idx = torch.topk(s_aux.detach(), k, dim=1).indices
+        idx = torch.topk(s_aux.detach(), top_k, dim=1).indices
         maxvio["aux_loss"].append(max_violation(expert_loads(idx, e)))
         loss = switch_aux_loss(s_aux / s_aux.sum(-1, keepdim=True), idx, METHODS["aux_loss"].aux_loss_coef)
         opt.zero_grad()
@@ -166,11 +166,11 @@ def summarize(series: list[float], floor: float) -> dict:
 
 t_start = time.time()
 results = []
-for e, k, n in grid:
-    floor, floor_sd = noise_floor(n, e, k, args.floor_draws)
+for e, top_k, n in grid:
+    floor, floor_sd = noise_floor(n, e, top_k, args.floor_draws)
     for regime in regimes:
         t0 = time.time()
-        out = run(e, k, n, regime)
+        out = run(e, top_k, n, regime)
         methods = {}
         for name, series in out["maxvio"].items():
             methods[name] = summarize(series, floor)
@@ -185,11 +185,11 @@ for e, k, n in grid:
                     methods[name]["hist_err_tokens_over_q_step1"] = round(err[0][2], 4)
                     methods[name]["hist_err_tokens_over_q_steady"] = round(sum(x[2] for x in steady) / len(steady), 4)
         results.append({
-            "E": e, "k": k, "N": n, "q": round(n * k / e, 2), "regime": regime,
+            "E": e, "top_k": top_k, "N": n, "q": round(n * top_k / e, 2), "regime": regime,
             "floor": round(floor, 4), "floor_sd": round(floor_sd, 4),
             "seconds": round(time.time() - t0, 1), "methods": methods, "maxvio": out["maxvio"],
         })
-        print(f"# E={e} k={k} N={n} {regime}: {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+        print(f"# E={e} top_k={top_k} N={n} {regime}: {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
 meta = {
     "date": datetime.date.today().isoformat(),
@@ -217,7 +217,7 @@ for i, r in enumerate(results):
         ax.plot(range(1, len(series) + 1), series, label=name, lw=1.6 if "exact" in name else 1.0)
     ax.axhline(r["floor"], color="k", ls="--", lw=1, label="noise floor")
     ax.set_yscale("log")
-    ax.set_title(f"E={r['E']} k={r['k']} N={r['N']} ({r['regime']})", fontsize=9)
+    ax.set_title(f"E={r['E']} top_k={r['top_k']} N={r['N']} ({r['regime']})", fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel("MaxVio")
 axes[0][0].legend(fontsize=7, ncol=2)

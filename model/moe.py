@@ -52,34 +52,34 @@ class GatedMLP(nn.Module):
 class RouterOutput:
     """What one MoE layer's router decided for N tokens, and what balancing needs from it.
 
-    topk_idx [N, k] int64; topk_weight [N, k] fp32 (renormalised, scaled); scores [N, E] fp32
+    expert_ids [N, top_k] int64; expert_weights [N, top_k] fp32 (renormalised, scaled); scores [N, E] fp32
     sigmoid scores (differentiable: auxiliary-loss baselines use them); counts [E] tokens per
     expert; margins [N, E] fp32 = score - alpha_t, alpha_t the (k+1)-th largest biased score of
     token t (Quantile Balancing's input; detached).
     """
 
-    topk_idx: torch.Tensor
-    topk_weight: torch.Tensor
+    expert_ids: torch.Tensor
+    expert_weights: torch.Tensor
     scores: torch.Tensor
     counts: torch.Tensor
     margins: torch.Tensor
 
 
-def select_experts(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The one definition of expert selection and Quantile Balancing margins.
 
-    scores [N, E], bias [E] -> (topk_idx [N, k], margins [N, E] = scores - alpha), alpha_t the
+    scores [N, E], bias [E] -> (expert_ids [N, top_k], margins [N, E] = scores - alpha), alpha_t the
     (k+1)-th largest biased score of token t: token t picks e  <=>  margins[t, e] + bias[e] > 0.
     """
-    top_vals, top_idx = (scores + bias.to(scores.dtype)).topk(k + 1, dim=-1)
-    return top_idx[:, :k], scores - top_vals[:, k:]
+    top_vals, top_idx = (scores + bias.to(scores.dtype)).topk(top_k + 1, dim=-1)
+    return top_idx[:, :top_k], scores - top_vals[:, top_k:]
 
 
 class Router(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.k = cfg.num_experts_per_token  # k of the routing math (platform/balance/quantile.py)
+        self.top_k = cfg.num_experts_per_token  # k of the routing math (platform/balance/quantile.py)
         self.num_experts = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         # Selection-only bias, set by the balancer between steps; a buffer so no optimizer sees it.
@@ -93,7 +93,7 @@ class Router(nn.Module):
         """x: [N, D] -> RouterOutput."""
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         with torch.no_grad():
-            idx, margins = select_experts(scores.detach(), self.bias.float(), self.k)
+            idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
             counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         w = scores.gather(1, idx)
         if self.cfg.moe_renormalize:
@@ -178,15 +178,15 @@ class Experts(nn.Module):
         """x: [N, D_e]; idx (global expert ids), weight: [N, k] -> sum_k weight * expert(x): [N, D_e]."""
         if self.dispatch is not None:
             return self.dispatch(self, x, idx, weight)
-        N, k = idx.shape
-        token = torch.arange(N, device=x.device).repeat_interleave(k)
+        N, top_k = idx.shape
+        token = torch.arange(N, device=x.device).repeat_interleave(top_k)
         local = idx.reshape(-1) - self.first
-        if not torch.is_grad_enabled() and N * k <= PADDED_MAX_ROWS:
+        if not torch.is_grad_enabled() and N * top_k <= PADDED_MAX_ROWS:
             counts = torch.bincount(local, minlength=self.count)
             width = int(counts.max())
             # Padding costs count x width rows of compute: take it while that stays within a few
             # times the real rows (decode batches), where one batched call beats a loop of calls.
-            if self.count * width <= 4 * N * k:
+            if self.count * width <= 4 * N * top_k:
                 ys = self.padded(x[token], local, counts, width)
                 ys = ys * weight.reshape(-1, 1).to(ys.dtype)
                 return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
@@ -281,7 +281,7 @@ class LatentMoE(nn.Module):
         xt = x.reshape(-1, shape[-1])
         r = self.gate(xt)
         xe = self.latent_down(xt) if self.latent else xt
-        u = self.experts(xe, r.topk_idx, r.topk_weight)
+        u = self.experts(xe, r.expert_ids, r.expert_weights)
         y = self.latent_up(self.latent_norm(u)) if self.latent else u
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(xt)

@@ -14,11 +14,11 @@ from .config import METHODS, BalanceConfig
 from .methods import Balancer, make_balancer
 from .quantile import (HistLayerState, adaptive_gain, exact_bias, exact_thresholds, fine_window, format_trace,
                        hist_step, histogram_bias, histogram_thresholds, solve_batch, window_for)
-from .routing import (centred, check_k, check_layers, expert_loads, loss_free_update, max_violation, quantile_target,
+from .routing import (centred, check_top_k, check_layers, expert_loads, loss_free_update, max_violation, quantile_target,
                       route, switch_aux_loss, token_margins)
 
 __all__ = [
-    "METHODS", "BalanceConfig", "Balancer", "make_balancer", "HistLayerState", "adaptive_gain", "centred", "check_k",
+    "METHODS", "BalanceConfig", "Balancer", "make_balancer", "HistLayerState", "adaptive_gain", "centred", "check_top_k",
     "check_layers", "exact_bias", "exact_thresholds", "expert_loads", "fine_window", "format_trace", "hist_step",
     "histogram_bias", "histogram_thresholds", "loss_free_update", "max_violation", "quantile_target", "route",
     "solve_batch", "switch_aux_loss", "token_margins", "window_for",

@@ -79,9 +79,9 @@ def _to_config(config: BalanceConfig | dict[str, Any] | None) -> BalanceConfig:
     return config
 
 
-def _check_args(num_layers: int, num_experts: int, k: int, config, world_size: int | None) -> BalanceConfig:
+def _check_args(num_layers: int, num_experts: int, top_k: int, config, world_size: int | None) -> BalanceConfig:
     """The coordinator's arguments, checked wherever they are first given; returns the config."""
-    check_layers(num_layers, num_experts, k)
+    check_layers(num_layers, num_experts, top_k)
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return _to_config(config)
@@ -94,7 +94,7 @@ class CoordinatorCore:
         self,
         num_layers: int,
         num_experts: int,
-        k: int,
+        top_k: int,
         config: BalanceConfig | dict[str, Any] | None = None,
         world_size: int | None = None,
         start_step: int = 0,
@@ -103,8 +103,8 @@ class CoordinatorCore:
         """world_size: no step is solved before this many workers are registered (so early
         reporters do not solve the first steps alone); None: whoever is registered.
         start_step: the first step workers will report (a resumed run that has no state)."""
-        self.config = _check_args(num_layers, num_experts, k, config, world_size)
-        self.num_layers, self.num_experts, self.k = num_layers, num_experts, k
+        self.config = _check_args(num_layers, num_experts, top_k, config, world_size)
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.bins = self.config.bins
         self.world_size = world_size
         self.keep_updates = max(2, keep_updates)
@@ -193,8 +193,8 @@ class CoordinatorCore:
         if not bool((rows == n_tokens).all()):
             raise ValueError(f"every [layer, expert] row of hist must count the same N tokens, got sums {rows.unique().tolist()[:8]}")
         routed = counts.long().sum(-1)
-        if not bool((routed == n_tokens * self.k).all()):
-            raise ValueError(f"counts must sum to N k = {n_tokens} * {self.k} per layer, got {routed.tolist()}")
+        if not bool((routed == n_tokens * self.top_k).all()):
+            raise ValueError(f"counts must sum to N k = {n_tokens} * {self.top_k} per layer, got {routed.tolist()}")
 
     def _solve_if_complete(self, workers: set[str], pending: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         if not workers or not workers <= pending.keys() or len(workers) < (self.world_size or 1):
@@ -203,7 +203,7 @@ class CoordinatorCore:
         counts = torch.stack([pending[w][1] for w in sorted(workers)]).sum(0)  # [L, E]
         layers, metrics = [], []
         for layer in range(self.num_layers):
-            state, info = hist_step(self.config, self.layers[layer], hist[layer], counts[layer], self.k)
+            state, info = hist_step(self.config, self.layers[layer], hist[layer], counts[layer], self.top_k)
             loads = counts[layer]
             layers.append(state)
             metrics.append({
@@ -260,7 +260,7 @@ class CoordinatorCore:
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": STATE_FORMAT,
-            "shape": (self.num_layers, self.num_experts, self.k, self.bins),
+            "shape": (self.num_layers, self.num_experts, self.top_k, self.bins),
             "config": self.config.model_dump(),
             "last_step": self.last_step,
             "layers": [(s.bias.clone(), s.lo.clone(), s.hi.clone(), s.halfwidth) for s in self.layers],
@@ -279,10 +279,10 @@ class CoordinatorCore:
             raise ValueError(f"state counts {rounds} solve round(s) per step, this coordinator "
                              f"solve_rounds={self.config.solve_rounds}: resume with balance.solve_rounds={rounds}")
         shape = tuple(state["shape"])
-        if shape != (self.num_layers, self.num_experts, self.k, self.bins):
+        if shape != (self.num_layers, self.num_experts, self.top_k, self.bins):
             raise ValueError(
                 f"state is for (layers, experts, k, bins) = {shape}, this coordinator has "
-                f"{(self.num_layers, self.num_experts, self.k, self.bins)}"
+                f"{(self.num_layers, self.num_experts, self.top_k, self.bins)}"
             )
         layers = [HistLayerState(b.float(), lo.float(), hi.float(), float(w)) for b, lo, hi, w in state["layers"]]
         if len(layers) != self.num_layers or any(s.bias.shape != (self.num_experts,) for s in layers):
@@ -312,13 +312,13 @@ class BalanceCoordinator:
         self,
         num_layers: int,
         num_experts: int,
-        k: int,
+        top_k: int,
         config: dict[str, Any] | None = None,
         world_size: int | None = None,
         start_step: int = 0,
         state_path: str | None = None,
     ):
-        self._core = CoordinatorCore(num_layers, num_experts, k, config, world_size, start_step)
+        self._core = CoordinatorCore(num_layers, num_experts, top_k, config, world_size, start_step)
         self._state_path = state_path
         self.restored = False
         if state_path and os.path.exists(state_path):
@@ -334,7 +334,7 @@ class BalanceCoordinator:
 
     async def describe(self) -> dict[str, Any]:
         c = self._core
-        return {"num_layers": c.num_layers, "num_experts": c.num_experts, "k": c.k, "bins": c.bins,
+        return {"num_layers": c.num_layers, "num_experts": c.num_experts, "k": c.top_k, "bins": c.bins,
                 "step": c.last_step, "restored": self.restored, "pid": os.getpid()}
 
     async def register(self, worker_id: str) -> BiasUpdate:
@@ -412,7 +412,7 @@ def get_or_create_coordinator(
     *,
     num_layers: int,
     num_experts: int,
-    k: int,
+    top_k: int,
     config: BalanceConfig | dict[str, Any] | None = None,
     world_size: int | None = None,
     start_step: int = 0,
@@ -421,12 +421,12 @@ def get_or_create_coordinator(
     max_restarts: int = 3,
 ) -> "ray.actor.ActorHandle":
     """The named coordinator, created on first call. Arguments are checked here, in the caller."""
-    cfg = _check_args(num_layers, num_experts, k, config, world_size)
+    cfg = _check_args(num_layers, num_experts, top_k, config, world_size)
     handle = BalanceCoordinator.options(
         name=name, namespace=namespace, get_if_exists=True, max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0
-    ).remote(num_layers, num_experts, k, cfg.model_dump(), world_size, start_step, state_path)
+    ).remote(num_layers, num_experts, top_k, cfg.model_dump(), world_size, start_step, state_path)
     info = ray.get(handle.describe.remote())
-    want = {"num_layers": num_layers, "num_experts": num_experts, "k": k, "bins": cfg.bins}
+    want = {"num_layers": num_layers, "num_experts": num_experts, "k": top_k, "bins": cfg.bins}
     if any(info[key] != value for key, value in want.items()):
         raise ValueError(f"coordinator {name!r} exists with {info}, asked for {want}")
     return handle

@@ -34,12 +34,12 @@ class Balancer:
     adds_loss: ClassVar[bool] = False  # aux_loss() is more than zero
     coordinated: ClassVar[bool] = False  # in a training job the solve runs in the BalanceCoordinator actor
 
-    def __init__(self, config: BalanceConfig, num_layers: int, num_experts: int, k: int) -> None:
+    def __init__(self, config: BalanceConfig, num_layers: int, num_experts: int, top_k: int) -> None:
         if config.method != self.method:
             raise ValueError(f"{type(self).__name__} balances with method {self.method!r}, the config says "
                              f"{config.method!r} (use make_balancer)")
-        check_layers(num_layers, num_experts, k)
-        self.config, self.num_layers, self.num_experts, self.k = config, num_layers, num_experts, k
+        check_layers(num_layers, num_experts, top_k)
+        self.config, self.num_layers, self.num_experts, self.top_k = config, num_layers, num_experts, top_k
         self.steps = 0
         self._bias = torch.zeros(num_layers, num_experts)  # [L, E] in use now
         self._loads: dict[int, torch.Tensor] = {}  # tokens per expert observed this step, per layer
@@ -61,10 +61,10 @@ class Balancer:
 
     # -- per micro-batch
     def observe_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        """Route scores [N, E] with the current bias, observe them; returns topk_idx [N, k]."""
-        margins, topk_idx = route(scores, self._bias[self._layer(layer)], self.k)
-        self.observe(layer, margins, expert_loads(topk_idx, self.num_experts))
-        return topk_idx
+        """Route scores [N, E] with the current bias, observe them; returns expert_ids [N, top_k]."""
+        margins, expert_ids = route(scores, self._bias[self._layer(layer)], self.top_k)
+        self.observe(layer, margins, expert_loads(expert_ids, self.num_experts))
+        return expert_ids
 
     def observe(self, layer: int, margins: torch.Tensor | None, counts: torch.Tensor) -> None:
         """margins [N, E] (from routing with `bias(layer)`; only the QB methods read them), counts [E]."""
@@ -82,7 +82,7 @@ class Balancer:
     def _observe_margins(self, layer: int, margins: torch.Tensor) -> None:
         """Keep what the solve needs of one micro-batch's margins."""
 
-    def aux_loss(self, probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    def aux_loss(self, probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """What this method adds to the training loss (zero but for aux_loss)."""
         return probs.new_zeros(())
 
@@ -137,8 +137,8 @@ class AuxLoss(Balancer):
     method = "aux_loss"
     adds_loss = True
 
-    def aux_loss(self, probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        return switch_aux_loss(probs, topk_idx, self.config.aux_loss_coef)
+    def aux_loss(self, probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return switch_aux_loss(probs, expert_ids, self.config.aux_loss_coef)
 
 
 class LossFree(Balancer):
@@ -184,9 +184,9 @@ class QuantileExact(_QuantileBase):
 
     def _solve(self, layer: int, loads: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
         margins = self._all_margins(layer)
-        q = quantile_target(margins.shape[0], self.k, self.num_experts)
+        q = quantile_target(margins.shape[0], self.top_k, self.num_experts)
         thresholds = exact_thresholds(margins, q)
-        bias, gain = blend(self.config, self._bias[layer], centred(-thresholds).float(), loads, q, self.k)
+        bias, gain = blend(self.config, self._bias[layer], centred(-thresholds).float(), loads, q, self.top_k)
         info.update(q=q, thresholds=thresholds, gain=gain)
         return bias
 
@@ -220,10 +220,10 @@ class QuantileHist(_QuantileBase):
         fine = None
         if self.config.fine_pass:
             margins = self._all_margins(layer)
-            q = quantile_target(margins.shape[0], self.k, self.num_experts)
+            q = quantile_target(margins.shape[0], self.top_k, self.num_experts)
             lo_f, hi_f = fine_window(hist, state.lo, state.hi, q)
             fine = (qb_histogram(margins, lo_f, hi_f, self.config.bins), lo_f, hi_f)
-        new_state, step_info = hist_step(self.config, state, hist, loads, self.k, fine)
+        new_state, step_info = hist_step(self.config, state, hist, loads, self.top_k, fine)
         info.update(step_info)
         info["bin_width"] = float(((state.hi - state.lo) / self.config.bins).max())
         self.hist_states[layer] = new_state
@@ -253,6 +253,6 @@ def balancer_class(method: str) -> type[Balancer]:
     return BALANCERS[method]
 
 
-def make_balancer(config: BalanceConfig, num_layers: int, num_experts: int, k: int) -> Balancer:
+def make_balancer(config: BalanceConfig, num_layers: int, num_experts: int, top_k: int) -> Balancer:
     """The balancer of `config.method` over `num_layers` MoE layers of `num_experts` experts, top-k."""
-    return balancer_class(config.method)(config, num_layers, num_experts, k)
+    return balancer_class(config.method)(config, num_layers, num_experts, top_k)

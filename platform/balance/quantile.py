@@ -60,9 +60,9 @@ def exact_thresholds(margins: torch.Tensor, q: float) -> torch.Tensor:
     return 0.5 * (v_q + v_q1)
 
 
-def exact_bias(margins: torch.Tensor, k: int, centre: bool = True) -> torch.Tensor:
+def exact_bias(margins: torch.Tensor, top_k: int, centre: bool = True) -> torch.Tensor:
     """margins [N, E] of one batch -> next bias [E] (centred unless centre=False); q = N k / E."""
-    q = quantile_target(margins.shape[0], k, margins.shape[1])
+    q = quantile_target(margins.shape[0], top_k, margins.shape[1])
     bias = -exact_thresholds(margins, q)
     return centred(bias) if centre else bias
 
@@ -139,7 +139,7 @@ def fine_window(
     return lo + j_E * width, lo + (j_E + 1) * width
 
 
-def adaptive_gain(loads: torch.Tensor, q: float, k: int, min_gain: float) -> float:
+def adaptive_gain(loads: torch.Tensor, q: float, top_k: int, min_gain: float) -> float:
     """Gain for b <- b + g (b_solve - b) from how far the observed loads are from q.
 
     z2 = mean_e (load_e - q)^2 / (q (1 - k/E)) is about 1 when loads differ from q only by
@@ -147,19 +147,19 @@ def adaptive_gain(loads: torch.Tensor, q: float, k: int, min_gain: float) -> flo
     treats z2 - 1 as the part of the error the bias can fix.
     """
     num_experts = loads.numel()
-    var = q * (1 - k / num_experts)
+    var = q * (1 - top_k / num_experts)
     z2 = float(((loads.double() - q) ** 2).mean() / var)
     return min(1.0, max(min_gain, 1.0 - 1.0 / z2)) if z2 > 0 else min_gain
 
 
 def blend(config: BalanceConfig, bias: torch.Tensor, solved: torch.Tensor, loads: torch.Tensor | None, q: float,
-          k: int) -> tuple[torch.Tensor, float]:
+          top_k: int) -> tuple[torch.Tensor, float]:
     """The QB update b <- b + g (b_solve - b) for both solves; returns (new bias, g)."""
     gain = 1.0
     if config.gain == "adaptive":
         if loads is None:
             raise ValueError("gain='adaptive' needs the step's expert loads")
-        gain = adaptive_gain(loads, q, k, config.min_gain)
+        gain = adaptive_gain(loads, q, top_k, config.min_gain)
     return bias + gain * (solved - bias), gain
 
 
@@ -200,7 +200,7 @@ def hist_step(
     state: HistLayerState,
     hist: torch.Tensor,
     loads: torch.Tensor | None,
-    k: int,
+    top_k: int,
     fine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[HistLayerState, dict[str, Any]]:
     """One quantile_hist update: the summed histogram of step t -> the state for step t+1.
@@ -212,12 +212,12 @@ def hist_step(
     """
     num_experts = state.bias.numel()
     n_tokens = int(hist[0].sum())
-    q = quantile_target(n_tokens, k, num_experts)
+    q = quantile_target(n_tokens, top_k, num_experts)
     thresholds, saturated = histogram_thresholds(hist, state.lo, state.hi, q)
     coarse = thresholds
     if fine is not None:
         thresholds = histogram_thresholds(fine[0], fine[1], fine[2], q)[0]
-    bias, gain = blend(config, state.bias, centred(-thresholds).float(), loads, q, k)
+    bias, gain = blend(config, state.bias, centred(-thresholds).float(), loads, q, top_k)
     w = state.halfwidth
     if config.range_policy == "follow":
         moved = float((coarse - 0.5 * (state.lo + state.hi).double()).abs().max())
@@ -234,7 +234,7 @@ def hist_step(
 # Iterating the exact solve on one batch (the worked example and the fixed-point property)
 
 
-def solve_batch(scores: torch.Tensor, k: int, max_iters: int = 1000) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+def solve_batch(scores: torch.Tensor, top_k: int, max_iters: int = 1000) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """Alternate the per-token (alpha) and per-expert (threshold) steps on one batch.
 
     scores [N, E] with N k / E an integer -> (bias [E], trace). trace[i] holds the bias of
@@ -243,17 +243,17 @@ def solve_batch(scores: torch.Tensor, k: int, max_iters: int = 1000) -> tuple[to
     one QB step; this is how the per-step solve converges, seen on a single batch.
     """
     n, e = scores.shape
-    q = quantile_target(n, k, e)
+    q = quantile_target(n, top_k, e)
     if q != int(q):
         raise ValueError(f"solve_batch needs an integer q = N k / E, got {q:g}")
     bias = torch.zeros(e, dtype=scores.dtype)
     trace: list[dict[str, Any]] = []
-    margins, idx = route(scores, bias, k)
+    margins, idx = route(scores, bias, top_k)
     for it in range(max_iters + 1):
         loads = expert_loads(idx, e)
         trace.append({"iter": it, "bias": bias.tolist(), "loads": loads.tolist()})
         nxt = centred(-exact_thresholds(margins, q))
-        nxt_margins, nxt_idx = route(scores, nxt, k)
+        nxt_margins, nxt_idx = route(scores, nxt, top_k)
         if bool((loads == int(q)).all()) and torch.equal(nxt_idx.sort(1).values, idx.sort(1).values):
             break
         bias, margins, idx = nxt, nxt_margins, nxt_idx

@@ -8,45 +8,45 @@ import torch
 
 from k3.model.moe import select_experts
 
-def _check_scores(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
+def _check_scores(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(f"scores must be a floating [N, E] tensor, got {tuple(scores.shape)} {scores.dtype}")
-    check_k(k, scores.shape[1])
+    check_top_k(top_k, scores.shape[1])
     if bias.shape != (scores.shape[1],):
         raise ValueError(f"bias must be [E={scores.shape[1]}], got {tuple(bias.shape)}")
 
 
-def check_k(k: int, num_experts: int) -> None:
+def check_top_k(top_k: int, num_experts: int) -> None:
     """QB needs a (k+1)-th expert per token: 1 <= k < E."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < num_experts:
-        raise ValueError(f"k (num_experts_per_token) must satisfy 1 <= k < experts, got k={k!r} with {num_experts} experts")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < num_experts:
+        raise ValueError(f"top_k (num_experts_per_token) must satisfy 1 <= top_k < experts, got top_k={top_k!r} with {num_experts} experts")
 
 
-def check_layers(num_layers: int, num_experts: int, k: int) -> None:
+def check_layers(num_layers: int, num_experts: int, top_k: int) -> None:
     """What a balancer over `num_layers` MoE layers needs: at least one layer, 1 <= k < E."""
-    check_k(k, num_experts)
+    check_top_k(top_k, num_experts)
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
 
 
-def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing as the model does it, plus QB margins.
 
-    scores [N, E], bias [E] -> (margins [N, E] = s - alpha, topk_idx [N, k]).
+    scores [N, E], bias [E] -> (margins [N, E] = s - alpha, expert_ids [N, top_k]).
     """
-    _check_scores(scores, bias, k)
-    idx, margins = select_experts(scores, bias, k)
+    _check_scores(scores, bias, top_k)
+    idx, margins = select_experts(scores, bias, top_k)
     return margins, idx
 
 
-def token_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+def token_margins(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
     """scores [N, E], bias [E] -> margins [N, E] = s - alpha, alpha = (k+1)-th largest of s + b per token."""
-    return route(scores, bias, k)[0]
+    return route(scores, bias, top_k)[0]
 
 
-def expert_loads(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """topk_idx [N, k] -> tokens per expert [E] int64."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """expert_ids [N, top_k] -> tokens per expert [E] int64."""
+    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
 
 
 def max_violation(loads: torch.Tensor) -> float:
@@ -63,12 +63,12 @@ def centred(bias: torch.Tensor) -> torch.Tensor:
     return bias - bias.mean()
 
 
-def quantile_target(n_tokens: int, k: int, num_experts: int) -> float:
+def quantile_target(n_tokens: int, top_k: int, num_experts: int) -> float:
     """q = N k / E, the load every expert should carry; raises if it is outside (0, N)."""
-    check_k(k, num_experts)
-    q = n_tokens * k / num_experts
+    check_top_k(top_k, num_experts)
+    q = n_tokens * top_k / num_experts
     if not 0 < q < n_tokens:
-        raise ValueError(f"q = N k / E = {n_tokens} * {k} / {num_experts} = {q:g} is outside (0, N={n_tokens})")
+        raise ValueError(f"q = N k / E = {n_tokens} * {top_k} / {num_experts} = {q:g} is outside (0, N={n_tokens})")
     return q
 
 
@@ -78,17 +78,17 @@ def loss_free_update(bias: torch.Tensor, loads: torch.Tensor, step_size: float =
     return (bias + step_size * torch.sign(loads.mean() - loads).to(bias.dtype)).to(bias.dtype)
 
 
-def switch_aux_loss(probs: torch.Tensor, topk_idx: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
+def switch_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
     """Switch Transformer load-balancing loss, generalised to top-k; a differentiable scalar.
 
     probs [N, E]: router probabilities (rows sum to 1; normalise sigmoid scores per token);
-    topk_idx [N, k]: the selection. Loss = coef * E * sum_e f_e P_e with f_e the fraction of the
+    expert_ids [N, top_k]: the selection. Loss = coef * E * sum_e f_e P_e with f_e the fraction of the
     N k routed slots that went to e (not differentiable) and P_e the mean probability of e.
     It equals coef under uniform routing; gradients reach the router through P only.
     """
-    if probs.dim() != 2 or topk_idx.dim() != 2 or probs.shape[0] != topk_idx.shape[0]:
-        raise ValueError(f"switch_aux_loss: need probs [N, E] and topk_idx [N, k], got {tuple(probs.shape)} and {tuple(topk_idx.shape)}")
+    if probs.dim() != 2 or expert_ids.dim() != 2 or probs.shape[0] != expert_ids.shape[0]:
+        raise ValueError(f"switch_aux_loss: need probs [N, E] and expert_ids [N, top_k], got {tuple(probs.shape)} and {tuple(expert_ids.shape)}")
     n, e = probs.shape
-    f = expert_loads(topk_idx, e).to(probs.dtype) / topk_idx.numel()
+    f = expert_loads(expert_ids, e).to(probs.dtype) / expert_ids.numel()
     p = probs.mean(0)
     return coef * e * (f * p).sum()

@@ -101,7 +101,7 @@ class LocalStrategy(BalanceStrategy):
     def extra_loss(self, routers) -> torch.Tensor | None:
         if not routers or not self.balancer.adds_loss:
             return None
-        return sum(self.balancer.aux_loss(r.scores, r.topk_idx) for r in routers)
+        return sum(self.balancer.aux_loss(r.scores, r.expert_ids) for r in routers)
 
     @property
     def refreshed_margins(self) -> bool:
@@ -184,7 +184,7 @@ class CoordinatedStrategy(BalanceStrategy):
             ray.get(ray.get_actor(self.coordinator_name).load_state_dict.remote(state))
 
 
-def make_strategy(config: BalanceConfig, num_layers: int, num_experts: int, k: int, device: torch.device,
+def make_strategy(config: BalanceConfig, num_layers: int, num_experts: int, top_k: int, device: torch.device,
                   rank: int = 0, coordinator_name: str | None = None) -> BalanceStrategy:
     """The strategy a training worker runs for `config.method` over `num_layers` MoE layers (a
     model without MoE layers balances nothing)."""
@@ -195,4 +195,4 @@ def make_strategy(config: BalanceConfig, num_layers: int, num_experts: int, k: i
             raise ValueError(f"balance method {config.method!r} runs through the BalanceCoordinator: "
                              "coordinator_name is required")
         return CoordinatedStrategy(config, device, rank, coordinator_name)
-    return LocalStrategy(make_balancer(config, num_layers, num_experts, k), device)
+    return LocalStrategy(make_balancer(config, num_layers, num_experts, top_k), device)

@@ -124,7 +124,7 @@ def test_grouped_experts_equal_loop(latent):
     y, r = moe(x)
     moe.experts.forward = moe.experts.forward_loop  # the readable per-expert loop, on this instance
     y2, r2 = moe(x)
-    assert torch.equal(r.topk_idx, r2.topk_idx)
+    assert torch.equal(r.expert_ids, r2.expert_ids)
     assert_close("moe output", y, y2, 1e-6)
     assert int(r.counts.sum()) == 3 * 17 * cfg.num_experts_per_token
 
@@ -138,12 +138,12 @@ def test_router_bias_changes_selection_only_and_gets_no_gradient():
     bias[3] = 10.0  # expert 3 chosen by every token
     moe.gate.bias.copy_(bias)
     y, r1 = moe(x)
-    assert bool((r1.topk_idx == 3).any(-1).all()), "the bias did not change the selection"
-    assert not torch.equal(r0.topk_idx, r1.topk_idx)
+    assert bool((r1.expert_ids == 3).any(-1).all()), "the bias did not change the selection"
+    assert not torch.equal(r0.expert_ids, r1.expert_ids)
     # weights are the unbiased scores of the chosen experts, renormalised, times routed_scaling
-    chosen = r1.scores.gather(1, r1.topk_idx)
+    chosen = r1.scores.gather(1, r1.expert_ids)
     expect = chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling
-    assert_close("weights from unbiased scores", r1.topk_weight, expect, 1e-6)
+    assert_close("weights from unbiased scores", r1.expert_weights, expect, 1e-6)
     assert_close("scores unchanged by bias", r1.scores, r0.scores, 0)
     y.sum().backward()
     assert not moe.gate.bias.requires_grad and moe.gate.bias.grad is None

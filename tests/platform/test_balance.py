@@ -44,9 +44,9 @@ def skewed_scores(seed: int, n: int, e: int, skew: float = 1.5, dtype=torch.floa
 def batches(draw, max_experts=12, max_mult=6):
     """(seed, N, E, k) with q = N k / E an integer in (0, N)."""
     e = draw(st.integers(2, max_experts))
-    k = draw(st.integers(1, e - 1))
-    n = e // math.gcd(e, k) * draw(st.integers(1, max_mult))
-    return draw(st.integers(0, 2**31 - 1)), n, e, k
+    top_k = draw(st.integers(1, e - 1))
+    n = e // math.gcd(e, top_k) * draw(st.integers(1, max_mult))
+    return draw(st.integers(0, 2**31 - 1)), n, e, top_k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_worked_example_reaches_equal_loads(dtype):
     scores = torch.tensor(WORKED_SCORES, dtype=dtype)
     plain = expert_loads(route(scores, torch.zeros(4, dtype=dtype), 1)[1], 4).tolist()
     assert plain == [4, 3, 1, 0]
-    bias, trace = solve_batch(scores, k=1, max_iters=50)
+    bias, trace = solve_batch(scores, top_k=1, max_iters=50)
     steps = format_trace(trace)
     assert trace[0]["loads"] == [4, 3, 1, 0], steps
     assert trace[-1]["loads"] == [2, 2, 2, 2], f"exact QB did not balance the worked example:\n{steps}"
@@ -83,16 +83,16 @@ def test_worked_example_reaches_equal_loads(dtype):
 @FAST
 @given(batches(), st.floats(0.0, 3.0))
 def test_iterated_exact_solve_reaches_balanced_fixed_point(batch, skew):
-    seed, n, e, k = batch
+    seed, n, e, top_k = batch
     scores = skewed_scores(seed, n, e, skew)
-    bias, trace = solve_batch(scores, k, max_iters=2000)
-    q = n * k // e
-    _, idx = route(scores, bias, k)
-    assert all(len(set(row)) == k for row in idx.tolist())  # every token has k distinct experts
+    bias, trace = solve_batch(scores, top_k, max_iters=2000)
+    q = n * top_k // e
+    _, idx = route(scores, bias, top_k)
+    assert all(len(set(row)) == top_k for row in idx.tolist())  # every token has k distinct experts
     loads = expert_loads(idx, e)
     assert loads.tolist() == [q] * e, f"not balanced after {len(trace) - 1} iterations:\n{format_trace(trace[-5:])}"
     # fixed point: one more QB step on this batch keeps the selection
-    _, idx2 = route(scores, exact_bias(token_margins(scores, bias, k), k), k)
+    _, idx2 = route(scores, exact_bias(token_margins(scores, bias, top_k), top_k), top_k)
     assert torch.equal(idx.sort(1).values, idx2.sort(1).values)
 
 
@@ -120,23 +120,23 @@ def test_exact_thresholds_midpoint_and_count():
 
 @given(st.integers(0, 10_000), st.integers(1, 5))
 @FAST
-def test_centring_never_changes_the_selection(seed, k):
+def test_centring_never_changes_the_selection(seed, top_k):
     g = torch.Generator().manual_seed(seed)
     scores = torch.sigmoid(torch.randn(64, 8, generator=g))
     bias = torch.randn(8, generator=g) * 0.3
     shift = float(torch.randn((), generator=g)) * 2
-    top = torch.topk(scores + bias, k + 1, dim=1).values
-    assume(bool(((top[:, k - 1] - top[:, k]) > 1e-5).all()))  # selection decided beyond rounding
-    a = route(scores, bias, k)[1].sort(1).values
-    assert torch.equal(a, route(scores, bias + shift, k)[1].sort(1).values)
-    assert torch.equal(a, route(scores, centred(bias), k)[1].sort(1).values)
+    top = torch.topk(scores + bias, top_k + 1, dim=1).values
+    assume(bool(((top[:, top_k - 1] - top[:, top_k]) > 1e-5).all()))  # selection decided beyond rounding
+    a = route(scores, bias, top_k)[1].sort(1).values
+    assert torch.equal(a, route(scores, bias + shift, top_k)[1].sort(1).values)
+    assert torch.equal(a, route(scores, centred(bias), top_k)[1].sort(1).values)
     # and the solve: centred or not, the next batch routes the same
     nxt = skewed_scores(seed + 1, 64, 8, dtype=torch.float32)
-    m = token_margins(scores, bias, k)
-    raw, cen = exact_bias(m, k, centre=False), exact_bias(m, k)
-    top = torch.topk(nxt + raw, k + 1, dim=1).values
-    assume(bool(((top[:, k - 1] - top[:, k]) > 1e-5).all()))
-    assert torch.equal(route(nxt, raw, k)[1].sort(1).values, route(nxt, cen, k)[1].sort(1).values)
+    m = token_margins(scores, bias, top_k)
+    raw, cen = exact_bias(m, top_k, centre=False), exact_bias(m, top_k)
+    top = torch.topk(nxt + raw, top_k + 1, dim=1).values
+    assume(bool(((top[:, top_k - 1] - top[:, top_k]) > 1e-5).all()))
+    assert torch.equal(route(nxt, raw, top_k)[1].sort(1).values, route(nxt, cen, top_k)[1].sort(1).values)
     assert abs(float(cen.mean())) < 1e-6
 
 
@@ -152,12 +152,12 @@ def test_margins_definition():
 
 
 @pytest.mark.parametrize(
-    "n,e,k,match",
-    [(8, 4, 4, "1 <= k < experts"), (8, 4, 0, "1 <= k < experts"), (8, 4, 5, "1 <= k < experts"), (1, 4, 1, "q = ")],
+    "n,e,top_k,match",
+    [(8, 4, 4, "1 <= top_k < experts"), (8, 4, 0, "1 <= top_k < experts"), (8, 4, 5, "1 <= top_k < experts"), (1, 4, 1, "q = ")],
 )
-def test_exact_bias_bad_input(n, e, k, match):
+def test_exact_bias_bad_input(n, e, top_k, match):
     with pytest.raises(ValueError, match=match):
-        exact_bias(torch.randn(n, e), k)
+        exact_bias(torch.randn(n, e), top_k)
 
 
 def test_quantile_target_names_q():
@@ -175,10 +175,10 @@ def test_quantile_target_names_q():
     st.integers(0, 2**31 - 1), st.integers(2, 400), st.integers(2, 16), st.data(), st.integers(2, 300), st.floats(0.0, 0.5)
 )
 def test_histogram_solve_within_one_bin_of_exact(seed, n, e, data, bins, pad):
-    k = data.draw(st.integers(1, e - 1))
-    q = n * k / e  # any q, fractional too: both solves round it
+    top_k = data.draw(st.integers(1, e - 1))
+    q = n * top_k / e  # any q, fractional too: both solves round it
     assume(1 <= round(q) <= n - 1)
-    margins = token_margins(skewed_scores(seed, n, e), torch.zeros(e, dtype=torch.float64), k)
+    margins = token_margins(skewed_scores(seed, n, e), torch.zeros(e, dtype=torch.float64), top_k)
     lo = margins.min(0).values - pad - 1e-9  # windows that hold every margin
     hi = margins.max(0).values + pad + 1e-9
     hist = qb_histogram(margins, lo, hi, bins)
@@ -208,8 +208,8 @@ def test_histogram_saturation_flag():
 @FAST
 @given(batches(max_experts=10, max_mult=30), st.integers(1, 6), st.integers(2, 64))
 def test_worker_histograms_sum_to_the_histogram_of_all_tokens(batch, workers, bins):
-    seed, n, e, k = batch
-    margins = token_margins(skewed_scores(seed, n, e), torch.zeros(e, dtype=torch.float64), k)
+    seed, n, e, top_k = batch
+    margins = token_margins(skewed_scores(seed, n, e), torch.zeros(e, dtype=torch.float64), top_k)
     lo, hi = -0.5 * torch.ones(e), 0.5 * torch.ones(e)  # some margins clamp: still exact
     cuts = sorted(torch.randint(0, n + 1, (workers - 1,), generator=torch.Generator().manual_seed(seed)).tolist())
     parts = torch.tensor_split(margins, cuts)
@@ -253,13 +253,13 @@ def test_loss_free_sign_update():
 
 
 def test_switch_aux_loss_value_and_gradient():
-    n, e, k = 64, 4, 2
-    idx = torch.arange(n * k).remainder(e).view(n, k)  # uniform routing
+    n, e, top_k = 64, 4, 2
+    idx = torch.arange(n * top_k).remainder(e).view(n, top_k)  # uniform routing
     probs = torch.full((n, e), 1 / e, requires_grad=True)
     loss = switch_aux_loss(probs, idx, coef=0.01)
     assert loss.item() == pytest.approx(0.01)
     # skewed routing: the overloaded expert's probability gets the largest gradient (pushed down)
-    idx = torch.zeros(n, k, dtype=torch.long)
+    idx = torch.zeros(n, top_k, dtype=torch.long)
     idx[:, 1] = 1
     probs = torch.full((n, e), 1 / e, requires_grad=True)
     switch_aux_loss(probs, idx).backward()
@@ -273,21 +273,21 @@ def test_max_violation():
 
 
 def test_adaptive_gain():
-    q, k, e = 100.0, 2, 64
-    noise = torch.full((e,), q) + torch.tensor([1.0, -1.0] * (e // 2)) * math.sqrt(q * (1 - k / e)) * 0.9
-    assert adaptive_gain(noise, q, k, 0.1) == 0.1
+    q, top_k, e = 100.0, 2, 64
+    noise = torch.full((e,), q) + torch.tensor([1.0, -1.0] * (e // 2)) * math.sqrt(q * (1 - top_k / e)) * 0.9
+    assert adaptive_gain(noise, q, top_k, 0.1) == 0.1
     far = torch.full((e,), q)
     far[0], far[1] = 3 * q, 0.0
-    assert adaptive_gain(far, q, k, 0.1) > 0.85  # z2 = 8
+    assert adaptive_gain(far, q, top_k, 0.1) > 0.85  # z2 = 8
 
 
 # ---------------------------------------------------------------------------------------------
 # The Balancer
 
 
-def run_balancer(config: BalanceConfig, batches_: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+def run_balancer(config: BalanceConfig, batches_: list[torch.Tensor], top_k: int) -> list[torch.Tensor]:
     """The bias each batch was routed with."""
-    bal = make_balancer(config, num_layers=1, num_experts=batches_[0].shape[1], k=k)
+    bal = make_balancer(config, num_layers=1, num_experts=batches_[0].shape[1], top_k=top_k)
     used = []
     for scores in batches_:
         used.append(bal.bias(0))
@@ -304,11 +304,11 @@ def run_balancer(config: BalanceConfig, batches_: list[torch.Tensor], k: int) ->
     st.sampled_from(["one", "adaptive"]),
 )
 def test_bias_at_step_t_depends_only_on_earlier_batches(method, seed, t, gain):
-    e, k, n, steps = 8, 2, 64, 6
+    e, top_k, n, steps = 8, 2, 64, 6
     config = BalanceConfig(method=method, bins=32, gain=gain)
     data = [skewed_scores(seed + i, n, e, dtype=torch.float32) for i in range(steps)]
     changed = data[:t] + [skewed_scores(seed + 1000 + i, n, e, dtype=torch.float32) for i in range(t, steps)]
-    a, b = run_balancer(config, data, k), run_balancer(config, changed, k)
+    a, b = run_balancer(config, data, top_k), run_balancer(config, changed, top_k)
     for step in range(t + 1):  # batches t.. differ; the biases used up to step t may not
         assert torch.equal(a[step], b[step]), f"bias used at step {step} saw batch {t}"
     if method != "loss_free" and t + 1 < steps:
@@ -340,10 +340,10 @@ def test_micro_batches_accumulate_like_one_batch():
 @pytest.mark.parametrize("method", ["quantile", "quantile_hist"])
 @pytest.mark.parametrize("gain", ["one", "adaptive"])
 def test_qb_balances_a_stationary_router(method, gain):
-    e, k, n = 32, 4, 8192
+    e, top_k, n = 32, 4, 8192
     g = torch.Generator().manual_seed(0)
     w, pop = torch.randn(e, 16, generator=g) / 4, torch.randn(e, generator=g)
-    bal = make_balancer(BalanceConfig(method=method, bins=256, gain=gain), 1, e, k)
+    bal = make_balancer(BalanceConfig(method=method, bins=256, gain=gain), 1, e, top_k)
     vios = []
     for _ in range(12):
         scores = torch.sigmoid(torch.randn(n, 16, generator=g) @ w.T + pop)
@@ -390,7 +390,7 @@ def test_balancer_state_round_trip():
 
 
 def test_balancer_bad_input():
-    with pytest.raises(ValueError, match="1 <= k < experts"):
+    with pytest.raises(ValueError, match="1 <= top_k < experts"):
         make_balancer(BalanceConfig(), 1, 8, 8)
     bal = make_balancer(BalanceConfig(), 1, 8, 2)
     with pytest.raises(ValueError, match=r"margins must be \[N, E=8\]"):

@@ -179,15 +179,15 @@ def test_bad_report_raises_and_changes_nothing(case):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(k=8), "1 <= k < experts"),
-        (dict(k=9), "1 <= k < experts"),
+        (dict(top_k=8), "1 <= top_k < experts"),
+        (dict(top_k=9), "1 <= top_k < experts"),
         (dict(config={"method": "loss_free"}), "quantile_hist"),
         (dict(config={"fine_pass": True}), "fine_pass"),
         (dict(num_layers=0), "num_layers"),
     ],
 )
 def test_bad_construction(kwargs, match):
-    args = dict(num_layers=L, num_experts=E, k=K, config=None) | kwargs
+    args = dict(num_layers=L, num_experts=E, top_k=K, config=None) | kwargs
     with pytest.raises(ValueError, match=match):
         CoordinatorCore(**args)
 
@@ -254,7 +254,7 @@ def run_steps(coord, workers, steps, kill=None) -> list[torch.Tensor]:
 
 @pytest.mark.ray
 def test_four_workers_twenty_steps_match_single_process(ray_local):
-    coord = get_or_create_coordinator("qb-test-4x20", num_layers=L, num_experts=E, k=K, config={"bins": BINS}, world_size=4)
+    coord = get_or_create_coordinator("qb-test-4x20", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4)
     workers = [SimWorker.remote(coord, i, 5.0) for i in range(4)]
     try:
         got = run_steps(coord, workers, range(20))
@@ -273,7 +273,7 @@ def test_four_workers_twenty_steps_match_single_process(ray_local):
 
 @pytest.mark.ray
 def test_worker_killed_and_restarted_mid_run(ray_local):
-    coord = get_or_create_coordinator("qb-test-kill-worker", num_layers=L, num_experts=E, k=K, config={"bins": BINS}, world_size=4)
+    coord = get_or_create_coordinator("qb-test-kill-worker", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4)
     workers = [SimWorker.remote(coord, i, 5.0) for i in range(4)]
 
     def after_report(step):  # w2 dies after its report landed, comes back and sends it again
@@ -303,7 +303,7 @@ def test_worker_killed_and_restarted_mid_run(ray_local):
 def test_killed_coordinator_restores_its_last_state(ray_local, tmp_path):
     path = str(tmp_path / "qb_state.pt")
     coord = get_or_create_coordinator(
-        "qb-test-kill-coord", num_layers=L, num_experts=E, k=K, config={"bins": BINS}, world_size=4, state_path=path
+        "qb-test-kill-coord", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4, state_path=path
     )
     workers = [SimWorker.remote(coord, i, 1.0) for i in range(4)]
     seen = {}
@@ -334,14 +334,14 @@ def test_killed_coordinator_restores_its_last_state(ray_local, tmp_path):
 
 @pytest.mark.ray
 def test_actor_rejects_bad_input_without_changing_state(ray_local):
-    with pytest.raises(ValueError, match="1 <= k < experts"):
-        get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, k=E, config={"bins": BINS})
-    coord = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, k=K, config={"bins": BINS})
+    with pytest.raises(ValueError, match="1 <= top_k < experts"):
+        get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=E, config={"bins": BINS})
+    coord = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS})
     try:
-        again = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, k=K, config={"bins": BINS})
+        again = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS})
         assert ray.get(again.describe.remote())["pid"] == ray.get(coord.describe.remote())["pid"]
         with pytest.raises(ValueError, match="exists with"):
-            get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E + 1, k=K, config={"bins": BINS})
+            get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E + 1, top_k=K, config={"bins": BINS})
         update = ray.get(coord.register.remote("w0"))
         before = ray.get(coord.state_dict.remote())
         hist, counts = worker_report(update, 0, 0)
@@ -395,7 +395,7 @@ def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(r
     from k3.platform.balance.strategies import make_strategy
 
     config = BalanceConfig(bins=BINS, solve_rounds=2)
-    coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, k=K, config=config, world_size=1)
+    coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, top_k=K, config=config, world_size=1)
     try:
         strategy = make_strategy(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
         strategy.start(None)
