@@ -20,7 +20,7 @@ def rand_prompts(n, lo, hi, seed):
 
 
 def alone(model, prompt, n=12):
-    return generate(model, [prompt], SamplingConfig(max_new_tokens=n))[0]
+    return generate(model, [prompt], SamplingConfig(max_tokens=n))[0]
 
 
 def test_sixteen_concurrent_requests_equal_each_alone(tiny_model):
