@@ -3,6 +3,7 @@ preemption. And it rejects bad input without disturbing the requests it is servi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -102,36 +103,31 @@ def test_snapshots_on_kda_chunk_boundaries_equal_cold_runs(tiny_model, batched_t
 
 
 def test_a_planted_wrong_snapshot_is_caught(tiny_model):
+    # A holder of the handoff key plants, through the prefix pool, page 4 of prompt a carrying
+    # b's KDA state (well formed, correctly sealed: only recomputing can tell it is wrong).
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, 4096, (40,), generator=g).tolist()
     b = torch.randint(0, 4096, (40,), generator=g).tolist()
     query = a[:32] + [7, 7, 7]
     cold = alone(tiny_model, query)
+    cfg = EngineConfig(page_size=8, snapshot_interval=2)
+    src = LLMEngine(tiny_model, cfg)
+    src.generate([a + [1], b + [1]], GREEDY)
+    pa, pb = src.export_prefix(a + [1]), src.export_prefix(b + [1])
+    forged = pa[:3] + [dataclasses.replace(pa[3], snapshot=pb[3].snapshot).seal(cfg.handoff_key.get_secret_value())]
 
-    def plant(eng):
-        eng.generate([a + [1]], GREEDY)
-        eng.generate([b + [1]], GREEDY)
-        ba = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(a[24:32]))
-        bb = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(b[24:32]))
-        eng.cache.copy_slot(bb.snapshot_slot, ba.snapshot_slot)  # a's snapshot now holds b's state
-        return ba
+    def planted(verify):
+        eng = LLMEngine(tiny_model, cfg.model_copy(update={"verify_prefix_hits": verify}))
+        assert eng.import_prefix(query, forged) == 32
+        return eng
 
     # Without a check, the wrong state is restored and the answer changes: the plant has teeth.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
-    plant(eng)
-    wrong = eng.generate([query], GREEDY)[0]
+    wrong = planted(False).generate([query], GREEDY)[0]
     assert wrong.cached_tokens == 32 and wrong.token_ids != cold
-    # The metadata check: a snapshot recorded for another position is never restored.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
-    ba = plant(eng)
-    ba.snapshot_tokens = 24
+    # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
+    eng = planted(True)
     out = eng.generate([query], GREEDY)[0]
     assert eng.stats()["snapshots_rejected"] == 1 and out.token_ids == cold
-    # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2, verify_prefix_hits=True))
-    plant(eng)
-    out = eng.generate([query], GREEDY)[0]
-    assert eng.stats()["snapshots_rejected"] >= 1 and out.token_ids == cold
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
