@@ -130,11 +130,6 @@ class CacheManager:
         tensors = [t for p in self._kda.values() for t in (p.recurrent, p.conv)] + list(self._mla.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def expected_nbytes(self) -> int:
-        """The analytical size: slots x slot bytes + pages x page bytes."""
-        n_slots = self.ec.max_num_seqs + self.num_snapshot_slots
-        return n_slots * self.slot_bytes + (self.num_pages * self.page_bytes if self.page_bytes else 0)
-
     def usage(self) -> dict:
         cached_idle = sum(1 for b in self._entries.values() if b.ref == 0)
         return {
@@ -285,10 +280,10 @@ class CacheManager:
                 best = j + 1
         return best
 
-    def evict_idle(self, min_depth: int = 1) -> int:
-        """Drop every unreferenced cached page at chain depth >= min_depth (memory pressure, an
-        operator's reset; tests pass min_depth to force a shallower hit). Returns the count."""
-        idle = [b for b in self._entries.values() if b.ref == 0 and b.depth >= min_depth]
+    def evict_idle(self) -> int:
+        """Drop every cached page no running sequence holds (memory pressure, an operator's
+        reset). Returns the count."""
+        idle = [b for b in self._entries.values() if b.ref == 0]
         for b in idle:
             self._evict(b)
             self._free_pages.append(b.page)

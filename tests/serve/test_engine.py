@@ -77,8 +77,10 @@ def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
         assert out.cached_tokens > 0, f"{name}: no prefix hit"
         assert out.cached_tokens % 16 == 0 and out.cached_tokens < len(prompt)
         assert out.token_ids == alone(tiny_model, prompt), f"{name}: hit differs from cold"
-    # evict the later pages of the chain: the hit falls back to an earlier snapshot
-    eng.cache.evict_idle(min_depth=6)
+    # keep only the first 5 pages of the chain: the hit falls back to an earlier snapshot
+    pages = eng.export_prefix(prefix + [1, 2, 3])
+    assert eng.reset_prefix_cache() > 0 and eng.cached_prefix_tokens(prefix) == 0
+    eng.import_prefix(prefix, pages[:5])
     out = eng.generate([prefix + [9, 9]], GREEDY)[0]
     assert out.cached_tokens == 32  # the snapshot at page 4 (interval 2) is the deepest left
     assert out.token_ids == alone(tiny_model, prefix + [9, 9])
@@ -141,7 +143,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
 
 def test_memory_accounting_and_usage(tiny_model):
     eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=3, cache_memory_bytes=8 * 2**20))
-    assert eng.cache.nbytes() == eng.cache.expected_nbytes() <= 8 * 2**20
+    slots, pages = 3 + eng.cache.num_snapshot_slots, eng.cache.num_pages  # running + snapshot slots
+    assert eng.cache.nbytes() == slots * eng.cache.slot_bytes + pages * eng.cache.page_bytes <= 8 * 2**20
     cfg = tiny_model.cfg
     kda = cfg.layer_types.count("kda")
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
