@@ -271,7 +271,7 @@ class Handoff:
             _refuse(f"version {state.version}, this engine reads version {STATE_VERSION}")
         if state.model_fingerprint != self.fingerprint:
             _refuse(f"model fingerprint {state.model_fingerprint} != this engine's {self.fingerprint} "
-                   f"(another config, other weights or another cache dtype)")
+                    f"(another config, other weights or another cache dtype)")
         if state.page_size != self.cache.page_size:
             _refuse(f"page_size {state.page_size} != this engine's {self.cache.page_size}")
         if state.cache_dtype != self.cache_dtype:
@@ -279,7 +279,7 @@ class Handoff:
         if not isinstance(state.digest, bytes) or not hmac.compare_digest(state.digest,
                                                                           state.compute_digest(self._secret)):
             _refuse("its digest does not verify under this engine's handoff_key: it was sealed with another key "
-                   "(engines that exchange states need the same EngineConfig.handoff_key) or changed after sealing")
+                    "(engines that exchange states need the same EngineConfig.handoff_key) or changed after sealing")
 
     def _check_prompt(self, state: HybridCacheState, ids: list[int]) -> SequenceMedia | None:
         got = state.prompt_token_ids
@@ -308,7 +308,7 @@ class Handoff:
         want = (len(pos), self.cfg.hidden_size)
         if rows is None or rows.shape != want or rows.dtype != np.float32 or not np.isfinite(rows).all():
             _refuse(f"media_rows {getattr(rows, 'shape', None)} {getattr(rows, 'dtype', None)}, expected finite "
-                   f"{want} float32")
+                    f"{want} float32")
         return SequenceMedia(None, spans, pos, to_torch(rows, torch.float32, self.device))
 
     def _check_generator(self, gen: np.ndarray | None, params: SamplingParams) -> torch.Tensor | None:
@@ -331,15 +331,11 @@ class Handoff:
             _refuse(f"first_token {tok!r} is not a token id in [0, {vocab})")
         if (params.logprobs is None) != (lp is None):
             _refuse(f"first_logprob is {'missing' if lp is None else 'given'} for a request with "
-                   f"logprobs={params.logprobs}")
+                    f"logprobs={params.logprobs}")
         if lp is None:
             return None
-        k = params.logprobs
-        if not isinstance(lp, dict) or set(lp) != ({"token", "logprob", "top"} if k else {"token", "logprob"}) or \
-                lp["token"] != tok or not _is_logprob(lp["logprob"]) or \
-                (k and (not isinstance(lp["top"], dict) or len(lp["top"]) != k or any(
-                    not isinstance(t, int) or not 0 <= t < vocab or not _is_logprob(v) for t, v in lp["top"].items()))):
-            _refuse(f"first_logprob is not an entry for token {tok} with {k} alternatives")
+        if not _is_entry(lp, tok, params.logprobs, vocab):
+            _refuse(f"first_logprob is not an entry for token {tok} with {params.logprobs} alternatives")
         return lp
 
     def _kda_states(self, conv: dict, rec: dict, where: str) -> KDAStates:
@@ -352,10 +348,10 @@ class Handoff:
             r, c = rec[s.layer_idx], conv[s.layer_idx]
             if r.shape != s.state_shape or r.dtype != np.float32:
                 _refuse(f"KDA layer {s.layer_idx} recurrent state {r.shape} {r.dtype}, expected {s.state_shape} "
-                       f"float32", where)
+                        f"float32", where)
             if c.shape != s.conv_shape or c.dtype != self._np_dtype:
                 _refuse(f"KDA layer {s.layer_idx} conv state {c.shape} {c.dtype}, expected {s.conv_shape} "
-                       f"{self._np_dtype}", where)
+                        f"{self._np_dtype}", where)
             out[s.layer_idx] = (self._finite(c, self.cache.dtype, f"KDA layer {s.layer_idx} conv state", where),
                                 self._finite(r, torch.float32, f"KDA layer {s.layer_idx} recurrent state", where))
         return out
@@ -370,7 +366,7 @@ class Handoff:
             a = lat[s.layer_idx]
             if a.shape != (n, s.latent_dim) or a.dtype != self._np_dtype:
                 _refuse(f"MLA layer {s.layer_idx} latents {a.shape} {a.dtype}, expected {(n, s.latent_dim)} "
-                       f"{self._np_dtype}", where)
+                        f"{self._np_dtype}", where)
             out[s.layer_idx] = self._finite(a, self.cache.dtype, f"MLA layer {s.layer_idx} latents", where)
         return out
 
@@ -420,7 +416,7 @@ class Handoff:
         """One pool page, checked on a private copy as a handed-over state is; its tensors."""
         ps, where = self.cache.page_size, f"pool page {j + 1}: "
         if not isinstance(p, PoolPage) or j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
-                tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
+                not isinstance(p.tokens, (tuple, list)) or tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
             _refuse("it does not belong to this prompt", where)
         snap = p.snapshot or {}
         if not isinstance(p.latents, dict) or not isinstance(snap, dict) or \
@@ -432,7 +428,7 @@ class Handoff:
                                 {k: (np.array(c, copy=True), np.array(r, copy=True)) for k, (c, r) in snap.items()})
         if not p.verified(self._secret):
             _refuse("its digest does not verify under this engine's handoff_key (sealed with another key, or "
-                   "changed after sealing)", where)
+                    "changed after sealing)", where)
         latents = self._latents(p.latents, ps, where)
         if p.snapshot is None:
             return latents, None
@@ -446,6 +442,15 @@ def _numeric(a: object) -> bool:
 
 def _is_logprob(v: object) -> bool:
     return isinstance(v, float) and not math.isnan(v) and v <= 0.0
+
+
+def _is_entry(lp: object, tok: int, k: int, vocab: int) -> bool:
+    """Whether lp is the sampler's logprob entry (sampler.py) for tok with k alternatives."""
+    if not isinstance(lp, dict) or set(lp) != ({"token", "logprob", "top"} if k else {"token", "logprob"}):
+        return False
+    top = lp.get("top", {})
+    return lp["token"] == tok and _is_logprob(lp["logprob"]) and isinstance(top, dict) and len(top) == k and \
+        all(isinstance(t, int) and 0 <= t < vocab and _is_logprob(v) for t, v in top.items())
 
 
 def _check_containers(state: HybridCacheState) -> None:
