@@ -150,7 +150,7 @@ class Scheduler:
             return False
         seq.num_computed = 0
         if seq.imported is not None:
-            return self._admit_imported(seq)
+            return self._import(seq)
         if self.prefix_caching and seq.hashes:
             hit = self.cache.find_prefix(seq.tokens, seq.hashes, limit=seq.length)
             if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
@@ -163,9 +163,10 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed
         return True
 
-    def _admit_imported(self, seq: Sequence) -> bool:
-        """A handed-over prompt: shared pages where this cache has them, the rest written from
-        the state; the KDA state into the slot; the sequence resumes at its first output token."""
+    def _import(self, seq: Sequence) -> bool:
+        """Admit a handed-over prompt: shared pages where this cache has them, the rest written
+        from the state; the KDA state into the slot; the sequence goes on from its first output
+        token."""
         n, ps = len(seq.prompt), self.cache.page_size
         imp = seq.imported
         reused = self.cache.import_sequence(seq.mem, seq.prompt, seq.hashes, imp.latents, imp.states)
