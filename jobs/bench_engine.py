@@ -34,7 +34,7 @@ import torch
 
 from k3.model import K3ForCausalLM, cache_bytes, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.engine.cache_manager import CacheManager
+from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
@@ -142,16 +142,19 @@ def decode_and_bytes() -> tuple[dict, dict]:
             ec = EngineConfig(max_num_seqs=batch, page_size=64, enable_prefix_caching=False,
                               cache_memory_bytes=batch * 2 * cache_bytes(model.cfg, ctx + 64, torch.float32) + 2**20)
             cm = CacheManager(model.cfg, ec)
-            for t in cm.mla_pages.values():
+            seqs = [SeqCache() for _ in range(batch)]
+            for m in seqs:
+                cm.take_slot(m)
+                cm.grow(m, ctx + 1)
+            view = cm.cache_batch([1] * batch, seqs, [ctx] * batch)  # the model's view of the memory: fill it
+            for t in view.mla_pages.values():
                 t.normal_()
-            for pool in cm.kda.values():
+            for pool in view.kda.values():
                 pool.recurrent.normal_(0, 0.1)
-            pages = cm.pages_for(ctx + 1)
-            tables = [[cm.alloc_page() for _ in range(pages)] for _ in range(batch)]
             times = []
             with torch.no_grad():
                 for _ in range(6):
-                    cb = cm.cache_batch([1] * batch, list(range(batch)), tables, [ctx] * batch)
+                    cb = cm.cache_batch([1] * batch, seqs, [ctx] * batch)
                     t = time.perf_counter()
                     model(torch.randint(0, 4096, (batch, 1)).reshape(1, batch), cache=cb)
                     times.append(time.perf_counter() - t)
@@ -182,9 +185,9 @@ def handoff() -> dict:
             while a.seqs.get(rid) is None or a.seqs[rid].num_computed < n:
                 a.step()  # the prompt is computed and its first token sampled; the request is resident
             seq = a.seqs[rid]
-            export_s = median_time(lambda: a._export(seq, 0, None))
-            state = a._export(seq, 0, None)
-            check_s = median_time(lambda: b._check_state(state, prompt, sp))
+            export_s = median_time(lambda: a.handoff.export_state(seq, 0, None))
+            state = a.handoff.export_state(seq, 0, None)
+            check_s = median_time(lambda: b.handoff.check_state(state, prompt, sp))
             b.import_request(None, prompt, state, sp)
             t = time.perf_counter()
             b.step()  # applies the import (first output) and admits it: pages and slot written, one decode
@@ -228,21 +231,22 @@ def chunk() -> dict:
                           cache_memory_bytes=cache_bytes(tiny.cfg, S + 64, torch.float32) + 2**22)
         prompt = rand(S)
         eng = LLMEngine(tiny, ec)
-        cm = eng.cache
-        table = [cm.alloc_page() for _ in range(cm.pages_for(S))]
-        slot = cm.alloc_run_slot()
+        cm, seq = eng.cache, SeqCache()
+        cm.take_slot(seq)
+        cm.grow(seq, S)
         with torch.no_grad():
             # one-shot prefill of all S tokens (the whole model), then the chunk alone over ctx
-            one_shot = median_time(lambda: tiny(torch.tensor([prompt]), cache=cm.cache_batch([S], [slot], [table], [0]),
+            one_shot = median_time(lambda: tiny(torch.tensor([prompt]), cache=cm.cache_batch([S], [seq], [0]),
                                                 logits_at=torch.tensor([S - 1])), reps=2)
             chunk_model = median_time(lambda: tiny(torch.tensor([prompt[ctx:]]),
-                                                   cache=cm.cache_batch([n], [slot], [table], [ctx]),
+                                                   cache=cm.cache_batch([n], [seq], [ctx]),
                                                    logits_at=torch.tensor([n - 1])), reps=2)
             # the MLA attention alone, both forms, same queries and pages
             x = torch.randn(n, tiny.cfg.hidden_size)
             q_nope, q_rope = layer.query(x)
             W_uk, _ = layer._w_kv()
-            pages, tab = cm.mla_pages[layer.layer_idx], torch.tensor(table)
+            view = cm.cache_batch([n], [seq], [ctx])
+            pages, tab = view.mla_pages[layer.layer_idx], view.page_table[0]
             q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)
             absorbed = median_time(lambda: layer._absorbed_chunk(q_lat, q_rope, pages, tab, ctx), reps=2)
             expanded = median_time(lambda: layer._expanded_chunk(q_nope, q_rope, pages, tab, ctx), reps=2)

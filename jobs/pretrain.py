@@ -110,6 +110,6 @@ if args.sample:
         model = k3.model.load(d)
         tok = load_tokenizer(Path(d) / "k3" / "tokenizer.json")
     prompt = tok.encode("def ").ids
-    new = generate(model, [prompt], SamplingConfig(max_new_tokens=args.sample, temperature=0.8, top_p=0.95,
-                                                    seed=cfg.seed))[0]
+    new = generate(model, [prompt], SamplingConfig(max_tokens=args.sample, temperature=0.8, top_p=0.95,
+                                                seed=cfg.seed))[0]
     print("sample:\n" + tok.decode(prompt + new))

@@ -138,10 +138,6 @@ class HybridCache:
         self.lengths = [0] * batch_size
         self.device = torch.device(device)
 
-    def nbytes(self) -> int:
-        tensors = [t for p in self.kda.values() for t in (p.recurrent, p.conv)] + list(self.mla_pages.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def batch(self, query_lens: list[int]) -> CacheBatch:
         """The CacheBatch for a forward that appends query_lens[i] tokens to row i."""
         if len(query_lens) != self.batch_size:

@@ -15,7 +15,7 @@ from .model import K3ForCausalLM
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 32
+    max_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -23,8 +23,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -55,7 +55,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 @torch.no_grad()
 def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingConfig | None = None,
              return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
-    """Continue each prompt (token id lists, any lengths) by up to sampling.max_new_tokens tokens.
+    """Continue each prompt (token id lists, any lengths) by up to sampling.max_tokens tokens.
 
     Returns the new tokens per prompt (stopping after a stop token, which is kept), and with
     return_logits the logits [steps, V] each token was chosen from.
@@ -71,9 +71,9 @@ def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingC
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     lens = [len(p) for p in prompts]
-    max_len = max(lens) + sc.max_new_tokens
+    max_len = max(lens) + sc.max_tokens
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+        raise ValueError(f"prompt + max_tokens = {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
     cache = HybridCache(cfg, len(prompts), max_len, dtype=dtype, device=device)
     gen = None
     if sc.seed is not None:
@@ -88,7 +88,7 @@ def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingC
     seen: list[list[torch.Tensor]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     stops = set(sc.stop_token_ids)
-    for step in range(sc.max_new_tokens):
+    for step in range(sc.max_tokens):
         nxt = sample_next(logits, sc.temperature, sc.top_k, sc.top_p, gen)
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
@@ -96,7 +96,7 @@ def generate(model: K3ForCausalLM, prompts: list[list[int]], sampling: SamplingC
                 if return_logits:
                     seen[i].append(logits[i].float().cpu())
                 done[i] = t in stops
-        if all(done) or step == sc.max_new_tokens - 1:
+        if all(done) or step == sc.max_tokens - 1:
             break
         batch = cache.batch([1] * len(prompts))
         logits = model(nxt[:, None], cache=batch).logits[:, -1]

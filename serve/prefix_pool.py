@@ -6,11 +6,11 @@ A prefill replica that misses locally but finds a longer resumable prefix in the
 pages (and the snapshot at the last one) into its own cache instead of recomputing them. Resuming
 needs every page from the first to a page with a snapshot, so `lookup` answers the deepest such
 page. The pool holds the arrays itself (they were sent to it): a publisher that dies takes nothing
-with it.
+with it. It holds no key: pages stay sealed by their publisher, and an importer checks the seal
+(handoff.py), so the pool cannot hand a replica anything the replicas did not make.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 
 from k3.serve.engine.handoff import PoolPage
@@ -90,7 +90,7 @@ class PrefixPool:
             out.append(p)
         self.counts["fetched"] += len(out)
         if last_snapshot_only:
-            out = [dataclasses.replace(p, snapshot=None) if i < len(out) - 1 and p.snapshot is not None else p
+            out = [p.without_snapshot() if i < len(out) - 1 and p.snapshot is not None else p
                    for i, p in enumerate(out)]
         return out
 

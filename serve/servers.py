@@ -101,7 +101,7 @@ class EngineHost:
     async def _report(self) -> None:
         while True:
             # read in the engine's step thread: the cache's dicts change while a step runs
-            s = await self.engine.call(self.engine.engine.stats)
+            s = await self.engine.stats()
             self.metrics.set("k3_serve_num_requests_running", s["running"])
             self.metrics.set("k3_serve_num_requests_waiting", s["waiting"])
             self.metrics.set("k3_serve_cache_usage_ratio", s["pages_in_use"] / max(1, s["pages_total"]))
@@ -119,7 +119,7 @@ class EngineHost:
         self.engine.check_health()
 
     async def stats(self) -> dict:
-        return {**await self.engine.call(self.engine.engine.stats), "pid": os.getpid(), "role": self.role}
+        return {**await self.engine.stats(), "pid": os.getpid(), "role": self.role}
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
@@ -172,39 +172,36 @@ class PrefillServer(EngineHost):
 
     async def _from_pool(self, prompt: list[int], spans: list) -> None:
         """Load the prompt's prefix from the pool when it holds more than this replica does."""
-        eng = self.engine.engine
         hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
         # what this replica holds and what the pool holds, asked at once
-        local, depth = await asyncio.gather(self.engine.call(lambda: eng.local_resume_tokens(prompt, spans)),
+        local, depth = await asyncio.gather(self.engine.cached_prefix_tokens(prompt, spans),
                                             self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
         if depth * self.config.engine.page_size <= local:
             return
         pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
-        got = await self.engine.call(lambda: eng.adopt_prefix(prompt, pages, spans))
+        got = await self.engine.import_prefix(prompt, pages, spans)
         if got > local:
             self.pool_hit_tokens += got - local
             self.metrics.inc("k3_serve_prefix_cache_hits", got - local, source="pool")
 
     async def _publish(self, prompt: list[int], spans: list) -> None:
-        eng = self.engine.engine
         hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
         missing, bare = map(set, await self.pool.wanted.remote(hashes))
         every = self.config.engine.snapshot_interval  # only pages at these depths can carry a snapshot here
         bare = {h for d, h in enumerate(hashes, start=1) if h in bare and d % every == 0}
         if not missing and not bare:  # the pool holds this prefix whole: nothing to copy or send
             return
-        pages = await self.engine.call(lambda: eng.prefix_pages(prompt, spans, only=missing | bare))
+        pages = await self.engine.export_prefix(prompt, spans, only=missing | bare)
         # new pages, and pages the pool holds without the snapshot this replica has
         pages = [p for p in pages if p.hash in missing or p.snapshot is not None]
         if pages:
             await self.pool.publish.remote(pages)
 
-    async def drop_local_prefix_cache(self) -> int:
-        """Forget every idle cached page of this replica (memory pressure; the hook tests use to
-        make a prompt hit only the pool). Returns the pages dropped."""
-        eng = self.engine.engine
-        return await self.engine.call(lambda: eng.cache.evict_idle())
+    async def reset_prefix_cache(self) -> int:
+        """Forget every idle cached page of this replica (memory pressure, an operator's reset;
+        tests use it to make a prompt hit only the pool). Returns the pages dropped."""
+        return await self.engine.reset_prefix_cache()
 
     def pool_stats(self) -> dict:
         return {"pool_hit_tokens": self.pool_hit_tokens}
@@ -220,7 +217,7 @@ class PrefillServer(EngineHost):
         spans = []
         if self.pool is not None:
             try:  # the pool's pages are keyed by media-aware hashes; bad media is refused below
-                spans = self.engine.engine.media_spans(req.prompt_token_ids, media)[1]
+                spans = self.engine.media_spans(req.prompt_token_ids, media)
                 await self._from_pool(req.prompt_token_ids, spans)
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
@@ -286,7 +283,7 @@ class DecodeServer(EngineHost):
         yield dataclasses.replace(first, finished=False, cache_state=None)
         params = SamplingParams(**req.sampling)
         first_out = True
-        async for out in self.engine.resume(req.prompt_token_ids, state, params):
+        async for out in self.engine.import_request(req.prompt_token_ids, state, params):
             if first_out:  # the state has been checked and loaded: the whole handoff is known
                 first_out = False
                 t = state.timings

@@ -1,9 +1,11 @@
-"""asyncio front end: `generate()` and `resume()` are async iterators of one request's outputs;
-steps run in a worker thread.
+"""asyncio front end: `generate()` and `import_request()` are async iterators of one request's
+outputs; steps run in a worker thread, and everything else that reads or changes the engine
+(stats, the prefix pool's export and import) runs there between steps.
 
 Each stream owns its request id from the moment the engine accepts it until the stream ends:
 a second stream with an id still held is refused (ValueError), so one stream's cleanup can never
-remove or abort another's request. A request that fails ends its own stream with
+remove or abort another's request. A stream left early aborts its request, which frees the id at
+once (the engine returns nothing more of it). A request that fails ends its own stream with
 `RequestFailed`; the other streams go on.
 """
 from __future__ import annotations
@@ -12,7 +14,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from .engine import LLMEngine, RequestOutput
-from .handoff import HybridCacheState
+from .handoff import HybridCacheState, PoolPage
+from .media import MediaSpan
 from .params import SamplingParams
 
 
@@ -24,6 +27,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
+        # request id -> the engine's delivery count when a stream left early: a step that had
+        # already delivered by then may hold outputs of the aborted request, which must not
+        # reach a new stream that took the id
+        self._left: dict[str, int] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -44,10 +51,12 @@ class AsyncEngine:
                 for q in list(self._queues.values()):
                     q.put_nowait(e)
                 continue
+            delivery = self.engine.deliveries  # this step's (steps never overlap)
             for o in outs:
                 q = self._queues.get(o.request_id)
-                if q is not None:
+                if q is not None and self._left.get(o.request_id, 0) < delivery:
                     q.put_nowait(o)
+            self._left = {r: d for r, d in self._left.items() if d > delivery}
 
     async def _stream(self, request_id: str | None, submit: Callable[[str | None], str]) -> AsyncIterator[RequestOutput]:
         if request_id is not None and request_id in self._queues:
@@ -71,6 +80,7 @@ class AsyncEngine:
                 del self._queues[rid]
             if not done:  # left early (client disconnect, cancellation): abort, it is still ours
                 self.engine.abort_request(rid)
+                self._left[rid] = self.engine.deliveries
                 self._wake.set()
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -82,8 +92,8 @@ class AsyncEngine:
         return self._stream(request_id, lambda rid: self.engine.add_request(rid, prompt_token_ids, params,
                                                                              prefill_only=prefill_only, media=media))
 
-    def resume(self, prompt_token_ids: list[int], state: HybridCacheState, params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def import_request(self, prompt_token_ids: list[int], state: HybridCacheState, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request whose prompt another engine prefilled (`LLMEngine.import_request`)."""
         return self._stream(request_id, lambda rid: self.engine.import_request(rid, prompt_token_ids, state, params))
 
@@ -93,15 +103,27 @@ class AsyncEngine:
         self._ensure_loop()
         return await asyncio.wrap_future(fut)
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        if self._wake is not None:
-            self._wake.set()
+    def media_spans(self, prompt: list[int], media: list | None) -> list[MediaSpan]:
+        """The spans of a prompt's media (LLMEngine.media_spans; reads no engine state)."""
+        return self.engine.media_spans(prompt, media)[1]
+
+    async def cached_prefix_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
+        return await self.call(lambda: self.engine.cached_prefix_tokens(prompt, media))
+
+    async def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
+                            only: set[bytes] | None = None) -> list[PoolPage]:
+        return await self.call(lambda: self.engine.export_prefix(prompt, media, only))
+
+    async def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+        return await self.call(lambda: self.engine.import_prefix(prompt, pages, media))
+
+    async def reset_prefix_cache(self) -> int:
+        return await self.call(self.engine.reset_prefix_cache)
+
+    async def stats(self) -> dict:
+        return await self.call(self.engine.stats)
 
     def check_health(self) -> None:
         """Raises when the step loop died of an error (a replica's health probe)."""
         if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
             raise RuntimeError(f"engine loop died: {self._task.exception()!r}")
-
-    def stats(self) -> dict:
-        return self.engine.stats()

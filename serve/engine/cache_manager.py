@@ -1,5 +1,7 @@
 """The engine's memory: what the model declares, allocated once from a byte budget. The
-CacheManager is its only owner: the scheduler and the engine go through its methods.
+CacheManager is its only owner: the scheduler, the engine and the handoff connector hold opaque
+handles (`SeqCache` per sequence, `PrefixHit` per prefix lookup) and go through its methods; its
+tables and pools are its own.
 
 - KDA: per layer a pool of slots, each the fp32 recurrent state [H, K, V] plus the conv state.
   Slots [0, max_num_seqs) serve running sequences; the rest hold prefix-cache snapshots.
@@ -7,15 +9,15 @@ CacheManager is its only owner: the scheduler and the engine go through its meth
   its pages. Page ids are shared by all MLA layers.
 - Prefix cache: full prompt pages are hashed in a chain (each hash covers the previous one and
   the page's tokens). A cached page keeps its latents; every `snapshot_interval` pages it also
-  keeps a KDA snapshot, the exact state of every KDA layer after that page, recorded with the
-  chain hash and token count it belongs to. A hit resumes from the longest prefix that has a
-  snapshot, so a restored KDA state always belongs to exactly that prefix.
+  keeps a KDA snapshot, the exact state of every KDA layer after that page. A hit resumes from
+  the longest prefix that has a snapshot. A page's latents and snapshot, once cached, are never
+  overwritten (by a later computation or an import) until the page is evicted.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +25,9 @@ from k3.model.cache import CacheBatch, KDACacheSpec, KDAPool, MLACacheSpec, laye
 from k3.model.config import K3Config
 
 from .params import EngineConfig
+
+KDAStates = dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer -> (conv [3HK, W-1], recurrent [H, K, V])
+Latents = dict[int, torch.Tensor]  # MLA layer -> [tokens, latent]
 
 
 def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = ()) -> list[bytes]:
@@ -41,17 +46,34 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: S
     return out
 
 
-@dataclass
-class CachedPage:
+@dataclass(eq=False)
+class _CachedPage:
     hash: bytes
     tokens: tuple[int, ...]
     depth: int  # 1-based page index in its chain
     page: int
     ref: int = 0  # running sequences holding this page
     last_used: int = 0
-    snapshot_slot: int | None = None
-    snapshot_hash: bytes | None = None  # the chain hash the snapshot was taken for
-    snapshot_tokens: int = 0  # tokens the snapshot state has consumed
+    snapshot_slot: int | None = None  # the KDA state after this page, when kept
+
+
+@dataclass(eq=False)
+class SeqCache:
+    """One sequence's memory, lent by the CacheManager for the request's whole life (across
+    preemptions). Only the manager reads or changes it; everyone else passes it back."""
+
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    shared: int = 0  # prompt pages in the prefix cache (held from a hit, or registered by this sequence)
+    added: list[bytes] = field(default_factory=list)  # hashes this sequence put in the prefix cache
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixHit:
+    """A cached prefix a sequence can start from: its pages and the KDA snapshot after the last."""
+
+    chain: tuple[_CachedPage, ...]
+    num_tokens: int
 
 
 class CacheManager:
@@ -65,6 +87,25 @@ class CacheManager:
         self.mla_specs = [s for s in specs if isinstance(s, MLACacheSpec)]
         self.slot_bytes = sum(s.bytes_per_sequence(self.dtype) for s in self.kda_specs)
         self.page_bytes = sum(s.bytes_per_token(self.dtype) for s in self.mla_specs) * self.page_size
+        self.num_pages, self.num_snapshot_slots = self._plan(cfg, ec)
+        n_slots = ec.max_num_seqs + self.num_snapshot_slots
+        self._kda = {s.layer_idx: KDAPool(torch.zeros(n_slots, *s.state_shape, dtype=torch.float32, device=self.device),
+                                          torch.zeros(n_slots, *s.conv_shape, dtype=self.dtype, device=self.device))
+                     for s in self.kda_specs}
+        pages = self.num_pages if self.page_bytes else 1
+        self._mla = {s.layer_idx: torch.zeros(pages, self.page_size, s.latent_dim, dtype=self.dtype, device=self.device)
+                     for s in self.mla_specs}
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._free_run_slots = list(range(ec.max_num_seqs - 1, -1, -1))
+        self._free_snapshot_slots = list(range(n_slots - 1, ec.max_num_seqs - 1, -1))
+        self._entries: dict[bytes, _CachedPage] = {}  # chain hash -> cached page
+        self._page_entry: dict[int, _CachedPage] = {}  # page -> its cache entry, when cached
+        self._clock = 0
+        self.stats = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evicted_pages": 0,
+                      "snapshots_taken": 0, "snapshots_rejected": 0}
+
+    def _plan(self, cfg: K3Config, ec: EngineConfig) -> tuple[int, int]:
+        """(MLA pages, snapshot slots) that fit the budget after the running slots."""
         budget = ec.cache_memory_bytes
         running = ec.max_num_seqs * self.slot_bytes
         if running >= budget:
@@ -82,43 +123,21 @@ class CacheManager:
             n_pages = ec.max_num_seqs * (-(-max_len // self.page_size))
         if n_pages < 1:
             raise ValueError(f"cache_memory_bytes={budget} leaves no room for a single {self.page_size}-token MLA page")
-        self.num_pages, self.num_snapshot_slots = int(n_pages), n_snap
-        n_slots = ec.max_num_seqs + n_snap
-        self.kda = {s.layer_idx: KDAPool(torch.zeros(n_slots, *s.state_shape, dtype=torch.float32, device=self.device),
-                                         torch.zeros(n_slots, *s.conv_shape, dtype=self.dtype, device=self.device))
-                    for s in self.kda_specs}
-        pages = self.num_pages if self.page_bytes else 1
-        self.mla_pages = {s.layer_idx: torch.zeros(pages, self.page_size, s.latent_dim, dtype=self.dtype,
-                                                   device=self.device) for s in self.mla_specs}
-        self.free_pages = list(range(self.num_pages - 1, -1, -1))
-        self.free_run_slots = list(range(ec.max_num_seqs - 1, -1, -1))
-        self.free_snapshot_slots = list(range(n_slots - 1, ec.max_num_seqs - 1, -1))
-        self.entries: dict[bytes, CachedPage] = {}  # chain hash -> cached page
-        self.page_entry: dict[int, CachedPage] = {}  # page -> its cache entry, when cached
-        self.clock = 0
-        self.stats = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evicted_pages": 0,
-                      "snapshots_taken": 0, "snapshots_rejected": 0}
+        return int(n_pages), n_snap
 
     # -- accounting ------------------------------------------------------------------------------
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for p in self.kda.values() for t in (p.recurrent, p.conv)] + list(self.mla_pages.values())
-
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def expected_nbytes(self) -> int:
-        """The analytical size: slots x slot bytes + pages x page bytes."""
-        n_slots = self.ec.max_num_seqs + self.num_snapshot_slots
-        return n_slots * self.slot_bytes + (self.num_pages * self.page_bytes if self.page_bytes else 0)
+        tensors = [t for p in self._kda.values() for t in (p.recurrent, p.conv)] + list(self._mla.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def usage(self) -> dict:
-        cached_idle = sum(1 for b in self.entries.values() if b.ref == 0)
+        cached_idle = sum(1 for b in self._entries.values() if b.ref == 0)
         return {
-            "pages_total": self.num_pages, "pages_free": len(self.free_pages), "pages_cached_idle": cached_idle,
-            "pages_in_use": self.num_pages - len(self.free_pages) - cached_idle,
-            "running_slots_total": self.ec.max_num_seqs, "running_slots_free": len(self.free_run_slots),
+            "pages_total": self.num_pages, "pages_free": len(self._free_pages), "pages_cached_idle": cached_idle,
+            "pages_in_use": self.num_pages - len(self._free_pages) - cached_idle,
+            "running_slots_total": self.ec.max_num_seqs, "running_slots_free": len(self._free_run_slots),
             "snapshot_slots_total": self.num_snapshot_slots,
-            "snapshot_slots_used": self.num_snapshot_slots - len(self.free_snapshot_slots),
+            "snapshot_slots_used": self.num_snapshot_slots - len(self._free_snapshot_slots),
             "bytes_total": self.nbytes(), "slot_bytes": self.slot_bytes, "page_bytes": self.page_bytes,
             **self.stats,
         }
@@ -130,193 +149,275 @@ class CacheManager:
         self.stats["prefix_query_tokens"] += query_tokens
         self.stats["prefix_hit_tokens"] += hit_tokens
 
-    # -- pages -----------------------------------------------------------------------------------
-    def alloc_page(self) -> int | None:
-        if self.free_pages:
-            return self.free_pages.pop()
-        victim = self._lru([b for b in self.entries.values() if b.ref == 0])
+    # -- a sequence's memory ---------------------------------------------------------------------
+    def take_slot(self, mem: SeqCache) -> bool:
+        """Give mem a zeroed running slot; False when every slot is taken."""
+        if not self._free_run_slots:
+            return False
+        mem.slot = self._free_run_slots.pop()
+        self._copy_slot(None, mem.slot)
+        return True
+
+    def grow(self, mem: SeqCache, num_tokens: int) -> bool:
+        """Pages for num_tokens (evicting idle cached pages if it must); False when none is left."""
+        while len(mem.pages) < self.pages_for(num_tokens):
+            p = self._alloc_page()
+            if p is None:
+                return False
+            mem.pages.append(p)
+        return True
+
+    def can_grow(self, mem: SeqCache, num_tokens: int) -> bool:
+        need = self.pages_for(num_tokens) - len(mem.pages)
+        return len(self._free_pages) + sum(1 for b in self._entries.values() if b.ref == 0) >= need
+
+    def release(self, mem: SeqCache, failed: bool = False) -> None:
+        """Give back mem's slot and pages (cached ones lose a reference, private ones are freed).
+        `failed`: also forget the pages it put in the prefix cache that no one else holds (computed
+        in a step that failed, or imported for a request that failed: not trusted)."""
+        self._release_pages(mem)
+        if mem.slot is not None:
+            self._free_run_slots.append(mem.slot)
+            mem.slot = None
+        if failed:
+            for h in mem.added:
+                blk = self._entries.get(h)
+                if blk is not None and blk.ref == 0:
+                    self._evict(blk)
+                    self._free_pages.append(blk.page)
+            mem.added = []
+
+    def _release_pages(self, mem: SeqCache) -> None:
+        for p in mem.pages:
+            blk = self._page_entry.get(p)
+            if blk is None:
+                self._free_pages.append(p)
+            else:
+                assert blk.ref > 0, f"page {p} released more often than it was held"
+                blk.ref -= 1
+        mem.pages, mem.shared = [], 0
+
+    def share_prompt_pages(self, mem: SeqCache, prompt: list[int], hashes: list[bytes], num_computed: int) -> None:
+        """Make the full prompt pages computed so far shareable (pages whose content is cached
+        already stay private)."""
+        ps = self.page_size
+        full = min(num_computed, len(prompt)) // ps
+        for j in range(mem.shared, full):
+            if self._register(hashes[j], tuple(prompt[j * ps:(j + 1) * ps]), j + 1, mem.pages[j], ref=1):
+                mem.added.append(hashes[j])
+        mem.shared = max(mem.shared, full)
+
+    def store_snapshot(self, mem: SeqCache, h: bytes, depth: int, states: KDAStates | None = None) -> None:
+        """Keep the KDA state after mem's prompt page `depth` (chain hash h) with that page, when
+        mem's page is the cached one: `states` taken mid-chunk, or mem's slot as it is now."""
+        blk = self._entries.get(h)
+        if blk is None or blk.page != mem.pages[depth - 1]:
+            return
+        if states is None:
+            states = self._read_slot(mem.slot)
+        self._store_snapshot(blk, states)
+
+    def cache_batch(self, lengths: list[int], mems: list[SeqCache], context: list[int],
+                    snapshot_offsets: dict[int, list[int]] | None = None) -> CacheBatch:
+        """The model's view of one forward over these sequences (model/cache.py)."""
+        dev = self.device
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        width = max(1, max(len(m.pages) for m in mems))
+        table = torch.tensor([m.pages + [0] * (width - len(m.pages)) for m in mems], dtype=torch.long, device=dev)
+        return CacheBatch(cu_seqlens=torch.tensor(cu, dtype=torch.long, device=dev),
+                          context_lens=torch.tensor(context, dtype=torch.long, device=dev),
+                          kda_slots=torch.tensor([m.slot for m in mems], dtype=torch.long, device=dev),
+                          page_table=table, kda=self._kda, mla_pages=self._mla, decode=all(n == 1 for n in lengths),
+                          max_context=max(context), snapshot_offsets=snapshot_offsets or {})
+
+    # -- prefix hits -----------------------------------------------------------------------------
+    def find_prefix(self, tokens: list[int], hashes: list[bytes], limit: int) -> PrefixHit | None:
+        """The longest cached prefix of tokens that ends on a page with a snapshot and covers
+        fewer than `limit` tokens. Touches the pages it walks (LRU)."""
+        chain, best = [], 0
+        self._clock += 1
+        for j, blk in enumerate(self._walk(tokens, hashes)):
+            blk.last_used = self._clock
+            chain.append(blk)
+            if blk.snapshot_slot is not None and (j + 1) * self.page_size < limit:
+                best = j + 1
+        return PrefixHit(tuple(chain[:best]), best * self.page_size) if best else None
+
+    def snapshot_states(self, hit: PrefixHit) -> KDAStates:
+        """The KDA state a hit would start from (views; the debug verifier reads them)."""
+        return self._read_slot(hit.chain[-1].snapshot_slot)
+
+    def reject(self, hit: PrefixHit) -> None:
+        """The hit's snapshot was found wrong: drop it."""
+        self.stats["snapshots_rejected"] += 1
+        self._drop_snapshot(hit.chain[-1])
+
+    def start_from(self, mem: SeqCache, hit: PrefixHit) -> None:
+        """mem (a slot, no pages) takes the hit's pages and its snapshot."""
+        for blk in hit.chain:
+            blk.ref += 1
+        mem.pages = [b.page for b in hit.chain]
+        mem.shared = len(hit.chain)
+        self._copy_slot(hit.chain[-1].snapshot_slot, mem.slot)
+
+    def _walk(self, tokens: list[int], hashes: list[bytes]):
+        """The cached pages of tokens' chain, from the first, while they are cached."""
+        ps = self.page_size
+        for j, h in enumerate(hashes):
+            blk = self._cached(h, tuple(tokens[j * ps:(j + 1) * ps]))
+            if blk is None:
+                return
+            yield blk
+
+    def prefix_depth(self, tokens: list[int], hashes: list[bytes]) -> int:
+        """The deepest page tokens could start from here (contiguous cached pages ending on one
+        with a snapshot), without touching LRU order."""
+        best = 0
+        for j, blk in enumerate(self._walk(tokens, hashes)):
+            if blk.snapshot_slot is not None:
+                best = j + 1
+        return best
+
+    def evict_idle(self) -> int:
+        """Drop every cached page no running sequence holds (memory pressure, an operator's
+        reset). Returns the count."""
+        idle = [b for b in self._entries.values() if b.ref == 0]
+        for b in idle:
+            self._evict(b)
+            self._free_pages.append(b.page)
+        return len(idle)
+
+    # -- state in and out (the handoff connector, handoff.py) ----------------------------------------
+    def read_sequence(self, mem: SeqCache, num_tokens: int) -> tuple[KDAStates, Latents]:
+        """mem's KDA states and its first num_tokens latents in position order (views / gathers)."""
+        lat = {}
+        if self.page_bytes:
+            idx = torch.tensor(mem.pages[: self.pages_for(num_tokens)], dtype=torch.long, device=self.device)
+            lat = {l: t[idx].reshape(-1, t.shape[-1])[:num_tokens] for l, t in self._mla.items()}
+        return self._read_slot(mem.slot), lat
+
+    def import_sequence(self, mem: SeqCache, prompt: list[int], hashes: list[bytes], latents: Latents,
+                        states: KDAStates) -> int | None:
+        """Load a prompt another engine computed into mem (which holds a slot): pages this cache
+        holds for its prefix (`hashes`; none without prefix caching) are shared, the rest written
+        from `latents`; `states` go into the slot. Returns the prompt tokens served from pages
+        held here; None (mem unchanged) when the pages do not fit now."""
+        reuse = list(self._walk(prompt, hashes))
+        for blk in reuse:
+            blk.ref += 1
+        mem.pages, mem.shared = [b.page for b in reuse], len(reuse)
+        if not self.can_grow(mem, len(prompt) + 1):
+            self._release_pages(mem)
+            return None
+        self.grow(mem, len(prompt) + 1)
+        self._write_latents(mem.pages, len(reuse), latents)
+        self._write_slot(mem.slot, states)
+        return len(reuse) * self.page_size
+
+    def read_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[tuple[Latents, KDAStates | None]]:
+        """Per page of tokens' resumable prefix here (prefix_depth): its latents [page_size,
+        latent] per MLA layer and its snapshot, if it has one (views)."""
+        out = []
+        for blk in list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]:
+            snap = self._read_slot(blk.snapshot_slot) if blk.snapshot_slot is not None else None
+            out.append(({l: t[blk.page] for l, t in self._mla.items()}, snap))
+        return out
+
+    def import_prefix_page(self, h: bytes, tokens: tuple[int, ...], depth: int, latents: Latents,
+                           snapshot: KDAStates | None) -> bool:
+        """Cache one prompt page computed elsewhere: its latents if this cache lacks the page, its
+        snapshot if the page has none (what is cached here is never replaced). False when no page
+        is free."""
+        blk = self._cached(h, tokens)
+        if blk is None:
+            page = self._alloc_page()
+            if page is None:
+                return False
+            if not self._register(h, tokens, depth, page, ref=0):  # the hash is cached with other tokens
+                self._free_pages.append(page)
+                return False
+            self._write_latents([page], 0, latents)
+            blk = self._entries[h]
+        if snapshot is not None:
+            self._store_snapshot(blk, snapshot)
+        return True
+
+    # -- the tables (private) --------------------------------------------------------------------
+    def _cached(self, h: bytes, tokens: tuple[int, ...]) -> _CachedPage | None:
+        blk = self._entries.get(h)
+        return blk if blk is not None and blk.tokens == tokens else None
+
+    def _register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int, ref: int) -> bool:
+        """Make a full, computed page shareable (held by `ref` running sequences). False if that
+        content is cached already."""
+        if h in self._entries or page in self._page_entry:
+            return False
+        self._clock += 1
+        blk = _CachedPage(h, tokens, depth, page, ref=ref, last_used=self._clock)
+        self._entries[h] = blk
+        self._page_entry[page] = blk
+        return True
+
+    def _alloc_page(self) -> int | None:
+        if self._free_pages:
+            return self._free_pages.pop()
+        victim = self._lru([b for b in self._entries.values() if b.ref == 0])
         if victim is None:
             return None
         self._evict(victim)
         return victim.page
 
-    def can_alloc(self, n: int) -> bool:
-        return len(self.free_pages) + sum(1 for b in self.entries.values() if b.ref == 0) >= n
+    def _store_snapshot(self, blk: _CachedPage, states: KDAStates) -> None:
+        if blk.snapshot_slot is not None:  # a kept snapshot is never replaced
+            return
+        if not self._free_snapshot_slots:
+            victim = self._lru([b for b in self._entries.values() if b.snapshot_slot is not None])
+            if victim is None:
+                return
+            self._drop_snapshot(victim)
+        blk.snapshot_slot = self._free_snapshot_slots.pop()
+        self._write_slot(blk.snapshot_slot, states)
+        self.stats["snapshots_taken"] += 1
 
-    def release_pages(self, pages: list[int]) -> None:
-        """A sequence lets go of its pages: cached ones lose a reference, private ones are freed."""
-        for p in pages:
-            blk = self.page_entry.get(p)
-            if blk is None:
-                self.free_pages.append(p)
-            else:
-                assert blk.ref > 0, f"page {p} released more often than it was held"
-                blk.ref -= 1
+    def _lru(self, cands: list[_CachedPage]) -> _CachedPage | None:
+        # Oldest first; among equals the deepest, so a chain is cut from its end.
+        return min(cands, key=lambda b: (b.last_used, -b.depth), default=None)
 
-    def forget(self, hashes: list[bytes]) -> None:
-        """Drop these cached pages if no one holds them (what a failed request registered:
-        computed in a step that failed, its latents are not trusted)."""
-        for h in hashes:
-            blk = self.entries.get(h)
-            if blk is not None and blk.ref == 0:
-                self._evict(blk)
-                self.free_pages.append(blk.page)
+    def _drop_snapshot(self, blk: _CachedPage) -> None:
+        if blk.snapshot_slot is not None:
+            self._free_snapshot_slots.append(blk.snapshot_slot)
+        blk.snapshot_slot = None
 
-    # -- KDA slots -------------------------------------------------------------------------------
-    def alloc_run_slot(self) -> int | None:
-        if not self.free_run_slots:
-            return None
-        slot = self.free_run_slots.pop()
-        self.copy_slot(None, slot)
-        return slot
+    def _evict(self, blk: _CachedPage) -> None:
+        self._drop_snapshot(blk)
+        del self._entries[blk.hash]
+        del self._page_entry[blk.page]
+        self.stats["evicted_pages"] += 1
 
-    def free_run_slot(self, slot: int) -> None:
-        self.free_run_slots.append(slot)
-
-    def copy_slot(self, src: int | None, dst: int) -> None:
+    def _copy_slot(self, src: int | None, dst: int) -> None:
         """dst <- src for every KDA layer (zeros when src is None)."""
-        for p in self.kda.values():
+        for p in self._kda.values():
             for t in (p.recurrent, p.conv):
                 if src is None:
                     t[dst].zero_()
                 else:
                     t[dst].copy_(t[src])
 
-    # -- prefix cache ----------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], hashes: list[bytes], limit: int) -> tuple[list[CachedPage], CachedPage | None]:
-        """Longest cached chain of pages for tokens, and the deepest page on it whose snapshot
-        can be resumed from (covering fewer than `limit` tokens). Touches what it walks."""
-        chain, best = [], None
-        self.clock += 1
-        ps = self.page_size
-        for j, h in enumerate(hashes):
-            blk = self.entries.get(h)
-            if blk is None or blk.tokens != tuple(tokens[j * ps:(j + 1) * ps]):
-                break
-            blk.last_used = self.clock
-            chain.append(blk)
-            if blk.snapshot_slot is not None and (j + 1) * ps < limit:
-                if blk.snapshot_hash != h or blk.snapshot_tokens != (j + 1) * ps:
-                    # A snapshot that was not taken for exactly this prefix: never restore it.
-                    self.reject_snapshot(blk)
-                    continue
-                best = blk
-        return chain, best
+    def _read_slot(self, slot: int) -> KDAStates:
+        return {l: (p.conv[slot], p.recurrent[slot]) for l, p in self._kda.items()}
 
-    def register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int, ref: int = 1) -> bool:
-        """Make a full, computed page shareable (held by `ref` running sequences: 1 for the one
-        that computed it, 0 for a page loaded from elsewhere). False if that content is cached."""
-        if h in self.entries or page in self.page_entry:
-            return False
-        self.clock += 1
-        blk = CachedPage(h, tokens, depth, page, ref=ref, last_used=self.clock)
-        self.entries[h] = blk
-        self.page_entry[page] = blk
-        return True
+    def _write_slot(self, slot: int, states: KDAStates) -> None:
+        for l, (conv, rec) in states.items():
+            self._kda[l].conv[slot].copy_(conv)
+            self._kda[l].recurrent[slot].copy_(rec)
 
-    def cached(self, h: bytes, tokens: tuple[int, ...]) -> CachedPage | None:
-        blk = self.entries.get(h)
-        return blk if blk is not None and blk.tokens == tokens else None
-
-    def resume_depth(self, tokens: list[int], hashes: list[bytes]) -> int:
-        """The deepest page a prompt could resume from here (contiguous cached pages ending on a
-        valid snapshot), without touching LRU order: what a pool lookup must beat."""
-        best, ps = 0, self.page_size
-        for j, h in enumerate(hashes):
-            blk = self.cached(h, tuple(tokens[j * ps:(j + 1) * ps]))
-            if blk is None:
-                break
-            if blk.snapshot_slot is not None and blk.snapshot_hash == h and blk.snapshot_tokens == (j + 1) * ps:
-                best = j + 1
-        return best
-
-    def hold(self, blk: CachedPage) -> None:
-        blk.ref += 1
-
-    def store_snapshot(self, blk: CachedPage, states: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                       from_slot: int | None = None) -> None:
-        """Keep blk's snapshot: {kda layer: (conv [C, W-1], recurrent [H, K, V])}, or a copy of a
-        running slot whose state is exactly after blk's last token."""
-        if blk.snapshot_slot is None:
-            if not self.free_snapshot_slots:
-                victim = self._lru([b for b in self.entries.values() if b.snapshot_slot is not None])
-                if victim is None:
-                    return
-                self._drop_snapshot(victim)
-            blk.snapshot_slot = self.free_snapshot_slots.pop()
-        if from_slot is not None:
-            self.copy_slot(from_slot, blk.snapshot_slot)
-        else:
-            for layer, (conv, rec) in states.items():
-                self.kda[layer].conv[blk.snapshot_slot].copy_(conv)
-                self.kda[layer].recurrent[blk.snapshot_slot].copy_(rec)
-        blk.snapshot_hash, blk.snapshot_tokens = blk.hash, blk.depth * self.page_size
-        self.stats["snapshots_taken"] += 1
-
-    def reject_snapshot(self, blk: CachedPage) -> None:
-        self.stats["snapshots_rejected"] += 1
-        self._drop_snapshot(blk)
-
-    def _lru(self, cands: list[CachedPage]) -> CachedPage | None:
-        # Oldest first; among equals the deepest, so a chain is cut from its end.
-        return min(cands, key=lambda b: (b.last_used, -b.depth), default=None)
-
-    def _drop_snapshot(self, blk: CachedPage) -> None:
-        if blk.snapshot_slot is not None:
-            self.free_snapshot_slots.append(blk.snapshot_slot)
-        blk.snapshot_slot, blk.snapshot_hash, blk.snapshot_tokens = None, None, 0
-
-    def _evict(self, blk: CachedPage) -> None:
-        self._drop_snapshot(blk)
-        del self.entries[blk.hash]
-        del self.page_entry[blk.page]
-        self.stats["evicted_pages"] += 1
-
-    def evict_idle(self, min_depth: int = 1) -> int:
-        """Drop every unreferenced cached page at chain depth >= min_depth (memory pressure; the
-        hook tests use to force a shallower hit)."""
-        idle = [b for b in self.entries.values() if b.ref == 0 and b.depth >= min_depth]
-        for b in idle:
-            self._evict(b)
-            self.free_pages.append(b.page)
-        return len(idle)
-
-    # -- state in and out (the prefill/decode handoff) ----------------------------------------------
-    def read_latents(self, pages: list[int], num_tokens: int) -> dict[int, torch.Tensor]:
-        """{mla layer: [num_tokens, latent]} of a sequence, in position order."""
-        if not self.page_bytes:
-            return {}
-        idx = torch.tensor(pages[: self.pages_for(num_tokens)], dtype=torch.long, device=self.device)
-        return {l: t[idx].reshape(-1, t.shape[-1])[:num_tokens] for l, t in self.mla_pages.items()}
-
-    def write_latents(self, pages: list[int], first_page: int, latents: dict[int, torch.Tensor]) -> None:
+    def _write_latents(self, pages: list[int], first_page: int, latents: Latents) -> None:
         """Fill pages[first_page:] with latents[layer][first_page * page_size:] (the rest are
         shared pages that already hold them)."""
         ps = self.page_size
         for l, lat in latents.items():
             for j in range(first_page, len(pages)):
                 rows = lat[j * ps:(j + 1) * ps]
-                self.mla_pages[l][pages[j], : rows.shape[0]].copy_(rows)
-
-    def read_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {l: (p.conv[slot], p.recurrent[slot]) for l, p in self.kda.items()}
-
-    def write_slot(self, slot: int, states: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for l, (conv, rec) in states.items():
-            self.kda[l].conv[slot].copy_(conv)
-            self.kda[l].recurrent[slot].copy_(rec)
-
-    # -- the model's view -------------------------------------------------------------------------
-    def cache_batch(self, lengths: list[int], slots: list[int], tables: list[list[int]], context: list[int],
-                    snapshot_offsets: dict[int, list[int]] | None = None) -> CacheBatch:
-        dev = self.device
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        width = max(1, max(len(t) for t in tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        return CacheBatch(cu_seqlens=torch.tensor(cu, dtype=torch.long, device=dev),
-                          context_lens=torch.tensor(context, dtype=torch.long, device=dev),
-                          kda_slots=torch.tensor(slots, dtype=torch.long, device=dev), page_table=table,
-                          kda=self.kda, mla_pages=self.mla_pages, decode=all(n == 1 for n in lengths),
-                          max_context=max(context), snapshot_offsets=snapshot_offsets or {})
+                self._mla[l][pages[j], : rows.shape[0]].copy_(rows)

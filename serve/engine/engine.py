@@ -1,11 +1,14 @@
-"""LLMEngine: add requests, step, stream outputs, abort; hand a prompt's cache state to another
-engine and take one in. One forward per step for every scheduled sequence (prefill chunks and
-decode tokens packed together).
+"""LLMEngine: add requests, step, stream outputs, abort; export a prompt's cache state to another
+engine and import one (the checks and conversions live in handoff.py, the memory in
+cache_manager.py). One forward per step for every scheduled sequence (prefill chunks and decode
+tokens packed together).
 
 Thread-safety: `add_request`, `import_request` and `abort_request` validate synchronously (bad
 input raises ValueError and changes nothing) and queue; the queue is applied at the start of the
 next step, so an asyncio front end may call them while a step runs in a worker thread. Request
-ids are reserved under the lock when accepted and released when the request ends.
+ids are reserved under the lock when accepted and released when the request ends or is aborted:
+`abort_request` frees the id at once, and no output of the aborted request is returned after it
+(not even from a step already running), so the id can be reused immediately.
 
 Failure isolation: a request whose sampling fails ends alone with an error; a forward that
 raises sends every sequence in it back to be recomputed alone (scheduler.py), so the culprit
@@ -18,7 +21,6 @@ never sampled (its embedding is a picture's, not a token's).
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
@@ -26,16 +28,15 @@ from concurrent.futures import Future
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.vision_processor import MediaItem
 
-from .cache_manager import CacheManager, page_hashes
+from .cache_manager import CacheManager, KDAStates, PrefixHit
 from .detokenizer import Detokenizer, StopMatcher
-from .handoff import STATE_VERSION, HybridCacheState, PoolPage, to_numpy, to_torch
-from .media import MediaRowCache, MediaSpan, SequenceMedia, check_item, check_spans, media_spans
+from .handoff import Handoff, HybridCacheState, PoolPage
+from .media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
 from .params import EngineConfig, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
@@ -49,25 +50,14 @@ class RequestOutput:
     text_delta: str = ""
     text: str = ""
     finished: bool = False
-    # "stop" | "length" | "abort" | "error"; None while running, and for a prefill-only request
-    # that ends by handing its state over (cache_state set).
+    # "stop" | "length" | "error"; None while running, and for a prefill-only request that ends
+    # by handing its state over (cache_state set). An aborted request gets no more outputs.
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top": {id: lp}}
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
     cache_state: HybridCacheState | None = None
-
-
-def model_fingerprint(model: K3ForCausalLM, cache_dtype: str) -> str:
-    """The config, the cache dtype and a sample of every parameter: two engines that agree on it
-    can exchange cache states."""
-    h = hashlib.sha256(model.cfg.to_json().encode() + cache_dtype.encode())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 class LLMEngine:
@@ -89,10 +79,13 @@ class LLMEngine:
             self.scheduler.verifier = self._verify_snapshot
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        self.fingerprint = model_fingerprint(model, self.config.dtype)
+        self.handoff = Handoff(self.cache, model, self.config.dtype, self.config.handoff_key.get_secret_value(),
+                               self.multimodal)
         self.seqs: dict[str, Sequence] = {}  # admitted to the scheduler (the step thread's view)
-        self._live: set[str] = set()  # every accepted, unfinished request id (guarded by _lock)
+        self._live: dict[str, Sequence] = {}  # every accepted, unfinished, unaborted request (guarded by _lock)
         self._pending: deque = deque()
+        self._produced: list[tuple[Sequence, RequestOutput]] = []  # this step's outputs, delivered at its end
+        self.deliveries = 0  # steps that have returned their outputs (counted under _lock)
         self._lock = threading.Lock()
         self._next_id = itertools.count()
         self.steps = 0
@@ -144,8 +137,8 @@ class LLMEngine:
                     seq.request_id = f"req-{next(self._next_id)}"
             if seq.request_id in self._live:
                 raise ValueError(f"request_id {seq.request_id!r} is already in use")
-            self._live.add(seq.request_id)
-            self._pending.append((kind, seq.request_id, seq))
+            self._live[seq.request_id] = seq
+            self._pending.append((kind, seq))
         return seq.request_id
 
     def media_spans(self, prompt: list[int], media: list[MediaItem] | None) -> tuple[list[int], list[MediaSpan]]:
@@ -178,18 +171,19 @@ class LLMEngine:
                        params: SamplingParams | None = None) -> str:
         """Continue a request another engine prefilled: its first output (the handed-over first
         token) comes from the next step; decoding goes on from there. The state is checked
-        completely before anything is allocated: a mismatch raises ValueError and changes nothing."""
+        completely (handoff.py) before anything is allocated: a mismatch raises ValueError and
+        changes nothing."""
         params = params or SamplingParams()
         ids = self.validate(prompt_token_ids, params)
         t0 = time.perf_counter()
-        latents, kda, media = self._check_state(state, ids, params)
+        imported = self.handoff.check_state(state, ids, params)
         state.timings["check_s"] = time.perf_counter() - t0
         seq = self._new_sequence(request_id, ids, params)
-        seq.media = media
-        seq.hashes = list(state.page_hashes) if self.config.enable_prefix_caching else []
-        seq.imported = {"latents": latents, "kda": kda, "first": (state.first_token, state.first_logprob)}
+        seq.media = imported.media
+        seq.hashes = imported.page_hashes if self.config.enable_prefix_caching else []
+        seq.imported = imported
         if seq.generator is not None:
-            seq.generator.set_state(torch.from_numpy(state.generator_state.copy()))
+            seq.generator.set_state(imported.generator_state)
         return self._enqueue("import", seq)
 
     def call(self, fn) -> Future:
@@ -197,71 +191,80 @@ class LLMEngine:
         safely (the prefix pool's export and import); the Future holds its result."""
         fut: Future = Future()
         with self._lock:
-            self._pending.append(("call", None, (fn, fut)))
+            self._pending.append(("call", (fn, fut)))
         return fut
 
     def abort_request(self, request_id: str) -> None:
+        """Give up a request: its id is free at once, and no output of it is returned any more."""
         with self._lock:
-            self._pending.append(("abort", request_id, None))
+            seq = self._live.pop(request_id, None)
+            if seq is not None:
+                seq.aborted = True
+                self._pending.append(("abort", seq))
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work()
 
-    def _release_id(self, rid: str) -> None:
-        self.seqs.pop(rid, None)
+    def _release(self, seq: Sequence) -> None:
+        """The request ended: forget it and free its id (unless an abort freed it already)."""
+        if self.seqs.get(seq.request_id) is seq:
+            del self.seqs[seq.request_id]
         with self._lock:
-            self._live.discard(rid)
+            if self._live.get(seq.request_id) is seq:
+                del self._live[seq.request_id]
 
-    def _apply_pending(self) -> list[RequestOutput]:
-        outs = []
+    def _apply_pending(self) -> None:
         with self._lock:
             items, self._pending = list(self._pending), deque()
-        for kind, rid, seq in items:
+        for kind, item in items:
             if kind == "call":
-                fn, fut = seq
+                fn, fut = item
                 try:
                     fut.set_result(fn())
                 except Exception as e:  # noqa: BLE001 - the caller gets it through the Future
                     fut.set_exception(e)
-                continue
-            if kind == "abort":
-                seq = self.seqs.get(rid)
-                if seq is not None:
-                    self.scheduler.remove(seq)
-                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                    self._release_id(rid)
-                    outs.append(self._output(seq, [], [], finished=True))
-                continue
-            self.seqs[rid] = seq
-            if kind == "import":
-                tok, lp = seq.imported.pop("first")
-                out = self._accept(seq, tok, lp)  # the first token, as the prefill engine chose it
-                outs.append(out)
-                if out.finished:
-                    continue
-            self.scheduler.add(seq)
+            elif kind == "abort":
+                if self.seqs.get(item.request_id) is item:
+                    self.scheduler.remove(item)
+                    item.status = Status.FINISHED
+                    self._release(item)
+            else:
+                self.seqs[item.request_id] = item
+                if kind == "import":  # the first token, as the prefill engine chose it
+                    self._accept(item, item.imported.first_token, item.imported.first_logprob)
+                if item.status is not Status.FINISHED:
+                    self.scheduler.add(item)
+
+    def _deliver(self) -> list[RequestOutput]:
+        """This step's outputs, less those of requests aborted meanwhile."""
+        with self._lock:
+            outs = [o for seq, o in self._produced if not seq.aborted]
+            self.deliveries += 1
+        self._produced = []
         return outs
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        outs = self._apply_pending()
+        self._apply_pending()
         sched = self.scheduler.schedule()
-        if not sched:
-            return outs
+        if sched:
+            sched = self._encode_media(sched)
+        if sched:
+            self._forward(sched)
+        return self._deliver()
+
+    def _forward(self, sched: list[Scheduled]) -> None:
+        """One forward over the scheduled chunks, then sampling for the sequences it completes."""
         t0 = time.perf_counter()
-        sched, failed = self._encode_media(sched)
-        outs += failed
-        if not sched:
-            return outs
         try:
             batch, logits_at, sample_idx = self._build(sched)
             extra = {"media_embeds": batch[2]} if self.multimodal else {}
             logits = self.model(batch[0], cache=batch[1], logits_at=logits_at, **extra).logits
         except Exception as e:  # noqa: BLE001 - isolate whatever the forward raised
-            outs += self._forward_failed(sched, e)
+            self._forward_failed(sched, e)
             self.step_seconds.append(time.perf_counter() - t0)
-            return outs
+            return
         snaps = self._mid_chunk_snapshots(batch[1])
         for i, s in enumerate(sched):
             self.scheduler.after_step(s, snaps.get(i, {}))
@@ -270,19 +273,18 @@ class LLMEngine:
                        [self._banned(s) for s in seqs], self.generator) if seqs else []
         for seq, d in zip(seqs, draws):
             if d.error is not None:
-                outs.append(self._fail(seq, d.error))
+                self._fail(seq, d.error)
             else:
-                outs.append(self._accept(seq, d.token, d.logprob))
+                self._accept(seq, d.token, d.logprob)
         self.steps += 1
         self.step_seconds.append(time.perf_counter() - t0)
-        return outs
 
-    def _encode_media(self, sched: list[Scheduled]) -> tuple[list[Scheduled], list[RequestOutput]]:
+    def _encode_media(self, sched: list[Scheduled]) -> list[Scheduled]:
         """Encode the media of every scheduled sequence whose chunk reaches its first placeholder
         (or, for a prefill-only request, its last prompt chunk: the handoff carries the rows even
         when a prefix hit skipped every placeholder, since decode may have to recompute); a
         sequence whose items fail to encode fails alone and leaves the batch."""
-        keep, failed = [], []
+        keep = []
         for s in sched:
             seq, hi = s.seq, s.seq.num_computed + s.num_tokens
             if seq.media is not None and (seq.media.needs_rows(seq.num_computed, hi) or
@@ -290,13 +292,13 @@ class LLMEngine:
                 try:
                     self.media_items_encoded += seq.media.encode(self.model, self.media_rows)
                 except Exception as e:  # noqa: BLE001 - this request's media, this request's failure
-                    failed.append(self._fail(seq, f"encoding its media failed: {type(e).__name__}: {e}"))
+                    self._fail(seq, f"encoding its media failed: {type(e).__name__}: {e}")
                     continue
             keep.append(s)
-        return keep, failed
+        return keep
 
     def _build(self, sched: list[Scheduled]):
-        ids, lengths, slots, tables, context, rows, sample_idx, offsets = [], [], [], [], [], [], [], {}
+        ids, lengths, context, rows, sample_idx, offsets = [], [], [], [], [], {}
         media: list[torch.Tensor] = []  # rows of the placeholders in the batch, in batch order
         row = 0
         for i, s in enumerate(sched):
@@ -306,8 +308,6 @@ class LLMEngine:
                     is not None:
                 media.append(r)
             lengths.append(s.num_tokens)
-            slots.append(seq.slot)
-            tables.append(seq.pages)
             context.append(seq.num_computed)
             row += s.num_tokens
             if seq.num_computed + s.num_tokens == seq.length:
@@ -315,21 +315,21 @@ class LLMEngine:
                 sample_idx.append(i)
             if s.snapshot_offsets:
                 offsets[i] = s.snapshot_offsets
-        cb = self.cache.cache_batch(lengths, slots, tables, context, offsets)
+        cb = self.cache.cache_batch(lengths, [s.seq.mem for s in sched], context, offsets)
         logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
         embeds = torch.cat(media).to(self.device) if media else None
         return (torch.tensor([ids], device=self.device), cb, embeds), logits_at, sample_idx
 
-    def _forward_failed(self, sched: list[Scheduled], e: Exception) -> list[RequestOutput]:
+    def _forward_failed(self, sched: list[Scheduled], e: Exception) -> None:
         self.failed_forwards += 1
         if len(sched) == 1:
-            return [self._fail(sched[0].seq, f"the model's forward failed: {type(e).__name__}: {e}")]
+            self._fail(sched[0].seq, f"the model's forward failed: {type(e).__name__}: {e}")
+            return
         until = {id(s.seq): s.seq.num_computed + s.num_tokens for s in sched}
         self.scheduler.preempt_for_recompute([s.seq for s in sched], until)
-        return []
 
     @staticmethod
-    def _mid_chunk_snapshots(cb) -> dict[int, dict[int, dict[int, tuple]]]:
+    def _mid_chunk_snapshots(cb) -> dict[int, dict[int, KDAStates]]:
         """{scheduled index: {offset: {kda layer: (conv, recurrent)}}} from what the layers recorded."""
         out: dict = {}
         for layer, snaps in cb.snapshots.items():
@@ -337,10 +337,12 @@ class LLMEngine:
                 out.setdefault(s.seq, {}).setdefault(s.offset, {})[layer] = (s.conv, s.recurrent)
         return out
 
-    def _verify_snapshot(self, seq: Sequence, n: int, slot: int, tol: float = 1e-3) -> bool:
-        """Recompute seq's first n tokens cold and compare every KDA layer's state with the snapshot."""
+    def _verify_snapshot(self, seq: Sequence, hit: PrefixHit, tol: float = 1e-3) -> bool:
+        """Recompute seq's first hit.num_tokens tokens cold and compare every KDA layer's state
+        with the snapshot the hit would start from."""
         from k3.model import HybridCache
 
+        n = hit.num_tokens
         prefix = seq.tokens[:n]
         extra = {}
         if self.multimodal:
@@ -350,8 +352,9 @@ class LLMEngine:
         cold = HybridCache(self.cfg, 1, len(prefix), dtype=self.cache.dtype, device=self.device)
         self.model(torch.tensor([prefix], device=self.device), cache=cold.batch([len(prefix)]),
                    logits_at=torch.tensor([len(prefix) - 1], device=self.device), **extra)
+        snapshot = self.cache.snapshot_states(hit)
         for layer, pool in cold.kda.items():
-            ref, got = pool.recurrent[0], self.cache.kda[layer].recurrent[slot]
+            ref, got = pool.recurrent[0], snapshot[layer][1]
             if float((got - ref).norm() / ref.norm().clamp_min(1e-30)) > tol:
                 return False
         return True
@@ -363,7 +366,7 @@ class LLMEngine:
             return always
         return always + list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
 
-    def _accept(self, seq: Sequence, tok: int, lp: dict | None) -> RequestOutput:
+    def _accept(self, seq: Sequence, tok: int, lp: dict | None) -> None:
         """Append a chosen token: detokenize, match stops, finish or hand over."""
         p, eos = seq.params, self.cfg.eos_token_id
         lps = [lp] if lp is not None else []
@@ -385,187 +388,47 @@ class LLMEngine:
                 tail, hit = seq.stopper.feed(seq.detok.flush())
                 delta += tail if hit else tail + seq.stopper.finish()
         elif seq.prefill_only:
-            state, finished = self._export(seq, tok, lp), True
+            state, finished = self.handoff.export_state(seq, tok, lp), True
         if finished:
             seq.status = Status.FINISHED
             self.scheduler.remove(seq)
-            self._release_id(seq.request_id)
+            self._release(seq)
         seq.text += delta
-        out = self._output(seq, [tok], lps, finished, delta)
-        out.cache_state = state
-        return out
+        self._output(seq, [tok], lps, finished, delta).cache_state = state
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self.scheduler.fail(seq)
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self.scheduler.remove(seq, failed=True)
         seq.status, seq.finish_reason = Status.FINISHED, "error"
-        self._release_id(seq.request_id)
-        out = self._output(seq, [], [], True)
-        out.error = message
-        return out
+        self._release(seq)
+        self._output(seq, [], [], True).error = message
 
     def _output(self, seq: Sequence, new: list[int], lp: list[dict], finished: bool, delta: str = "") -> RequestOutput:
-        return RequestOutput(seq.request_id, new, list(seq.output), delta, seq.text, finished, seq.finish_reason,
-                             lp, len(seq.prompt), seq.num_cached_tokens)
-
-    # -- the handoff -----------------------------------------------------------------------------
-    def _export(self, seq: Sequence, first: int, lp: dict | None) -> HybridCacheState:
-        """The state after the prompt (the slot and the prompt's latents), the first token, and
-        the generator as it stands after drawing it."""
-        n = len(seq.prompt)
-        assert seq.num_computed == n, "a prompt is exported right after its last token was computed"
-        t0 = time.perf_counter()
-        gen = seq.generator.get_state().numpy().copy() if seq.generator is not None else None
-        spans, rows = [], None
-        if seq.media is not None:
-            spans, rows = list(seq.media.spans), seq.media.rows.detach().to("cpu", torch.float32).numpy().copy()
-        kda = self.cache.read_slot(seq.slot)
-        state = HybridCacheState(
-            version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
-            cache_dtype=self.config.dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
-            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size, media=spans),
-            kda_recurrent={l: to_numpy(r) for l, (_, r) in kda.items()},
-            kda_conv={l: to_numpy(c) for l, (c, _) in kda.items()},
-            mla_latents={l: to_numpy(t) for l, t in self.cache.read_latents(seq.pages, n).items()},
-            first_token=first, first_logprob=lp, generator_state=gen, media_spans=spans, media_rows=rows,
-        ).seal()
-        state.timings["export_s"] = time.perf_counter() - t0
-        return state
-
-    def _check_state(self, state, ids: list[int], params: SamplingParams):
-        """Everything about a handed-over state that must hold before it is loaded."""
-        def refuse(msg: str):
-            raise ValueError(f"cache state refused: {msg}")
-
-        if not isinstance(state, HybridCacheState):
-            refuse(f"expected a HybridCacheState, got {type(state).__name__}")
-        if state.version != STATE_VERSION:
-            refuse(f"version {state.version}, this engine reads version {STATE_VERSION}")
-        if state.model_fingerprint != self.fingerprint:
-            refuse(f"model fingerprint {state.model_fingerprint} != this engine's {self.fingerprint} "
-                   f"(another config, other weights or another cache dtype)")
-        if state.page_size != self.cache.page_size:
-            refuse(f"page_size {state.page_size} != this engine's {self.cache.page_size}")
-        if state.digest != state.compute_digest():
-            refuse("digest mismatch: the state was changed or corrupted after export")
-        got = state.prompt_token_ids
-        if not isinstance(got, np.ndarray) or got.dtype != np.int64 or got.shape != (len(ids),) or \
-                not np.array_equal(got, np.asarray(ids, dtype=np.int64)):
-            refuse(f"its prompt_token_ids ({getattr(got, 'shape', None)}) differ from the request's prompt "
-                   f"({len(ids)} tokens)")
-        media = self._check_media_state(state, ids, refuse)
-        if list(state.page_hashes) != page_hashes(ids, self.cache.page_size, media=state.media_spans):
-            refuse("page_hashes do not match the prompt and its media")
-        if not 0 <= state.first_token < self.cfg.vocab_size:
-            refuse(f"first_token {state.first_token} out of range [0, {self.cfg.vocab_size})")
-        if (params.seed is not None) != (state.generator_state is not None):
-            refuse("a seeded request needs the generator state, an unseeded one has none")
-        cdt = self.cache.dtype
-        np_conv = np.int16 if cdt == torch.bfloat16 else np.float32
-        kda, latents = {}, {}
-        if sorted(state.kda_recurrent) != [s.layer_idx for s in self.cache.kda_specs] or \
-                sorted(state.kda_conv) != [s.layer_idx for s in self.cache.kda_specs]:
-            refuse(f"KDA layers {sorted(state.kda_recurrent)} != {[s.layer_idx for s in self.cache.kda_specs]}")
-        for s in self.cache.kda_specs:
-            rec, conv = state.kda_recurrent[s.layer_idx], state.kda_conv[s.layer_idx]
-            if rec.shape != s.state_shape or rec.dtype != np.float32 or not np.isfinite(rec).all():
-                refuse(f"KDA layer {s.layer_idx} recurrent state {rec.shape} {rec.dtype}, expected finite "
-                       f"{s.state_shape} float32")
-            if conv.shape != s.conv_shape or conv.dtype != np_conv:
-                refuse(f"KDA layer {s.layer_idx} conv state {conv.shape} {conv.dtype}, expected {s.conv_shape} "
-                       f"{np.dtype(np_conv)}")
-            kda[s.layer_idx] = (to_torch(conv, cdt, self.device), to_torch(rec, torch.float32, self.device))
-        if sorted(state.mla_latents) != [s.layer_idx for s in self.cache.mla_specs]:
-            refuse(f"MLA layers {sorted(state.mla_latents)} != {[s.layer_idx for s in self.cache.mla_specs]}")
-        for s in self.cache.mla_specs:
-            lat = state.mla_latents[s.layer_idx]
-            if lat.shape != (len(ids), s.latent_dim) or lat.dtype != np_conv:
-                refuse(f"MLA layer {s.layer_idx} latents {lat.shape} {lat.dtype}, expected "
-                       f"{(len(ids), s.latent_dim)} {np.dtype(np_conv)}")
-            latents[s.layer_idx] = to_torch(lat, cdt, self.device)
-        return latents, kda, media
-
-    def _check_media_state(self, state: HybridCacheState, ids: list[int], refuse) -> SequenceMedia | None:
-        """The handed-over spans and rows: they must describe this prompt's placeholders exactly."""
-        spans, rows = list(state.media_spans), state.media_rows
-        if not self.multimodal:
-            if spans or rows is not None:
-                refuse(f"it carries media, but this engine's model ({type(self.model).__name__}) has no vision tower")
-            return None
-        try:
-            pos = check_spans(ids, spans, self.cfg.media_placeholder_token_id)
-        except ValueError as e:
-            refuse(str(e))
-        if not pos:
-            if rows is not None:
-                refuse("media_rows given for a prompt without placeholders")
-            return None
-        want = (len(pos), self.cfg.hidden_size)
-        if not isinstance(rows, np.ndarray) or rows.shape != want or rows.dtype != np.float32 or \
-                not np.isfinite(rows).all():
-            refuse(f"media_rows {getattr(rows, 'shape', None)} {getattr(rows, 'dtype', None)}, expected finite "
-                   f"{want} float32")
-        return SequenceMedia(None, spans, pos, to_torch(rows, torch.float32, self.device))
-
-    # -- the shared prefix pool (run these through call()) -----------------------------------------
-    def prefix_pages(self, prompt: list[int], media: list[MediaSpan] = (),
-                     only: set[bytes] | None = None) -> list[PoolPage]:
-        """The prompt's cached pages here, up to the deepest one with a snapshot, as pool pages
-        (`media`: the prompt's spans, from `media_spans`; only the pages whose hash is in `only`,
-        when given)."""
-        cm, ps = self.cache, self.cache.page_size
-        hashes = page_hashes(prompt, ps, media=media)
-        depth = cm.resume_depth(prompt, hashes)
-        out = []
-        for j in range(depth):
-            if only is not None and hashes[j] not in only:
-                continue
-            blk = cm.cached(hashes[j], tuple(prompt[j * ps:(j + 1) * ps]))
-            snap = None
-            if blk.snapshot_slot is not None and blk.snapshot_hash == hashes[j]:
-                snap = {l: (to_numpy(c), to_numpy(r)) for l, (c, r) in cm.read_slot(blk.snapshot_slot).items()}
-            out.append(PoolPage(hashes[j], j + 1, blk.tokens,
-                                {l: to_numpy(t[blk.page]) for l, t in cm.mla_pages.items()}, snap))
+        out = RequestOutput(seq.request_id, new, list(seq.output), delta, seq.text, finished, seq.finish_reason,
+                            lp, len(seq.prompt), seq.num_cached_tokens)
+        self._produced.append((seq, out))
         return out
 
-    def local_resume_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
-        return self.cache.resume_depth(prompt, page_hashes(prompt, self.cache.page_size, media=media)) * \
-            self.cache.page_size
+    # -- the shared prefix pool (run these in the step thread: call()) --------------------------------
+    def cached_prefix_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
+        """Prompt tokens this engine could start from its own prefix cache (`media`: the
+        prompt's spans, from `media_spans`)."""
+        return self.handoff.cached_prefix_tokens(prompt, media)
 
-    def adopt_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
-        """Load pool pages for this prompt into the local prefix cache (pages it lacks, and the
-        snapshots); returns the prompt tokens now resumable here. Pages that do not belong to the
-        prompt (hash or tokens) or do not fit this model's shapes are refused with a ValueError."""
-        cm, ps = self.cache, self.cache.page_size
-        hashes = page_hashes(prompt, ps, media=media)
-        np_dtype = np.int16 if cm.dtype == torch.bfloat16 else np.float32
-        for j, p in enumerate(pages):
-            if j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
-                    tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
-                raise ValueError(f"pool page {j + 1} does not belong to this prompt")
-            if sorted(p.latents) != [s.layer_idx for s in cm.mla_specs] or any(
-                    a.shape != (ps, s.latent_dim) or a.dtype != np_dtype
-                    for s, a in ((s, p.latents[s.layer_idx]) for s in cm.mla_specs)):
-                raise ValueError(f"pool page {j + 1}: latents do not fit this engine's pages")
-            if p.snapshot is not None and (sorted(p.snapshot) != [s.layer_idx for s in cm.kda_specs] or any(
-                    p.snapshot[s.layer_idx][1].shape != s.state_shape or p.snapshot[s.layer_idx][0].shape != s.conv_shape
-                    for s in cm.kda_specs)):
-                raise ValueError(f"pool page {j + 1}: snapshot does not fit this engine's KDA layers")
-        resumable = 0
-        for j, p in enumerate(pages):
-            blk = cm.cached(p.hash, tuple(p.tokens))
-            if blk is None:
-                page = cm.alloc_page()
-                if page is None:
-                    break
-                cm.write_latents([page], 0, {l: to_torch(a, cm.dtype, self.device) for l, a in p.latents.items()})
-                cm.register(p.hash, tuple(p.tokens), j + 1, page, ref=0)
-                blk = cm.entries[p.hash]
-            if p.snapshot is not None:
-                if blk.snapshot_slot is None:
-                    cm.store_snapshot(blk, {l: (to_torch(c, cm.dtype, self.device), to_torch(r, torch.float32, self.device))
-                                            for l, (c, r) in p.snapshot.items()})
-                resumable = (j + 1) * ps
-        return resumable
+    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
+                      only: set[bytes] | None = None) -> list[PoolPage]:
+        """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
+        pages (only the pages whose hash is in `only`, when given)."""
+        return self.handoff.export_prefix(prompt, media, only)
+
+    def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+        """Load pool pages for this prompt (the pages and snapshots this cache lacks); returns
+        the prompt tokens now resumable here. A page that does not belong to the prompt, is not
+        sealed under this engine's handoff_key or does not fit its model: ValueError, nothing loaded."""
+        return self.handoff.import_prefix(prompt, pages, media)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page no running request holds (and its snapshot); returns how many."""
+        return self.cache.evict_idle()
 
     # -- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

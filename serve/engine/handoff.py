@@ -1,56 +1,100 @@
-"""The prefill -> decode handoff: one request's whole hybrid cache state as plain numpy arrays.
+"""The engine's one connector to other engines (vLLM's KV connector in role): the prefill ->
+decode handoff of a prompt's whole hybrid cache state, and the prefix pool's pages. Export builds
+them from the CacheManager's memory; import checks everything before anything is allocated and
+loads it through the CacheManager. The engine loop only calls `export_state` / `check_state`
+and the pool methods.
 
 `HybridCacheState` carries, for a prompt that one engine prefilled and sampled a first token
 for: per KDA layer the fp32 recurrent state and the conv state after the prompt; per MLA layer
-the prompt's latents in position order (page order, concatenated); the prompt's token ids and
-page hashes; the first token with its logprob entry; and the request's sampling state (the
-seeded generator's state after the first draw), so a seeded sampled request continues exactly.
-A multimodal prompt adds its media spans (placeholder range + content digest per item, which
-the page hashes were computed with) and the items' feature rows: the decode engine checks the
-hashes against ids + spans, and recomputes from the rows if it must, never from pixels.
+the prompt's latents in position order; the prompt's token ids and page hashes; the first token
+with its logprob entry; and the seeded generator's state after the first draw, so a seeded
+sampled request continues exactly. A multimodal prompt adds its media spans (placeholder range
++ content digest per item, which the page hashes were computed with) and the items' feature
+rows: the decode engine checks the hashes against ids + spans and recomputes from the rows if it
+must, never from pixels. A `PoolPage` is one prompt page: its latents and, maybe, the KDA
+snapshot after it.
 
 Numpy rather than torch: numpy arrays come out of Ray's object store zero-copy with no setting
 (torch tensors only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1); bf16, which numpy lacks, travels
 as its raw 16-bit pattern and is viewed back on import. jobs/bench_engine.py measures both.
 
-Every array is covered by a blake2b digest and the engine checks version, model fingerprint,
-page size, shapes, dtypes, token ids and digest before it touches its own memory: a state from
-another model, a truncated or corrupted one, or one for another prompt is refused, never loaded.
+Trust: both are sealed with a keyed blake2b MAC under `EngineConfig.handoff_key`, a secret the
+engines that exchange states share (the Serve builders give every replica of an application the
+one its config drew); a state sealed under another key, or changed and resealed by someone
+without it, is refused. What passes is then checked as strictly as what the engine computes
+itself (version, model fingerprint, page size, shapes, dtypes, finite values, token ids, page
+hashes, generator state) on a private copy, so a caller cannot change it after the check. An
+import adds pages and snapshots the engine lacks and never replaces what it holds.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
+import hmac
+import math
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .media import MediaSpan
+from k3.model import K3ForCausalLM
 
-STATE_VERSION = 2  # 2: media spans and rows
+from .cache_manager import CacheManager, KDAStates, Latents, page_hashes
+from .media import MediaSpan, SequenceMedia, check_spans
+from .params import SamplingParams
 
-_NP_FROM_TORCH = {torch.float32: ("float32", None), torch.bfloat16: ("bfloat16", torch.int16),
-                  torch.float16: ("float16", None)}
+if TYPE_CHECKING:
+    from .scheduler import Sequence
+
+STATE_VERSION = 3  # 2: media spans and rows; 3: keyed digest
+
+_NP_VIEW = {torch.bfloat16: torch.int16}  # torch dtypes numpy lacks, carried as their bit pattern
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU numpy copy; bf16 as its int16 bit pattern."""
-    view = _NP_FROM_TORCH.get(t.dtype, (None, None))[1]
     t = t.detach().to("cpu").contiguous()
+    view = _NP_VIEW.get(t.dtype)
     return (t.view(view) if view is not None else t).numpy().copy()
 
 
 def to_torch(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The tensor of an array to_numpy made (sharing a's memory on the CPU)."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     if dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
     return t.to(device)
 
 
+def model_fingerprint(model: K3ForCausalLM, cache_dtype: str) -> str:
+    """The config, the cache dtype and a sample of every parameter: two engines that agree on it
+    can exchange cache states."""
+    h = hashlib.sha256(model.cfg.to_json().encode() + cache_dtype.encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _mac(secret: str, person: bytes, header: object, arrays: list[tuple[str, np.ndarray]]) -> bytes:
+    """Keyed blake2b over a header and arrays (name, dtype, shape and bytes of each)."""
+    key = hashlib.blake2b(secret.encode(), digest_size=32, person=b"k3 handoff key").digest()
+    h = hashlib.blake2b(key=key, digest_size=32, person=person)
+    h.update(repr(header).encode())
+    for name, a in arrays:
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+    return h.digest()
+
+
 @dataclass
 class HybridCacheState:
     version: int
-    model_fingerprint: str  # config + weights sample + cache dtype (LLMEngine.fingerprint)
+    model_fingerprint: str  # config + weights sample + cache dtype (model_fingerprint)
     page_size: int
     cache_dtype: str  # "float32" | "bfloat16": the conv state and latents as stored
     prompt_token_ids: np.ndarray  # [n] int64
@@ -63,9 +107,9 @@ class HybridCacheState:
     generator_state: np.ndarray | None  # uint8, the request's seeded generator after its first draw
     media_spans: list[MediaSpan] = field(default_factory=list)  # per item: placeholder range, content digest
     media_rows: np.ndarray | None = None  # [P, hidden] float32: the feature rows of the P placeholders
-    digest: bytes = field(default=b"")
+    digest: bytes = field(default=b"")  # keyed MAC of everything above (seal)
     # Bookkeeping outside the digest: seconds the exporter spent building and sealing the state
-    # ("export_s") and the importer spent checking and converting it ("check_s").
+    # ("export_s"), the decode server fetching it ("fetch_s"), the importer checking it ("check_s").
     timings: dict[str, float] = field(default_factory=dict)
 
     def arrays(self) -> list[tuple[str, np.ndarray]]:
@@ -79,19 +123,26 @@ class HybridCacheState:
             out.append(("media_rows", self.media_rows))
         return out
 
-    def compute_digest(self) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(repr((self.version, self.model_fingerprint, self.page_size, self.cache_dtype, self.first_token,
-                       self.first_logprob, list(self.page_hashes),
-                       [(s.start, s.end, s.digest) for s in self.media_spans])).encode())
-        for name, a in self.arrays():
-            h.update(f"{name}:{a.dtype}:{a.shape}".encode())
-            h.update(np.ascontiguousarray(a).view(np.uint8).data)
-        return h.digest()
+    def compute_digest(self, secret: str) -> bytes:
+        header = (self.version, self.model_fingerprint, self.page_size, self.cache_dtype, self.first_token,
+                  self.first_logprob, list(self.page_hashes), [(s.start, s.end, s.digest) for s in self.media_spans])
+        return _mac(secret, b"k3 cache state", header, self.arrays())
 
-    def seal(self) -> "HybridCacheState":
-        self.digest = self.compute_digest()
+    def seal(self, secret: str) -> HybridCacheState:
+        """Set the digest under `secret` (the EngineConfig.handoff_key of the engines involved)."""
+        self.digest = self.compute_digest(secret)
         return self
+
+    def private_copy(self) -> HybridCacheState:
+        """A deep copy: what the importer checks and loads, out of its caller's reach."""
+        return dataclasses.replace(
+            self, prompt_token_ids=np.array(self.prompt_token_ids, copy=True), page_hashes=list(self.page_hashes),
+            kda_recurrent={k: np.array(a, copy=True) for k, a in self.kda_recurrent.items()},
+            kda_conv={k: np.array(a, copy=True) for k, a in self.kda_conv.items()},
+            mla_latents={k: np.array(a, copy=True) for k, a in self.mla_latents.items()},
+            first_logprob=copy.deepcopy(self.first_logprob), media_spans=list(self.media_spans),
+            generator_state=None if self.generator_state is None else np.array(self.generator_state, copy=True),
+            media_rows=None if self.media_rows is None else np.array(self.media_rows, copy=True), timings={})
 
     @property
     def nbytes(self) -> int:
@@ -100,13 +151,37 @@ class HybridCacheState:
 
 @dataclass
 class PoolPage:
-    """One prompt page as the shared prefix pool holds it (serve/prefix_pool.py)."""
+    """One prompt page as the shared prefix pool holds it (serve/prefix_pool.py). The latents and
+    the snapshot are sealed apart, so the pool can send a page without its snapshot."""
 
     hash: bytes  # the page's chain hash (covers every token before it)
     depth: int  # 1-based position of the page in its prompt
     tokens: tuple[int, ...]  # the page's own tokens (checked on load, as local hits are)
     latents: dict[int, np.ndarray]  # MLA layer -> [page_size, latent]
     snapshot: dict[int, tuple[np.ndarray, np.ndarray]] | None  # KDA layer -> (conv, recurrent) after the page
+    digest: bytes = b""  # keyed MAC of hash, depth, tokens and latents
+    snapshot_digest: bytes = b""  # keyed MAC of hash and snapshot
+
+    def _page_mac(self, secret: str) -> bytes:
+        return _mac(secret, b"k3 pool page", (self.hash, self.depth, tuple(self.tokens)),
+                    [(f"latents[{k}]", self.latents[k]) for k in sorted(self.latents)])
+
+    def _snapshot_mac(self, secret: str) -> bytes:
+        arrays = [(f"{part}[{k}]", self.snapshot[k][i]) for k in sorted(self.snapshot)
+                  for i, part in enumerate(("conv", "recurrent"))]
+        return _mac(secret, b"k3 pool snapshot", self.hash, arrays)
+
+    def seal(self, secret: str) -> PoolPage:
+        self.digest = self._page_mac(secret)
+        self.snapshot_digest = self._snapshot_mac(secret) if self.snapshot is not None else b""
+        return self
+
+    def verified(self, secret: str) -> bool:
+        ok = hmac.compare_digest(self.digest, self._page_mac(secret))
+        return ok and (self.snapshot is None or hmac.compare_digest(self.snapshot_digest, self._snapshot_mac(secret)))
+
+    def without_snapshot(self) -> PoolPage:
+        return dataclasses.replace(self, snapshot=None, snapshot_digest=b"")
 
     @property
     def nbytes(self) -> int:
@@ -114,3 +189,281 @@ class PoolPage:
         if self.snapshot is not None:
             n += sum(c.nbytes + r.nbytes for c, r in self.snapshot.values())
         return n
+
+
+@dataclass
+class Imported:
+    """A handed-over state, checked and converted: what the engine and the scheduler load."""
+
+    latents: Latents  # MLA layer -> [prompt tokens, latent]
+    states: KDAStates  # the KDA states after the prompt
+    first_token: int
+    first_logprob: dict | None
+    page_hashes: list[bytes]
+    media: SequenceMedia | None
+    generator_state: torch.Tensor | None  # uint8, set on the request's generator
+
+
+_REFUSED = "cache state refused: "  # the prefix of every refusal of a HybridCacheState
+
+
+def _refuse(msg: str, where: str = _REFUSED):
+    raise ValueError(f"{where}{msg}")
+
+
+class Handoff:
+    """Exports and imports for one engine: its cache, its model's shapes, its fingerprint and
+    the shared secret."""
+
+    def __init__(self, cache: CacheManager, model: K3ForCausalLM, cache_dtype: str, secret: str,
+                 multimodal: bool) -> None:
+        self.cache, self.cfg, self.multimodal = cache, model.cfg, multimodal
+        self.device = cache.device
+        self.fingerprint = model_fingerprint(model, cache_dtype)
+        self.cache_dtype = cache_dtype
+        self._secret = secret
+        # bf16 travels as its int16 bit pattern
+        self._np_dtype = np.dtype(np.int16) if cache.dtype == torch.bfloat16 else np.dtype(np.float32)
+        self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
+
+    # -- one request's state -----------------------------------------------------------------------
+    def export_state(self, seq: Sequence, first: int, lp: dict | None) -> HybridCacheState:
+        """The state after seq's prompt (its slot and the prompt's latents), the first token, and
+        the generator as it stands after drawing it; sealed."""
+        n = len(seq.prompt)
+        assert seq.num_computed == n, "a prompt is exported right after its last token was computed"
+        t0 = time.perf_counter()
+        gen = seq.generator.get_state().numpy().copy() if seq.generator is not None else None
+        spans, rows = [], None
+        if seq.media is not None:
+            spans, rows = list(seq.media.spans), seq.media.rows.detach().to("cpu", torch.float32).numpy().copy()
+        states, latents = self.cache.read_sequence(seq.mem, n)
+        state = HybridCacheState(
+            version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
+            cache_dtype=self.cache_dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
+            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size, media=spans),
+            kda_recurrent={l: to_numpy(r) for l, (_, r) in states.items()},
+            kda_conv={l: to_numpy(c) for l, (c, _) in states.items()},
+            mla_latents={l: to_numpy(t) for l, t in latents.items()},
+            first_token=first, first_logprob=copy.deepcopy(lp), generator_state=gen, media_spans=spans,
+            media_rows=rows,
+        ).seal(self._secret)
+        state.timings["export_s"] = time.perf_counter() - t0
+        return state
+
+    def check_state(self, state: HybridCacheState, ids: list[int], params: SamplingParams) -> Imported:
+        """Everything about a handed-over state that must hold before it is loaded, checked on a
+        private copy; ValueError ("cache state refused: ...") naming what does not."""
+        if not isinstance(state, HybridCacheState):
+            _refuse(f"expected a HybridCacheState, got {type(state).__name__}")
+        _check_containers(state)
+        state = state.private_copy()
+        self._check_seal(state)
+        media = self._check_prompt(state, ids)
+        gen = self._check_generator(state.generator_state, params)
+        lp = self._check_first(state.first_token, state.first_logprob, params)
+        kda = self._kda_states(state.kda_conv, state.kda_recurrent, _REFUSED)
+        latents = self._latents(state.mla_latents, len(ids), _REFUSED)
+        return Imported(latents, kda, state.first_token, lp, list(state.page_hashes), media, gen)
+
+    def _check_seal(self, state: HybridCacheState) -> None:
+        if state.version != STATE_VERSION:
+            _refuse(f"version {state.version}, this engine reads version {STATE_VERSION}")
+        if state.model_fingerprint != self.fingerprint:
+            _refuse(f"model fingerprint {state.model_fingerprint} != this engine's {self.fingerprint} "
+                    f"(another config, other weights or another cache dtype)")
+        if state.page_size != self.cache.page_size:
+            _refuse(f"page_size {state.page_size} != this engine's {self.cache.page_size}")
+        if state.cache_dtype != self.cache_dtype:
+            _refuse(f"cache_dtype {state.cache_dtype!r} != this engine's {self.cache_dtype!r}")
+        if not isinstance(state.digest, bytes) or not hmac.compare_digest(state.digest,
+                                                                          state.compute_digest(self._secret)):
+            _refuse("its digest does not verify under this engine's handoff_key: it was sealed with another key "
+                    "(engines that exchange states need the same EngineConfig.handoff_key) or changed after sealing")
+
+    def _check_prompt(self, state: HybridCacheState, ids: list[int]) -> SequenceMedia | None:
+        got = state.prompt_token_ids
+        if got.dtype != np.int64 or got.shape != (len(ids),) or not np.array_equal(got, np.asarray(ids, np.int64)):
+            _refuse(f"its prompt_token_ids ({got.shape}) differ from the request's prompt ({len(ids)} tokens)")
+        media = self._check_media(state, ids)
+        if list(state.page_hashes) != page_hashes(ids, self.cache.page_size, media=state.media_spans):
+            _refuse("page_hashes do not match the prompt and its media")
+        return media
+
+    def _check_media(self, state: HybridCacheState, ids: list[int]) -> SequenceMedia | None:
+        """The handed-over spans and rows: they must describe this prompt's placeholders exactly."""
+        spans, rows = list(state.media_spans), state.media_rows
+        if not self.multimodal:
+            if spans or rows is not None:
+                _refuse("it carries media, but this engine's model has no vision tower")
+            return None
+        try:
+            pos = check_spans(ids, spans, self.cfg.media_placeholder_token_id)
+        except ValueError as e:
+            _refuse(str(e))
+        if not pos:
+            if rows is not None:
+                _refuse("media_rows given for a prompt without placeholders")
+            return None
+        want = (len(pos), self.cfg.hidden_size)
+        if rows is None or rows.shape != want or rows.dtype != np.float32 or not np.isfinite(rows).all():
+            _refuse(f"media_rows {getattr(rows, 'shape', None)} {getattr(rows, 'dtype', None)}, expected finite "
+                    f"{want} float32")
+        return SequenceMedia(None, spans, pos, to_torch(rows, torch.float32, self.device))
+
+    def _check_generator(self, gen: np.ndarray | None, params: SamplingParams) -> torch.Tensor | None:
+        if (params.seed is not None) != (gen is not None):
+            _refuse("a seeded request needs the generator state, an unseeded one has none")
+        if gen is None:
+            return None
+        if gen.dtype != np.uint8 or gen.shape != (self._generator_bytes,):
+            _refuse(f"generator_state {gen.shape} {gen.dtype}, expected ({self._generator_bytes},) uint8")
+        t = torch.from_numpy(gen)
+        try:
+            torch.Generator(device=self.device).set_state(t)
+        except RuntimeError as e:
+            _refuse(f"generator_state is not a state of this engine's generator: {e}")
+        return t
+
+    def _check_first(self, tok: object, lp: object, params: SamplingParams) -> dict | None:
+        vocab = self.cfg.vocab_size
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+            _refuse(f"first_token {tok!r} is not a token id in [0, {vocab})")
+        if (params.logprobs is None) != (lp is None):
+            _refuse(f"first_logprob is {'missing' if lp is None else 'given'} for a request with "
+                    f"logprobs={params.logprobs}")
+        if lp is None:
+            return None
+        if not _is_entry(lp, tok, params.logprobs, vocab):
+            _refuse(f"first_logprob is not an entry for token {tok} with {params.logprobs} alternatives")
+        return lp
+
+    def _kda_states(self, conv: dict, rec: dict, where: str) -> KDAStates:
+        """{layer: (conv, recurrent)} as tensors, every layer there, shaped, typed and finite."""
+        want = [s.layer_idx for s in self.cache.kda_specs]
+        if sorted(rec) != want or sorted(conv) != want:
+            _refuse(f"KDA layers {sorted(rec)} / {sorted(conv)} != {want}", where)
+        out = {}
+        for s in self.cache.kda_specs:
+            r, c = rec[s.layer_idx], conv[s.layer_idx]
+            if r.shape != s.state_shape or r.dtype != np.float32:
+                _refuse(f"KDA layer {s.layer_idx} recurrent state {r.shape} {r.dtype}, expected {s.state_shape} "
+                        f"float32", where)
+            if c.shape != s.conv_shape or c.dtype != self._np_dtype:
+                _refuse(f"KDA layer {s.layer_idx} conv state {c.shape} {c.dtype}, expected {s.conv_shape} "
+                        f"{self._np_dtype}", where)
+            out[s.layer_idx] = (self._finite(c, self.cache.dtype, f"KDA layer {s.layer_idx} conv state", where),
+                                self._finite(r, torch.float32, f"KDA layer {s.layer_idx} recurrent state", where))
+        return out
+
+    def _latents(self, lat: dict, n: int, where: str) -> Latents:
+        """{layer: [n, latent]} as tensors, every MLA layer there, shaped, typed and finite."""
+        want = [s.layer_idx for s in self.cache.mla_specs]
+        if sorted(lat) != want:
+            _refuse(f"MLA layers {sorted(lat)} != {want}", where)
+        out = {}
+        for s in self.cache.mla_specs:
+            a = lat[s.layer_idx]
+            if a.shape != (n, s.latent_dim) or a.dtype != self._np_dtype:
+                _refuse(f"MLA layer {s.layer_idx} latents {a.shape} {a.dtype}, expected {(n, s.latent_dim)} "
+                        f"{self._np_dtype}", where)
+            out[s.layer_idx] = self._finite(a, self.cache.dtype, f"MLA layer {s.layer_idx} latents", where)
+        return out
+
+    def _finite(self, a: np.ndarray, dtype: torch.dtype, name: str, where: str) -> torch.Tensor:
+        t = to_torch(a, dtype, self.device)
+        if not bool(torch.isfinite(t).all()):
+            _refuse(f"{name} holds non-finite values", where)
+        return t
+
+    # -- the prefix pool (call these in the engine's step thread) --------------------------------------
+    def cached_prefix_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
+        """Prompt tokens this engine could start from its own prefix cache."""
+        ps = self.cache.page_size
+        return self.cache.prefix_depth(prompt, page_hashes(prompt, ps, media=media)) * ps
+
+    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
+                      only: set[bytes] | None = None) -> list[PoolPage]:
+        """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
+        pages (`media`: the prompt's spans; only the pages whose hash is in `only`, when given)."""
+        ps = self.cache.page_size
+        hashes = page_hashes(prompt, ps, media=media)
+        out = []
+        for j, (latents, snap) in enumerate(self.cache.read_prefix(prompt, hashes)):
+            if only is not None and hashes[j] not in only:
+                continue
+            out.append(PoolPage(hashes[j], j + 1, tuple(prompt[j * ps:(j + 1) * ps]),
+                                {l: to_numpy(t) for l, t in latents.items()},
+                                None if snap is None else {l: (to_numpy(c), to_numpy(r)) for l, (c, r) in snap.items()}
+                                ).seal(self._secret))
+        return out
+
+    def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+        """Load pool pages for this prompt into the prefix cache (pages it lacks, and snapshots
+        for pages without one); returns the prompt tokens now resumable here. Every page is
+        checked first: one that does not belong to the prompt, is not sealed under this engine's
+        key, or does not fit this model is refused with a ValueError and nothing is loaded."""
+        ps = self.cache.page_size
+        hashes = page_hashes(prompt, ps, media=media)
+        loaded = [self._check_page(j, p, hashes, prompt) for j, p in enumerate(pages)]
+        for p, (latents, snap) in zip(pages, loaded):
+            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, latents, snap):
+                break
+        return self.cache.prefix_depth(prompt, hashes) * ps
+
+    def _check_page(self, j: int, p: PoolPage, hashes: list[bytes],
+                    prompt: list[int]) -> tuple[Latents, KDAStates | None]:
+        """One pool page, checked on a private copy as a handed-over state is; its tensors."""
+        ps, where = self.cache.page_size, f"pool page {j + 1}: "
+        if not isinstance(p, PoolPage) or j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
+                not isinstance(p.tokens, (tuple, list)) or tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
+            _refuse("it does not belong to this prompt", where)
+        snap = p.snapshot or {}
+        if not isinstance(p.latents, dict) or not isinstance(snap, dict) or \
+                any(not isinstance(cr, tuple) or len(cr) != 2 for cr in snap.values()) or \
+                any(not _numeric(a) for a in [*p.latents.values(), *(a for cr in snap.values() for a in cr)]):
+            _refuse("its latents and snapshot must be numeric numpy arrays", where)
+        p = dataclasses.replace(p, latents={k: np.array(a, copy=True) for k, a in p.latents.items()},
+                                snapshot=None if p.snapshot is None else
+                                {k: (np.array(c, copy=True), np.array(r, copy=True)) for k, (c, r) in snap.items()})
+        if not p.verified(self._secret):
+            _refuse("its digest does not verify under this engine's handoff_key (sealed with another key, or "
+                    "changed after sealing)", where)
+        latents = self._latents(p.latents, ps, where)
+        if p.snapshot is None:
+            return latents, None
+        return latents, self._kda_states({k: c for k, (c, _) in p.snapshot.items()},
+                                         {k: r for k, (_, r) in p.snapshot.items()}, where)
+
+
+def _numeric(a: object) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype.kind in "biuf"
+
+
+def _is_logprob(v: object) -> bool:
+    return isinstance(v, float) and not math.isnan(v) and v <= 0.0
+
+
+def _is_entry(lp: object, tok: int, k: int, vocab: int) -> bool:
+    """Whether lp is the sampler's logprob entry (sampler.py) for tok with k alternatives."""
+    if not isinstance(lp, dict) or set(lp) != ({"token", "logprob", "top"} if k else {"token", "logprob"}):
+        return False
+    top = lp.get("top", {})
+    return lp["token"] == tok and _is_logprob(lp["logprob"]) and isinstance(top, dict) and len(top) == k and \
+        all(isinstance(t, int) and 0 <= t < vocab and _is_logprob(v) for t, v in top.items())
+
+
+def _check_containers(state: HybridCacheState) -> None:
+    """The fields' types, before anything reads them (a malformed state is refused, not crashed on)."""
+    for name in ("kda_recurrent", "kda_conv", "mla_latents"):
+        d = getattr(state, name)
+        if not isinstance(d, dict) or any(not _numeric(a) for a in d.values()):
+            _refuse(f"{name} must be a dict of numeric numpy arrays")
+    for name in ("prompt_token_ids", "generator_state", "media_rows"):
+        a = getattr(state, name)
+        if not _numeric(a) and not (a is None and name != "prompt_token_ids"):
+            _refuse(f"{name} must be a numeric numpy array, got {type(a).__name__}")
+    if not isinstance(state.page_hashes, (list, tuple)) or any(not isinstance(h, bytes) for h in state.page_hashes):
+        _refuse("page_hashes must be a list of bytes")
+    if not isinstance(state.media_spans, (list, tuple)) or any(not isinstance(m, MediaSpan) for m in state.media_spans):
+        _refuse("media_spans must be a list of MediaSpans")

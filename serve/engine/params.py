@@ -1,9 +1,10 @@
 """Request and engine configuration, validated at the boundary (pydantic; every field documented)."""
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 # Below this temperature sampling is greedy: dividing logits by a denormal temperature overflows
 # to inf and the softmax becomes NaN (vLLM draws the same line).
@@ -72,3 +73,10 @@ class EngineConfig(BaseModel):
     media_cache_bytes: int = Field(32 * 2**20, ge=0, description="Feature rows of recently encoded images / video "
                                                                  "chunks kept by content (0: none); the same picture "
                                                                  "again skips the vision tower.")
+    handoff_key: SecretStr = Field(
+        default_factory=lambda: SecretStr(secrets.token_hex(32)), min_length=16,
+        description="Secret (16+ characters) that seals handoff states and prefix-pool pages with a keyed "
+                    "blake2b MAC; engines that exchange them must share it, and a state sealed under another "
+                    "key is refused. Default: a random key drawn when this config is validated, so engines "
+                    "built from one config share it (the Serve builders validate the application's config "
+                    "once: every replica of the application gets the same key).")

@@ -17,16 +17,16 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache_manager import CacheManager, CachedPage, page_hashes
+from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache, page_hashes
 from .detokenizer import DetokStream, StopMatcher
+from .handoff import Imported
 from .media import SequenceMedia
 from .params import SamplingParams
-
-_arrival = itertools.count()
 
 
 class Status(enum.Enum):
@@ -35,19 +35,17 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    arrival: int = field(default_factory=lambda: next(_arrival))
-    slot: int | None = None
-    pages: list[int] = field(default_factory=list)
+    arrival: int = 0  # order of admission to the scheduler (Scheduler.add)
+    mem: SeqCache = field(default_factory=SeqCache)  # its KDA slot and MLA pages (CacheManager's)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
-    registered_pages: int = 0  # full prompt pages made shareable so far
     hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     detok: DetokStream | None = None
@@ -59,8 +57,9 @@ class Sequence:
     admitted: bool = False  # admitted at least once (prefix queries are counted once per request)
     prefill_only: bool = False  # export the cache state after the first token (disaggregated prefill)
     suspect_until: int = 0  # run alone until num_computed reaches this (after a failed batch)
-    imported: dict | None = None  # a handed-over state waiting for admission: {"latents", "kda"}
+    imported: Imported | None = None  # a handed-over state waiting for admission
     media: SequenceMedia | None = None  # images / video chunks of the prompt (media.py)
+    aborted: bool = False  # its caller gave it up: no output of it is delivered any more
 
     @property
     def tokens(self) -> list[int]:
@@ -92,31 +91,28 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        # Optional debug check of a prefix hit: verifier(sequence, prefix length, snapshot slot) -> bool.
-        self.verifier = None
+        self._arrival = itertools.count()
+        # Optional debug check of a prefix hit: verifier(sequence, hit) -> bool.
+        self.verifier: Callable[[Sequence, PrefixHit], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         if self.prefix_caching and not seq.hashes:
             spans = seq.media.spans if seq.media is not None else ()
             seq.hashes = page_hashes(seq.prompt, self.cache.page_size, media=spans)
+        seq.arrival = next(self._arrival)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Finish or abort: give back its memory."""
+    def remove(self, seq: Sequence, failed: bool = False) -> None:
+        """Finish or abort: give back its memory. `failed`: also forget the pages it made
+        shareable (they were computed or imported for a request that failed)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
-
-    def fail(self, seq: Sequence) -> None:
-        """A request that failed: give back its memory and forget the pages it made shareable."""
-        mine = seq.hashes[seq.num_cached_tokens // self.cache.page_size: seq.registered_pages]
-        self.remove(seq)
-        self.cache.forget(mine)
+        self.cache.release(seq.mem, failed=failed)
 
     def preempt_for_recompute(self, seqs: list[Sequence], until: dict[int, int]) -> None:
         """After a failed forward: every sequence in it goes back to wait, marked suspect."""
@@ -125,30 +121,14 @@ class Scheduler:
             self._preempt(seq)
             seq.suspect_until = max(seq.suspect_until, target)
 
-    def _release(self, seq: Sequence) -> None:
-        self.cache.release_pages(seq.pages)
-        seq.pages = []
-        if seq.slot is not None:
-            self.cache.free_run_slot(seq.slot)
-            seq.slot = None
-        seq.registered_pages = 0
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.cache.release(seq.mem)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
-
-    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
-        while len(seq.pages) < self.cache.pages_for(upto_tokens):
-            p = self.cache.alloc_page()
-            if p is None:
-                return False
-            seq.pages.append(p)
-        return True
 
     def _plan(self, seq: Sequence, n: int) -> Scheduled:
         """The chunk, with the prompt page boundaries in it that are due a KDA snapshot."""
@@ -166,67 +146,42 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence a slot and, on a prefix hit, its cached pages and KDA state."""
-        slot = self.cache.alloc_run_slot()
-        if slot is None:
+        if not self.cache.take_slot(seq.mem):
             return False
-        seq.slot = slot
         seq.num_computed = 0
         if seq.imported is not None:
-            return self._admit_imported(seq)
+            return self._import(seq)
         if self.prefix_caching and seq.hashes:
-            chain, best = self.cache.lookup(seq.tokens, seq.hashes, limit=seq.length)
-            if best is not None and self.verifier is not None and \
-                    not self.verifier(seq, best.depth * self.cache.page_size, best.snapshot_slot):
-                self.cache.reject_snapshot(best)
-                best = None
-            if best is not None:
-                hit = chain[: best.depth]
-                for blk in hit:
-                    self.cache.hold(blk)
-                seq.pages = [b.page for b in hit]
-                seq.registered_pages = best.depth
-                self.cache.copy_slot(best.snapshot_slot, slot)
-                seq.num_computed = best.depth * self.cache.page_size
+            hit = self.cache.find_prefix(seq.tokens, seq.hashes, limit=seq.length)
+            if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
+                self.cache.reject(hit)
+                hit = None
+            if hit is not None:
+                self.cache.start_from(seq.mem, hit)
+                seq.num_computed = hit.num_tokens
         if not seq.admitted:
             seq.num_cached_tokens = seq.num_computed
         return True
 
-    def _admit_imported(self, seq: Sequence) -> bool:
-        """A handed-over prompt: shared pages where this cache has them, the rest written from
-        the state; the KDA state into the slot; the sequence resumes at its first output token."""
-        cm, ps, n = self.cache, self.cache.page_size, len(seq.prompt)
-        reuse: list[CachedPage] = []
-        if self.prefix_caching:
-            for j, h in enumerate(seq.hashes):
-                blk = cm.cached(h, tuple(seq.prompt[j * ps:(j + 1) * ps]))
-                if blk is None:
-                    break
-                reuse.append(blk)
-        need = cm.pages_for(n + 1) - len(reuse)
-        if not cm.can_alloc(need):
-            cm.free_run_slot(seq.slot)
-            seq.slot = None
+    def _import(self, seq: Sequence) -> bool:
+        """Admit a handed-over prompt: shared pages where this cache has them, the rest written
+        from the state; the KDA state into the slot; the sequence goes on from its first output
+        token."""
+        n, ps = len(seq.prompt), self.cache.page_size
+        imp = seq.imported
+        reused = self.cache.import_sequence(seq.mem, seq.prompt, seq.hashes, imp.latents, imp.states)
+        if reused is None:
+            self.cache.release(seq.mem)
             return False
-        for blk in reuse:
-            cm.hold(blk)
-        seq.pages = [b.page for b in reuse]
-        seq.registered_pages = len(reuse)
-        if not self._grow(seq, n + 1):  # cannot happen after can_alloc; keep memory consistent anyway
-            self._release(seq)
-            return False
-        cm.write_latents(seq.pages, len(reuse), seq.imported["latents"])
-        cm.write_slot(seq.slot, seq.imported["kda"])
         seq.imported = None
         seq.num_computed = n
         if not seq.admitted:
-            seq.num_cached_tokens = len(reuse) * ps
+            seq.num_cached_tokens = reused
         if self.prefix_caching:
-            self._register_pages(seq)
+            self.cache.share_prompt_pages(seq.mem, seq.prompt, seq.hashes, n)
             depth = n // ps
-            if n % ps == 0 and depth % self.interval == 0 and depth > 0 and cm.num_snapshot_slots:
-                blk = cm.entries.get(seq.hashes[depth - 1])
-                if blk is not None and blk.page == seq.pages[depth - 1]:
-                    cm.store_snapshot(blk, from_slot=seq.slot)
+            if n % ps == 0 and depth % self.interval == 0 and depth > 0 and self.cache.num_snapshot_slots:
+                self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth)
         return True
 
     def schedule(self) -> list[Scheduled]:
@@ -247,7 +202,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.length - seq.num_computed, budget)
-            while not self._grow(seq, seq.num_computed + n):
+            while not self.cache.grow(seq.mem, seq.num_computed + n):
                 victim = max((s for s in self.running if s not in [o.seq for o in out]), key=lambda s: s.arrival)
                 self._preempt(victim)
                 if victim is seq:
@@ -267,10 +222,9 @@ class Scheduler:
             if not self._admit(seq):
                 break
             n = min(seq.length - seq.num_computed, budget)
-            have = len(seq.pages)
-            if not self.cache.can_alloc(self.cache.pages_for(seq.num_computed + n) - have) or \
-                    not self._grow(seq, seq.num_computed + n):
-                self._release(seq)  # not now: wait for memory rather than preempting running work
+            if not self.cache.can_grow(seq.mem, seq.num_computed + n) or \
+                    not self.cache.grow(seq.mem, seq.num_computed + n):
+                self.cache.release(seq.mem)  # not now: wait for memory rather than preempting running work
                 break
             self.waiting.popleft()
             if self.prefix_caching and not seq.admitted:  # a re-admission is not a new query
@@ -284,31 +238,18 @@ class Scheduler:
                 break
         return out
 
-    def _register_pages(self, seq: Sequence) -> None:
-        full = min(seq.num_computed, len(seq.prompt)) // self.cache.page_size
-        ps = self.cache.page_size
-        for j in range(seq.registered_pages, full):
-            self.cache.register(seq.hashes[j], tuple(seq.prompt[j * ps:(j + 1) * ps]), j + 1, seq.pages[j])
-        seq.registered_pages = max(seq.registered_pages, full)
-
-    def after_step(self, sch: Scheduled, snapshots: dict[int, dict[int, tuple]]) -> None:
+    def after_step(self, sch: Scheduled, snapshots: dict[int, KDAStates]) -> None:
         """Advance num_computed; share completed prompt pages; store KDA snapshots (`snapshots`
-        {offset: {kda layer: (conv, recurrent)}} for mid-chunk ones; the slot for the end)."""
+        {offset: states} for mid-chunk ones; the slot for the end)."""
         seq = sch.seq
         seq.num_computed += sch.num_tokens
         if not self.prefix_caching:
             return
-        self._register_pages(seq)
+        self.cache.share_prompt_pages(seq.mem, seq.prompt, seq.hashes, seq.num_computed)
         start = seq.num_computed - sch.num_tokens
         due = [(off, snapshots.get(off)) for off in sch.snapshot_offsets]
         if sch.snapshot_at_end:
             due.append((sch.num_tokens, None))
         for off, states in due:
             depth = (start + off) // self.cache.page_size
-            blk: CachedPage | None = self.cache.entries.get(seq.hashes[depth - 1])
-            if blk is None or blk.page != seq.pages[depth - 1]:
-                continue
-            if states is None:
-                self.cache.store_snapshot(blk, from_slot=seq.slot)
-            else:
-                self.cache.store_snapshot(blk, states)
+            self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth, states)

@@ -98,7 +98,7 @@ def test_cached_greedy_decode_follows_the_reference(release):
     """The cache path (KDA state slots, MLA pages) the engine runs, on the loaded release weights."""
     model = load_k3(release, dtype=torch.float32, vision=False).eval()
     prompt = [5, 17, 3, 99, 42, 7, 250]
-    got = generate(model, [prompt], SamplingConfig(max_new_tokens=5))[0]
+    got = generate(model, [prompt], SamplingConfig(max_tokens=5))[0]
     ref = reference_logits(release, torch.tensor([prompt + got]))[0]
     assert got == ref[len(prompt) - 1:-1].argmax(-1).tolist()
 

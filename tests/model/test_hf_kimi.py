@@ -55,7 +55,7 @@ def test_greedy_continuation_with_cache_matches_transformers(checkpoint):
     with torch.no_grad():
         want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
                            eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
-    got, logits = generate(ours, [prompt[0].tolist()], SamplingConfig(max_new_tokens=12), return_logits=True)
+    got, logits = generate(ours, [prompt[0].tolist()], SamplingConfig(max_tokens=12), return_logits=True)
     assert got[0] == want
     with torch.no_grad():  # and the cached step logits equal transformers' full forward
         full = hf(torch.tensor([prompt[0].tolist() + want])).logits[0, prompt.shape[1] - 1:-1]

@@ -28,7 +28,7 @@ def test_every_k3_feature_is_on_in_tiny():
 
 def test_cached_generation_equals_uncached_forward(model):
     prompts = [[5, 17, 99, 3, 250, 7, 8, 1000, 42, 11], list(range(100, 123))]
-    toks, logits = generate(model, prompts, SamplingConfig(max_new_tokens=10), return_logits=True)
+    toks, logits = generate(model, prompts, SamplingConfig(max_tokens=10), return_logits=True)
     for p, t, lg in zip(prompts, toks, logits):
         with torch.no_grad():
             ref = model(torch.tensor([p + t])).logits[0, len(p) - 1:-1]
@@ -59,7 +59,7 @@ def test_packed_loss_never_crosses_a_boundary(model):
 
 
 def test_sampling_is_reproducible_with_a_seed(model):
-    sc = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=123)
+    sc = SamplingConfig(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=123)
     a = generate(model, [[1, 2, 3]], sc)
     b = generate(model, [[1, 2, 3]], sc)
     assert a == b
@@ -67,8 +67,8 @@ def test_sampling_is_reproducible_with_a_seed(model):
         generate(model, [[1]], SamplingConfig(top_p=0.0))
     with pytest.raises(ValueError, match="temperature"):
         generate(model, [[1]], SamplingConfig(temperature=-1))
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(model, [[1]], SamplingConfig(max_new_tokens=0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        generate(model, [[1]], SamplingConfig(max_tokens=0))
     with pytest.raises(ValueError, match="prompts"):
         generate(model, [[]])
 

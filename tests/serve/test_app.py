@@ -127,7 +127,7 @@ def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
     first = post()
     time.sleep(1.0)  # the replica publishes to the pool after replying
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
-    assert prefill.drop_local_prefix_cache.remote().result() > 0
+    assert prefill.reset_prefix_cache.remote().result() > 0
     again = post()
     assert prefill.pool_stats.remote().result()["pool_hit_tokens"] - before == 32  # resumed at page 4 from the pool
     assert again["text"] == first["text"]

@@ -3,6 +3,7 @@ preemption. And it rejects bad input without disturbing the requests it is servi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def rand_prompts(n, lo, hi, seed):
 
 
 def alone(model, prompt, n=12):
-    return generate(model, [prompt], SamplingConfig(max_new_tokens=n))[0]
+    return generate(model, [prompt], SamplingConfig(max_tokens=n))[0]
 
 
 def test_sixteen_concurrent_requests_equal_each_alone(tiny_model):
@@ -76,8 +77,10 @@ def test_prefix_hits_equal_cold_runs(tiny_model, cached_engine):
         assert out.cached_tokens > 0, f"{name}: no prefix hit"
         assert out.cached_tokens % 16 == 0 and out.cached_tokens < len(prompt)
         assert out.token_ids == alone(tiny_model, prompt), f"{name}: hit differs from cold"
-    # evict the later pages of the chain: the hit falls back to an earlier snapshot
-    eng.cache.evict_idle(min_depth=6)
+    # keep only the first 5 pages of the chain: the hit falls back to an earlier snapshot
+    pages = eng.export_prefix(prefix + [1, 2, 3])
+    assert eng.reset_prefix_cache() > 0 and eng.cached_prefix_tokens(prefix) == 0
+    eng.import_prefix(prefix, pages[:5])
     out = eng.generate([prefix + [9, 9]], GREEDY)[0]
     assert out.cached_tokens == 32  # the snapshot at page 4 (interval 2) is the deepest left
     assert out.token_ids == alone(tiny_model, prefix + [9, 9])
@@ -102,36 +105,31 @@ def test_snapshots_on_kda_chunk_boundaries_equal_cold_runs(tiny_model, batched_t
 
 
 def test_a_planted_wrong_snapshot_is_caught(tiny_model):
+    # A holder of the handoff key plants, through the prefix pool, page 4 of prompt a carrying
+    # b's KDA state (well formed, correctly sealed: only recomputing can tell it is wrong).
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, 4096, (40,), generator=g).tolist()
     b = torch.randint(0, 4096, (40,), generator=g).tolist()
     query = a[:32] + [7, 7, 7]
     cold = alone(tiny_model, query)
+    cfg = EngineConfig(page_size=8, snapshot_interval=2)
+    src = LLMEngine(tiny_model, cfg)
+    src.generate([a + [1], b + [1]], GREEDY)
+    pa, pb = src.export_prefix(a + [1]), src.export_prefix(b + [1])
+    forged = pa[:3] + [dataclasses.replace(pa[3], snapshot=pb[3].snapshot).seal(cfg.handoff_key.get_secret_value())]
 
-    def plant(eng):
-        eng.generate([a + [1]], GREEDY)
-        eng.generate([b + [1]], GREEDY)
-        ba = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(a[24:32]))
-        bb = next(x for x in eng.cache.entries.values() if x.depth == 4 and x.tokens == tuple(b[24:32]))
-        eng.cache.copy_slot(bb.snapshot_slot, ba.snapshot_slot)  # a's snapshot now holds b's state
-        return ba
+    def planted(verify):
+        eng = LLMEngine(tiny_model, cfg.model_copy(update={"verify_prefix_hits": verify}))
+        assert eng.import_prefix(query, forged) == 32
+        return eng
 
     # Without a check, the wrong state is restored and the answer changes: the plant has teeth.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
-    plant(eng)
-    wrong = eng.generate([query], GREEDY)[0]
+    wrong = planted(False).generate([query], GREEDY)[0]
     assert wrong.cached_tokens == 32 and wrong.token_ids != cold
-    # The metadata check: a snapshot recorded for another position is never restored.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2))
-    ba = plant(eng)
-    ba.snapshot_tokens = 24
+    # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
+    eng = planted(True)
     out = eng.generate([query], GREEDY)[0]
     assert eng.stats()["snapshots_rejected"] == 1 and out.token_ids == cold
-    # The content check (verify_prefix_hits) recomputes the prefix and catches the swapped state.
-    eng = LLMEngine(tiny_model, EngineConfig(page_size=8, snapshot_interval=2, verify_prefix_hits=True))
-    plant(eng)
-    out = eng.generate([query], GREEDY)[0]
-    assert eng.stats()["snapshots_rejected"] >= 1 and out.token_ids == cold
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
@@ -145,7 +143,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
 
 def test_memory_accounting_and_usage(tiny_model):
     eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=3, cache_memory_bytes=8 * 2**20))
-    assert eng.cache.nbytes() == eng.cache.expected_nbytes() <= 8 * 2**20
+    slots, pages = 3 + eng.cache.num_snapshot_slots, eng.cache.num_pages  # running + snapshot slots
+    assert eng.cache.nbytes() == slots * eng.cache.slot_bytes + pages * eng.cache.page_bytes <= 8 * 2**20
     cfg = tiny_model.cfg
     kda = cfg.layer_types.count("kda")
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size

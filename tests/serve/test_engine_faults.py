@@ -232,3 +232,88 @@ def test_readmission_after_preemption_is_not_a_new_prefix_query(tiny_model):
     s = eng.stats()
     assert s["preemptions"] > 0
     assert s["prefix_query_tokens"] == sum(len(p) for p in ps)
+
+
+def test_an_aborted_id_is_free_at_once_and_nothing_of_the_old_request_comes_back(tiny_model):
+    eng = LLMEngine(tiny_model)
+    eng.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    eng.abort_request("x")
+    eng.add_request("x", [4, 5, 6], SamplingParams(max_tokens=5, temperature=0))  # no step in between
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    fresh = LLMEngine(tiny_model).generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert [t for o in outs for t in o.new_token_ids] == fresh.token_ids
+    assert outs[-1].finished and outs[-1].token_ids == fresh.token_ids
+
+
+class AbortsMidForward(nn.Module):
+    """The tiny model; during its forward number `at`, another thread aborts "x" and takes the id
+    for a new request (as an asyncio front end may while a step runs)."""
+
+    def __init__(self, model, at):
+        super().__init__()
+        self.inner, self.cfg, self.at, self.calls = model, model.cfg, at, 0
+        self.engine: LLMEngine | None = None
+
+    def forward(self, *args, **kw):
+        self.calls += 1
+        if self.calls == self.at:
+            t = threading.Thread(target=lambda: (self.engine.abort_request("x"), self.engine.add_request(
+                "x", [4, 5, 6], SamplingParams(max_tokens=5, temperature=0))))
+            t.start()
+            t.join()
+        return self.inner(*args, **kw)
+
+
+def test_an_abort_during_a_step_drops_that_steps_outputs_of_the_request(tiny_model):
+    model = AbortsMidForward(tiny_model, at=3)
+    eng = model.engine = LLMEngine(model)
+    eng.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    old = LLMEngine(tiny_model).generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0]
+    fresh = LLMEngine(tiny_model).generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0))[0]
+    # the first two steps' tokens were the old request's; the aborted step's token is not delivered
+    assert [t for o in outs for t in o.new_token_ids] == old.token_ids + fresh.token_ids
+    assert outs[-1].token_ids == fresh.token_ids
+
+
+class HeldEngine(LLMEngine):
+    """An engine whose step, once `hold` is cleared, waits after delivering its outputs: the
+    window in which an asyncio stream may leave and a new one take its id."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.hold, self.waiting = threading.Event(), threading.Event()
+        self.hold.set()
+
+    def step(self):
+        outs = super().step()
+        if not self.hold.is_set():
+            self.waiting.set()
+            self.hold.wait()
+        return outs
+
+
+def test_async_stream_left_early_frees_its_id_and_its_last_outputs_go_nowhere(tiny_model):
+    eng = HeldEngine(tiny_model)
+    aeng = AsyncEngine(eng)
+    new_params = SamplingParams(max_tokens=5, temperature=0)
+
+    async def run():
+        old = aeng.generate([1, 2, 3], SamplingParams(max_tokens=50, temperature=0), request_id="x")
+        await old.__anext__()
+        eng.hold.clear()
+        await asyncio.to_thread(eng.waiting.wait)  # a step has delivered an output of "x", not yet routed
+        await old.aclose()
+        new = aeng.generate([4, 5, 6], new_params, request_id="x")  # the id is free now
+        first = asyncio.ensure_future(new.__anext__())
+        eng.hold.set()
+        return [await first] + [o async for o in new]
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))
+    fresh = LLMEngine(tiny_model).generate([[4, 5, 6]], new_params)[0]
+    assert [t for o in outs for t in o.new_token_ids] == fresh.token_ids and outs[-1].finished

@@ -18,6 +18,7 @@ from k3.serve.engine.cache_manager import CacheManager
 PAD = 6  # media_placeholder_token_id of k3-tiny-vl
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 CFG = EngineConfig(page_size=8, snapshot_interval=1, max_num_batched_tokens=64)
+KEY = CFG.handoff_key.get_secret_value()  # what a holder of the key could reseal a changed state with
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,8 @@ def test_handoff_with_a_picture_equals_one_engine(vl_model, proc, decode_preempt
     if decode_preempts:  # a small cache and two busy requests: the import is preempted and recomputes
         sizing = CacheManager(vl_model.cfg, EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False))
         dec = LLMEngine(vl_model, EngineConfig(max_num_seqs=4, page_size=8, enable_prefix_caching=False,
-                                               cache_memory_bytes=4 * sizing.slot_bytes + 13 * sizing.page_bytes))
+                                               cache_memory_bytes=4 * sizing.slot_bytes + 13 * sizing.page_bytes,
+                                               handoff_key=CFG.handoff_key))  # the prefill engine's key
         for i in range(2):
             dec.add_request(f"busy{i}", prompt([], seed=i, head=20, tail=0), SamplingParams(max_tokens=20))
         dec.step()
@@ -155,8 +157,8 @@ def test_handoff_refuses_a_state_whose_media_do_not_match(vl_model, proc):
     dec = LLMEngine(vl_model, CFG)
     other = dataclasses.replace(state, media_spans=[dataclasses.replace(state.media_spans[0], digest=b"x" * 16)])
     with pytest.raises(ValueError, match="page_hashes do not match"):
-        dec.import_request(None, ids, other.seal(), GREEDY)
-    no_rows = dataclasses.replace(state, media_rows=None).seal()
+        dec.import_request(None, ids, other.seal(KEY), GREEDY)
+    no_rows = dataclasses.replace(state, media_rows=None).seal(KEY)
     with pytest.raises(ValueError, match="media_rows"):
         dec.import_request(None, ids, no_rows, GREEDY)
     assert dec.stats()["running"] == 0 and not dec.has_unfinished()
@@ -168,12 +170,12 @@ def test_prefix_pool_pages_are_keyed_by_picture(vl_model, proc):
     src = LLMEngine(vl_model, CFG)
     want = src.generate([ids], GREEDY, media=[[a]])[0].token_ids
     spans_a = src.media_spans(ids, [a])[1]
-    pages = src.prefix_pages(ids, spans_a)
+    pages = src.export_prefix(ids, spans_a)
     assert pages
     dst = LLMEngine(vl_model, CFG)
     with pytest.raises(ValueError, match="does not belong"):
-        dst.adopt_prefix(ids, pages, src.media_spans(ids, [b])[1])
-    assert dst.adopt_prefix(ids, pages, spans_a) == len(pages) * 8
+        dst.import_prefix(ids, pages, src.media_spans(ids, [b])[1])
+    assert dst.import_prefix(ids, pages, spans_a) == len(pages) * 8
     out = dst.generate([ids], GREEDY, media=[[a]])[0]
     assert out.token_ids == want and out.cached_tokens == len(pages) * 8
 

@@ -1,8 +1,12 @@
 """Prefill on one engine, decode on another: the handed-over hybrid cache state (KDA recurrent +
-conv states, MLA latents, first token, sampling state) continues the request exactly."""
+conv states, MLA latents, first token, sampling state) continues the request exactly. A state the
+importer cannot trust (another model, another key, changed, malformed, non-finite) is refused
+before anything is allocated, and an import never replaces what the importer holds."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -95,8 +99,31 @@ def prefill_or_final(eng, prompt, params):
     return drain(eng, rid)[-1]
 
 
+KEY = CFG.handoff_key.get_secret_value()  # what a holder of the key could reseal a changed state with
+SEEDED = SamplingParams(max_tokens=4, temperature=0.5, seed=3, logprobs=3)
+
+
 def tampered(state, **changes):
-    return dataclasses.replace(state, **changes).seal()
+    return dataclasses.replace(state, **changes).seal(KEY)
+
+
+def sealed_without_key(state, **changes):
+    """Changed, and given a digest computed as one could without the key (plain blake2b)."""
+    state = dataclasses.replace(state, **changes)
+    h = hashlib.blake2b(digest_size=32)
+    for _, a in state.arrays():
+        h.update(a.tobytes())
+    return dataclasses.replace(state, digest=h.digest())
+
+
+def filled(arrays, value):
+    """A copy of {layer: array} whose first layer holds value everywhere."""
+    k = min(arrays)
+    return {**arrays, k: np.full_like(arrays[k], value)}
+
+
+def shifted(arrays, by=0.44):
+    return {k: a + by for k, a in arrays.items()}
 
 
 @pytest.fixture(scope="module")
@@ -105,38 +132,113 @@ def handed(tiny_model):
     return prompt, prefill(LLMEngine(tiny_model, CFG), prompt, GREEDY).cache_state
 
 
-def bad_states(state, prompt):
-    mla, kda = min(state.mla_latents), min(state.kda_recurrent)
+def other_model_state(m, s, p):
     other = K3ForCausalLM(get_preset("k3-tiny", hidden_size=96)).eval()
-    return {
-        "fingerprint": (tampered(state, model_fingerprint="0" * 32), prompt),
-        "another config": (prefill(LLMEngine(other, CFG), prompt, GREEDY).cache_state, prompt),
-        "digest": (dataclasses.replace(state, first_token=state.first_token + 1), prompt),
-        "latents": (tampered(state, mla_latents={**state.mla_latents, mla: state.mla_latents[mla][:-1]}), prompt),
-        "recurrent state": (tampered(state, kda_recurrent={**state.kda_recurrent,
-                                                           kda: state.kda_recurrent[kda].astype(np.float64)}), prompt),
-        "conv state": (tampered(state, kda_conv={**state.kda_conv, kda: state.kda_conv[kda][:, :1]}), prompt),
-        "prompt_token_ids": (state, prompt[:-1] + [prompt[-1] ^ 1]),
-        "page_size": (tampered(state, page_size=16), prompt),
-        "version": (tampered(state, version=99), prompt),
-        "generator state": (state, None),  # a seeded request needs one; this state has none
-    }
+    return prefill(LLMEngine(other, CFG), p, GREEDY).cache_state, p, GREEDY
 
 
-@pytest.mark.parametrize("case", ["fingerprint", "another config", "digest", "latents", "recurrent state",
-                                  "conv state", "prompt_token_ids", "page_size", "version", "generator state"])
+def other_key_state(m, s, p):
+    cfg = EngineConfig.model_validate({**CFG.model_dump(), "handoff_key": "another-secret-012"})
+    return prefill(LLMEngine(m, cfg), p, GREEDY).cache_state, p, GREEDY
+
+
+BAD_STATES = {  # case -> f(model, good state, its prompt) -> (state, prompt, params) to import
+    "fingerprint": lambda m, s, p: (tampered(s, model_fingerprint="0" * 32), p, GREEDY),
+    "another config": other_model_state,
+    "another key": other_key_state,
+    "changed after sealing": lambda m, s, p: (dataclasses.replace(s, first_token=s.first_token + 1), p, GREEDY),
+    "resealed without the key": lambda m, s, p: (sealed_without_key(s, kda_recurrent=shifted(s.kda_recurrent)),
+                                                 p, GREEDY),
+    "latents": lambda m, s, p: (tampered(s, mla_latents={k: a[:-1] for k, a in s.mla_latents.items()}), p, GREEDY),
+    "recurrent state": lambda m, s, p: (
+        tampered(s, kda_recurrent={k: a.astype(np.float64) for k, a in s.kda_recurrent.items()}), p, GREEDY),
+    "conv state": lambda m, s, p: (tampered(s, kda_conv={k: a[:, :1] for k, a in s.kda_conv.items()}), p, GREEDY),
+    "recurrent state not finite": lambda m, s, p: (tampered(s, kda_recurrent=filled(s.kda_recurrent, np.nan)),
+                                                   p, GREEDY),
+    "conv state not finite": lambda m, s, p: (tampered(s, kda_conv=filled(s.kda_conv, np.nan)), p, GREEDY),
+    "latents not finite": lambda m, s, p: (tampered(s, mla_latents=filled(s.mla_latents, np.inf)), p, GREEDY),
+    "prompt_token_ids": lambda m, s, p: (s, p[:-1] + [p[-1] ^ 1], GREEDY),
+    "page_size": lambda m, s, p: (tampered(s, page_size=16), p, GREEDY),
+    "cache_dtype": lambda m, s, p: (tampered(s, cache_dtype="bfloat16"), p, GREEDY),
+    "version": lambda m, s, p: (tampered(s, version=99), p, GREEDY),
+    "first_logprob": lambda m, s, p: (tampered(s, first_logprob={**s.first_logprob, "token": s.first_token + 1}),
+                                      p, GREEDY),
+    "no generator state": lambda m, s, p: (s, p, SEEDED),  # a seeded request needs one; this state has none
+    "generator state of another size": lambda m, s, p: (tampered(s, generator_state=np.zeros(16, np.uint8)),
+                                                        p, SEEDED),
+    "generator state no generator takes": lambda m, s, p: (
+        tampered(s, generator_state=np.zeros(torch.Generator().get_state().numel(), np.uint8)), p, SEEDED),
+    "kda states not a dict": lambda m, s, p: (dataclasses.replace(s, kda_recurrent=list(s.kda_recurrent.values())),
+                                              p, GREEDY),
+    "not a state": lambda m, s, p: (dataclasses.asdict(s), p, GREEDY),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATES))
 def test_a_mismatched_state_is_refused_and_changes_nothing(tiny_model, handed, case):
     prompt, state = handed
-    bad, p = bad_states(state, prompt)[case]
-    params = SamplingParams(max_tokens=4, temperature=0.5, seed=3) if p is None else GREEDY
+    bad, p, params = BAD_STATES[case](tiny_model, state, prompt)
     b = LLMEngine(tiny_model, CFG)
     b.generate([rand(17, 4)], SamplingParams(max_tokens=2))
     before = b.stats()
     with pytest.raises(ValueError, match="cache state refused"):
-        b.import_request(None, p or prompt, bad, params)
+        b.import_request(None, p, bad, params)
     assert b.stats() == before and not b.has_unfinished()
     toks, _ = joined(decode(b, prompt, state, GREEDY))  # the good state still goes in
     assert len(toks) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("case", ["another key", "resealed without the key"])
+def test_a_state_not_sealed_under_the_engines_key_says_so(tiny_model, handed, case):
+    prompt, state = handed
+    bad, p, params = BAD_STATES[case](tiny_model, state, prompt)
+    with pytest.raises(ValueError, match="does not verify under this engine's handoff_key"):
+        LLMEngine(tiny_model, CFG).import_request(None, p, bad, params)
+
+
+def test_engines_share_a_key_through_their_config(tiny_model):
+    prompt = rand(13, seed=12)
+    key = {"handoff_key": "a-cluster-secret-0123"}
+    first = prefill(LLMEngine(tiny_model, EngineConfig(page_size=8, **key)), prompt, GREEDY)
+    toks, _ = joined(decode(LLMEngine(tiny_model, EngineConfig(page_size=8, **key)), prompt, first.cache_state,
+                            GREEDY))
+    assert toks == whole_run(tiny_model, prompt, GREEDY)[0]
+    with pytest.raises(ValueError, match="handoff_key"):
+        EngineConfig(handoff_key="short")
+
+
+def test_an_import_never_replaces_the_snapshot_the_engine_holds(tiny_model):
+    # B computed the prompt itself; an imported state for it (changed, but well formed and sealed
+    # with the key: only a recompute could tell) must not replace B's snapshot of it.
+    prompt = rand(32, seed=3)  # 4 pages: B keeps a snapshot after page 4
+    b = LLMEngine(tiny_model, CFG)
+    b.generate([prompt + [5]], GREEDY)
+    state = prefill(LLMEngine(tiny_model, CFG), prompt, GREEDY).cache_state
+    decode(b, prompt, tampered(state, kda_recurrent=shifted(state.kda_recurrent)), GREEDY)
+    later = b.generate([prompt + [9, 9]], GREEDY)[0]
+    assert later.cached_tokens == 32
+    assert later.token_ids == LLMEngine(tiny_model, CFG).generate([prompt + [9, 9]], GREEDY)[0].token_ids
+
+
+def test_an_imported_prompt_is_shared_and_later_hits_equal_a_cold_run(tiny_model):
+    prompt = rand(32, seed=4)
+    b = LLMEngine(tiny_model, CFG)
+    decode(b, prompt, prefill(LLMEngine(tiny_model, CFG), prompt, GREEDY).cache_state, GREEDY)
+    later = b.generate([prompt + [9, 9]], GREEDY)[0]
+    assert later.cached_tokens == 32  # the imported pages and the state after them
+    assert later.token_ids == LLMEngine(tiny_model, CFG).generate([prompt + [9, 9]], GREEDY)[0].token_ids
+
+
+def test_arrays_changed_after_the_import_do_not_reach_the_engine(tiny_model, handed):
+    prompt, state = handed
+    state = copy.deepcopy(state)
+    b = LLMEngine(tiny_model, CFG)
+    rid = b.import_request(None, prompt, state, GREEDY)
+    for arrays in (state.kda_recurrent, state.kda_conv, state.mla_latents):
+        for a in arrays.values():
+            a += 0.5  # in place, after the check, before the next step loads the state
+    toks, _ = joined(drain(b, rid))
+    assert toks == whole_run(tiny_model, prompt, GREEDY)[0]
 
 
 def test_state_is_plain_numpy_and_its_size_is_the_cache_it_holds(tiny_model, handed):

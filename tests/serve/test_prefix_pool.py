@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
     a, b = LLMEngine(tiny_model, CFG), LLMEngine(tiny_model, CFG)
     a.generate([prefix + [7]], GREEDY)
     pool = PrefixPool(budget_bytes=64 * 2**20)
-    pages = through(a, lambda: a.prefix_pages(prefix + [9, 9, 9]))
+    pages = through(a, lambda: a.export_prefix(prefix + [9, 9, 9]))
     assert [p.depth for p in pages] == list(range(1, 7)) and pages[-1].snapshot is not None
     assert pool.publish(pages) == 6 and pool.wanted([p.hash for p in pages])[0] == []
     prompt = prefix + [9, 9, 9]
@@ -38,11 +39,11 @@ def test_a_pool_hit_resumes_exactly_and_skips_the_pages(tiny_model):
 
     depth = pool.lookup(page_hashes(prompt, 8))
     assert depth == 6  # 6 pages, snapshots at 2, 4 and 6
-    assert through(b, lambda: b.local_resume_tokens(prompt)) == 0
+    assert through(b, lambda: b.cached_prefix_tokens(prompt)) == 0
     fetched = pool.fetch(page_hashes(prompt, 8)[:depth], last_snapshot_only=True)
     assert [p.snapshot is not None for p in fetched] == [False] * 5 + [True]  # resuming needs only the last
     assert [p.snapshot is not None for p in pool.fetch(page_hashes(prompt, 8)[:depth])] == [False, True] * 3
-    got = through(b, lambda: b.adopt_prefix(prompt, fetched))
+    got = through(b, lambda: b.import_prefix(prompt, fetched))
     assert got == 48
     out = b.generate([prompt], GREEDY)[0]
     cold = LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0]
@@ -59,27 +60,27 @@ def test_a_publisher_sends_only_what_the_pool_lacks(tiny_model):
     hashes = page_hashes(prefix + [9], 8)
     pool = PrefixPool(budget_bytes=64 * 2**20)
     assert pool.wanted(hashes) == (hashes, [])
-    every = through(a, lambda: a.prefix_pages(prefix + [9]))
+    every = through(a, lambda: a.export_prefix(prefix + [9]))
     bare = [dataclasses.replace(p, snapshot=None) for p in every[:4]]  # held, but without snapshots
     pool.publish(bare)
     missing, snapshotless = pool.wanted(hashes)
     assert missing == hashes[4:] and snapshotless == hashes[:4]
-    only = through(a, lambda: a.prefix_pages(prefix + [9], only=set(missing) | set(snapshotless)))
+    only = through(a, lambda: a.export_prefix(prefix + [9], only=set(missing) | set(snapshotless)))
     assert [p.hash for p in only] == hashes
     pool.publish([p for p in only if p.hash in missing or p.snapshot is not None])
     assert pool.wanted(hashes) == ([], [h for h, p in zip(hashes, every) if p.snapshot is None])
-    assert through(a, lambda: a.prefix_pages(prefix + [9], only=set())) == []
+    assert through(a, lambda: a.export_prefix(prefix + [9], only=set())) == []
 
 
 def test_pages_of_another_prompt_are_refused(tiny_model):
     a = LLMEngine(tiny_model, CFG)
     p1, p2 = rand(32, 2), rand(32, 3)
     a.generate([p1 + [1]], GREEDY)
-    pages = through(a, lambda: a.prefix_pages(p1 + [1]))
+    pages = through(a, lambda: a.export_prefix(p1 + [1]))
     b = LLMEngine(tiny_model, CFG)
     before = b.stats()
     with pytest.raises(ValueError, match="does not belong"):
-        through(b, lambda: b.adopt_prefix(p2 + [1], pages))
+        through(b, lambda: b.import_prefix(p2 + [1], pages))
     assert b.stats() == {**before, "steps": b.stats()["steps"]}
 
 
@@ -89,7 +90,7 @@ def test_budget_and_lru(tiny_model):
     pages = []
     for p in prompts:
         a.generate([p + [1]], GREEDY)
-        pages.append(through(a, lambda p=p: a.prefix_pages(p + [1])))
+        pages.append(through(a, lambda p=p: a.export_prefix(p + [1])))
     one = sum(pg.nbytes for pg in pages[0])
     pool = PrefixPool(budget_bytes=2 * one)
     pool.publish(pages[0])
@@ -101,3 +102,46 @@ def test_budget_and_lru(tiny_model):
     assert pool.lookup([pg.hash for pg in pages[0]]) == 4 and pool.lookup([pg.hash for pg in pages[1]]) == 0
     with pytest.raises(ValueError, match="budget_bytes"):
         PrefixPool(0)
+
+
+
+KEY = CFG.handoff_key.get_secret_value()  # what a holder of the key could reseal a changed page with
+
+
+def pages_of(model, prompt, cfg=CFG):
+    eng = LLMEngine(model, cfg)
+    eng.generate([prompt], GREEDY)
+    return eng.export_prefix(prompt)
+
+
+def changed_latents(p, value=None):
+    return {k: a + 0.5 if value is None else np.full_like(a, value) for k, a in p.latents.items()}
+
+
+def changed_snapshot(p, value=None):
+    return {k: (c, r + 0.5) if value is None else (np.full_like(c, value), r) for k, (c, r) in p.snapshot.items()}
+
+
+BAD_PAGES = {  # case -> f(model, prompt, its good last page) -> (the page to import instead, the error)
+    "another key": lambda m, prompt, p: (
+        pages_of(m, prompt, EngineConfig(page_size=8, snapshot_interval=2, handoff_key="x" * 20))[-1], "not verify"),
+    "latents changed": lambda m, prompt, p: (dataclasses.replace(p, latents=changed_latents(p)), "not verify"),
+    "snapshot changed": lambda m, prompt, p: (dataclasses.replace(p, snapshot=changed_snapshot(p)), "not verify"),
+    "latents not finite": lambda m, prompt, p: (
+        dataclasses.replace(p, latents=changed_latents(p, np.nan)).seal(KEY), "latents holds non-finite"),
+    "conv state not finite": lambda m, prompt, p: (
+        dataclasses.replace(p, snapshot=changed_snapshot(p, np.inf)).seal(KEY), "conv state holds non-finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGES))
+def test_pool_pages_the_engine_cannot_trust_are_refused_and_nothing_is_loaded(tiny_model, case):
+    prompt = rand(32, 6) + [1]
+    pages = pages_of(tiny_model, prompt)
+    bad, error = BAD_PAGES[case](tiny_model, prompt, pages[-1])
+    b = LLMEngine(tiny_model, CFG)
+    before = b.stats()
+    with pytest.raises(ValueError, match=f"pool page 4: .*{error}"):
+        b.import_prefix(prompt, pages[:-1] + [bad])
+    assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
+    assert b.import_prefix(prompt, pages) == 32  # the good pages still load

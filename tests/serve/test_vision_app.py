@@ -140,7 +140,7 @@ def test_a_picture_that_hits_only_the_pool_answers_the_same(vapps):
     first = ask(vapps["pd"], msgs)
     time.sleep(1.0)  # the replica publishes to the pool after replying
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
-    assert prefill.drop_local_prefix_cache.remote().result() > 0
+    assert prefill.reset_prefix_cache.remote().result() > 0
     assert ask(vapps["pd"], msgs) == first
     assert prefill.pool_stats.remote().result()["pool_hit_tokens"] - before > 16
 
