@@ -243,6 +243,11 @@ class DecodeServer(EngineHost):
     def __init__(self, config: LLMServingConfig | dict, prefill) -> None:
         super().__init__(config)
         self.prefill = prefill  # DeploymentHandle of the PrefillServer deployment
+        self.handoffs = 0  # handoffs asked for
+        self.handoff_retries = 0  # prefill attempts after a handoff's first one failed
+
+    def handoff_stats(self) -> dict:
+        return {"handoffs": self.handoffs, "handoff_retries": self.handoff_retries}
 
     async def _handoff(self, req: GenerateRequest):
         """(first output or None, state or None) from a prefill replica, retrying on failures that
@@ -252,7 +257,13 @@ class DecodeServer(EngineHost):
         lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
         last: Exception | None = None
         t0 = time.perf_counter()
+        self.handoffs += 1
         for attempt in range(self.config.handoff_attempts):
+            if last is not None:
+                self.handoff_retries += 1
+                self.metrics.inc("k3_serve_handoff_retries", error=type(last).__name__)
+                logger.warning("handoff attempt %d of %d failed, retrying (%s: %s)", attempt, self.config.handoff_attempts,
+                               type(last).__name__, last)
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
                 if reply["state"] is None:

@@ -99,6 +99,9 @@ SERVING_PANELS: tuple[PanelSpec, ...] = (
               _quantiles("ray_k3_serve_handoff_bytes", "model")),
     PanelSpec("Handoff latency", "seconds to export, move and import one request's cache state, percentiles", "s",
               _quantiles("ray_k3_serve_handoff_seconds", "model")),
+    PanelSpec("Handoff retries", "prefill attempts tried again per second after one lost the state or timed out, "
+              "by error", "ops",
+              (Query(f"sum by (error) (rate(ray_k3_serve_handoff_retries_total[{RATE}]))", "{{error}}"),)),
     PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric)",
               "none", (Query("sum by (application, deployment) (ray_serve_deployment_replica_healthy)",
                              "{{application}}/{{deployment}}"),)),

@@ -73,9 +73,7 @@ def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
     r = c.completions.create(model="k3-tiny", prompt="def main():", max_tokens=6, temperature=0, logprobs=2)
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
     assert len(r.choices[0].logprobs.token_logprobs) == r.usage.completion_tokens
-    # n=2 on the aggregated app: on the disaggregated one two same-prompt choices in one request
-    # stalled for 30-55 s once in three full-suite runs (an open bug, see the issue note)
-    chat = client(apps["agg"]).chat.completions.create(
+    chat = c.chat.completions.create(
         model="k3-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0,
         logprobs=True, top_logprobs=2, n=2)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
@@ -90,6 +88,63 @@ def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
             pieces.append(ch.delta.content or "")
     assert "".join(pieces) == chat.choices[0].message.content
     assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens // 2
+
+
+def _decode_handoff_stats() -> dict[str, dict]:
+    """handoff_stats() of every DecodeServer replica of the pd app, by replica actor name."""
+    import ray
+    from ray import serve
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::pd#DecodeServer#")]
+    calls = [ray.get_actor(n, namespace="serve").__ray_call__.remote(
+        lambda _actor: serve.get_replica_context().servable_object.handoff_stats()) for n in names]
+    return dict(zip(names, ray.get(calls, timeout=60)))
+
+
+def _sampled_choices(base: str, n: int, seed: int | None, stream: bool) -> list[str]:
+    """The n choice texts of one sampled completion through the openai client, by index."""
+    kw = dict(model="k3-tiny", prompt="def main():", max_tokens=6, temperature=0.8, n=n, seed=seed,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        r = client(base).completions.create(**kw)
+        assert [c.index for c in r.choices] == list(range(n)) and all(c.finish_reason == "length" for c in r.choices)
+        return [c.text for c in r.choices]
+    texts, finished = [""] * n, set()
+    for ev in client(base).completions.create(**kw, stream=True):
+        for c in ev.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == set(range(n))
+    return texts
+
+
+@pytest.mark.parametrize("seed", [None, 1234])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_n_sampled_choices_complete_promptly_on_both_apps(apps, n, seed):
+    """n choices of one sampled request: every choice arrives, quickly and without a handoff
+    retry (n >= 3 choices of one request used to stall the prefill router until the handoffs
+    timed out); a seed makes the choices repeatable across apps and streaming."""
+    import time
+
+    before = _decode_handoff_stats()
+    got = {}
+    for name in ("pd", "agg"):
+        for stream in (False, True):
+            t0 = time.perf_counter()
+            got[name, stream] = _sampled_choices(apps[name], n, seed, stream)
+            assert time.perf_counter() - t0 < 20, (name, stream, time.perf_counter() - t0)
+    after = _decode_handoff_stats()
+    retries = sum(s["handoff_retries"] - before.get(r, {}).get("handoff_retries", 0) for r, s in after.items())
+    handoffs = sum(s["handoffs"] - before.get(r, {}).get("handoffs", 0) for r, s in after.items())
+    # a decode replica that autoscaling removed meanwhile takes its counts along: at most 2n handoffs
+    assert retries == 0 and 0 < handoffs <= 2 * n, (retries, handoffs)
+    for texts in got.values():
+        assert len(texts) == n and all(texts)
+        assert len(set(texts)) == n  # each choice samples its own tokens (a seeded one from seed + index)
+    if seed is not None:
+        assert len({tuple(t) for t in got.values()}) == 1, got
 
 
 @pytest.mark.parametrize("n", [5, 8, 21, 32])  # 8 and 32 end on a page; 32 on a snapshot page too
