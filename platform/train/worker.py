@@ -8,11 +8,13 @@ metrics and checkpoints through `ray.train.report` (the layout: k3.platform.trai
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,14 +23,36 @@ from .config import TrainConfig
 
 
 # -- the worker ---------------------------------------------------------------------------------
-def _quiet_worker_logs() -> None:
-    """One log line per interval: no per-report metric dicts from Ray Train, no warning repeated
-    every step (each is shown once)."""
-    import logging
-    import warnings
+class _EachWarningOnce(logging.Filter):
+    """Lets each distinct warning through once. A warnings filter of "once" is not enough: every
+    `warnings.catch_warnings()` block that exits resets what "once" remembers, and libraries open
+    such blocks every step (torch.distributed's deprecated all_gather_into_tensor, which
+    DeepSpeed's ZeRO step calls, warned at every log interval)."""
 
-    warnings.simplefilter("once")
-    _show_each_warning_once(warnings)
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+
+def _quiet_worker_logs() -> None:
+    """One log line per interval: no per-report metric dicts from Ray Train, each warning once
+    (warnings go through logging's `py.warnings` logger, which the filter above guards)."""
+    warnings.simplefilter("always")  # the logging filter decides what is shown
+    logging.captureWarnings(True)
+    logger = logging.getLogger("py.warnings")
+    if not any(isinstance(f, _EachWarningOnce) for f in logger.filters):
+        handler = logging.StreamHandler()  # stderr, as warnings print; the line as warnings format it
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.addFilter(_EachWarningOnce())
+        logger.propagate = False
     names = ["deepspeed", "DeepSpeed"]
     try:  # Ray Train logs every report's whole metrics dict at INFO, on a logger named by its file path
         from ray.train.v2._internal.execution import context as train_context
@@ -38,26 +62,6 @@ def _quiet_worker_logs() -> None:
         pass
     for name in names:
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _show_each_warning_once(warnings) -> None:
-    """A filter of "once" is not enough: every `warnings.catch_warnings()` block that exits resets
-    what "once" remembers, and libraries open such blocks every step (torch.distributed's
-    deprecated all_gather_into_tensor, which DeepSpeed's ZeRO step calls, warned at every log
-    interval). So the display itself remembers what it has shown."""
-    show = warnings.showwarning
-    if getattr(show, "k3_once", False):
-        return
-    seen: set[tuple] = set()
-
-    def show_once(message, category, filename, lineno, file=None, line=None):
-        key = (str(message), category, filename, lineno)
-        if key not in seen:
-            seen.add(key)
-            show(message, category, filename, lineno, file, line)
-
-    show_once.k3_once = True
-    warnings.showwarning = show_once
 
 
 def log_line(r, step: int, total: int, tps: float, elapsed_s: float, steps_done: int) -> str:
