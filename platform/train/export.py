@@ -6,12 +6,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from k3.model import save_model_dir
-
 from tokenizers import Tokenizer
 
-from k3.model.tokenizer import load_chat_template, save_chat_template, special_ids
 import k3.model
+from k3.model.directory import MODEL_FILES, check_destination, replace_directory
+from k3.model.pretrained import write_model_files
+from k3.model.tokenizer import TOKENIZER_CONFIG, load_chat_template, save_chat_template, special_ids
+
+# What an export writes besides the model: a tokenizer_config.json left from an earlier export
+# would carry a stale chat template, so the export owns it even when it writes none.
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:
@@ -23,21 +27,27 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     return found[-1]
 
 
-def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | None = None) -> Path:
-    """Write the checkpoint's model (all experts, one process) as a k3 model directory."""
+def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write the checkpoint's model (all experts, one process) as a k3 model directory.
 
+    Written beside `out` and swapped in when complete (k3.model.directory): a failure leaves the
+    previous export as it was; files of `out` an export does not write stay. `out` may not be
+    the checkpoint (or a folder holding it) unless `overwrite`."""
     ckpt = Path(checkpoint)
     k3dir = ckpt / "k3" if (ckpt / "k3").is_dir() else ckpt
     tok = k3dir / "tokenizer.json"
     if not tok.is_file():
         raise ValueError(f"{ckpt}: no tokenizer.json beside the weights; a served model needs its tokenizer")
     model = k3.model.load(ckpt)
+    check_destination(model.source, out, overwrite)
     ids = special_ids(Tokenizer.from_file(str(tok)))
     # The served config names the tokenizer's special tokens, so generation stops at <|eos|>.
     model.cfg = model.cfg.replace(eos_token_id=ids["eos"], bos_token_id=ids["bos"], pad_token_id=ids["pad"])
-    dest = save_model_dir(model, out)
-    shutil.copy(tok, dest / "tokenizer.json")
     template = chat_template or load_chat_template(k3dir)
-    if template is not None:
-        save_chat_template(dest, template)
-    return dest
+    with replace_directory(out, MODEL_FILES + TOKENIZER_FILES) as new:
+        write_model_files(model, new)
+        shutil.copy(tok, new / "tokenizer.json")
+        if template is not None:
+            save_chat_template(new, template)
+    return Path(out)
