@@ -17,13 +17,29 @@ from k3.model.tokenizer import TOKENIZER_CONFIG, load_chat_template, save_chat_t
 # would carry a stale chat template, so the export owns it even when it writes none.
 TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG)
 
+from . import storage
 
-def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The newest `checkpoint_*` directory of a Ray Train run directory."""
-    root = Path(run_dir)
-    found = sorted(p for p in root.glob("checkpoint_*") if p.is_dir())
+
+def registered_checkpoints(run: str | Path) -> list[str]:
+    """The checkpoints of a Ray Train run directory (a path or URI) that Ray Train registered, oldest
+    first: each has every worker's files, since a checkpoint is registered only once all of them
+    are persisted. A `checkpoint_*` directory a worker killed midway through its upload left
+    behind is not among them. [] when the run has no checkpoint yet."""
+    import ray.train
+
+    run = str(run) if storage.scheme(str(run)) else str(Path(run).absolute())
+    try:
+        result = ray.train.Result.from_path(run)
+    except RuntimeError:  # no run folder, or no checkpoint registered in it yet
+        return []
+    return [storage.join(run, Path(c.path).name) for c, _ in result.best_checkpoints]
+
+
+def latest_checkpoint(run_dir: str | Path) -> str:
+    """The newest complete checkpoint of a Ray Train run directory (see `registered_checkpoints`)."""
+    found = registered_checkpoints(run_dir)
     if not found:
-        raise ValueError(f"{root}: no checkpoint_* directory (is this a Ray Train run directory?)")
+        raise ValueError(f"{run_dir}: no checkpoint registered by Ray Train (is this a Ray Train run directory?)")
     return found[-1]
 
 
