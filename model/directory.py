@@ -1,18 +1,20 @@
 """Writing a directory of user data without ever leaving less than was there, and knowing which
-directory a loaded model is read from.
+directory a loaded model is read from. Every k3 writer of user data goes through `write_beside`:
+the model writers (save_k3, save_kimi_linear, save_model_dir, export_model), prepared data and
+its media set, the Grafana dashboards, and each training worker's checkpoint stage.
 
-`replace_directory(path, owns)` is how k3 writes a model directory (save_k3, save_kimi_linear,
-save_model_dir, k3.platform.train.export.export_model; k3.platform may use it for its own
-writers): the writer fills a new sibling directory `.NAME.partial.HOST.PID.TOKEN`; when it is
-done, the entries of the old directory that the writer does not own (a tokenizer, notes, a
-folder) are hard-linked in, every file and folder is fsynced, the old directory is renamed aside
-(`.NAME.old.PID.TOKEN`), the new one renamed to NAME, and the old one deleted. So:
+    with write_beside("data/bundled", stale=lambda rel: rel.startswith("shard-")) as stage:
+        ...  # write the new version into `stage`
+    # only here does data/bundled change: one atomic exchange of two directories
 
-- an exception in the writer removes the partial directory and leaves NAME as it was;
-- a kill (or power loss) before the first rename leaves NAME as it was and a partial directory
-  beside it, which the next write to NAME from this host removes once its process is gone;
-- a kill between the two renames (microseconds) leaves the old version complete under
-  `.NAME.old.*`, which nothing removes.
+The stage is a sibling of the destination (the same filesystem, so the swap is a rename). Before
+the swap, every file of the previous version that the writer did not write again is hard-linked
+into the stage, except those `stale` names: a writer replaces what it owns and keeps the rest (a
+model directory keeps its tokenizer, the text data its media set, a dashboards folder a user's own
+files). Then everything is fsynced and swapped in with Linux's renameat2(RENAME_EXCHANGE);
+elsewhere with two renames, and a writer killed between them leaves the previous version beside
+the destination, which the next write of that destination puts back. Stages of writers that died
+are removed by the next write of the same destination.
 
 A model's `source` (set by every loader) says where its weights are read from: safetensors are
 memory-mapped, so a loaded model may still be backed by those files. `check_destination`
@@ -21,22 +23,23 @@ refuses to replace that directory, or one holding it, unless the caller passes o
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import fnmatch
 import glob
 import os
+import secrets
 import shutil
 import socket
-import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 # The files of a model directory in every layout k3 writes: config.json and safetensors weights
 # (one file, or shards with an index). A model writer owns all of them, so no shard or index of an
 # earlier save stays behind to be read with the new config.
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors")
-_HOST = socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -60,68 +63,133 @@ def check_destination(source: Source | None, path: str | Path, overwrite: bool) 
                          f"checkpoint it is read from (pass overwrite=True to do it anyway)")
 
 
-@contextmanager
-def replace_directory(path: str | Path, owns: tuple[str, ...]) -> Iterator[Path]:
-    """Yield an empty directory beside `path` to write into; when the body returns it replaces
-    `path` (see the module docstring). `owns`: glob patterns of the entry names the writer is
-    responsible for; the old directory's other entries are kept."""
-    dest = Path(path).resolve()
-    if dest.exists() and not dest.is_dir():
-        raise ValueError(f"{dest}: exists and is not a directory")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_partials(dest)
-    token = uuid.uuid4().hex[:8]
-    new = dest.parent / f".{dest.name}.partial.{_HOST}.{os.getpid()}.{token}"
-    new.mkdir()
-    try:
-        yield new
-        _keep_others(dest, new, owns)
-        _fsync_tree(new)
-        _swap(new, dest, dest.parent / f".{dest.name}.old.{os.getpid()}.{token}")
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
+STAGE, ASIDE = "k3-stage", "k3-old"  # sibling names: .<dest name>.<kind>.<host>.<pid>.<random>
+# The host is in the name because a destination on a shared filesystem is written from many
+# machines: only a writer on this host can be known dead (by its pid).
+_HOST = socket.gethostname().replace(".", "_")
 
 
-def _remove_dead_partials(dest: Path) -> None:
-    prefix = f".{dest.name}.partial.{_HOST}."
-    for p in dest.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):].split(".")[0]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+def _sibling(dest: Path, kind: str) -> Path:
+    return dest.parent / f".{dest.name}.{kind}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
-def _running(pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process
+    except PermissionError:  # another user's live process
         return True
     return True
 
 
-def _keep_others(old: Path, new: Path, owns: tuple[str, ...]) -> None:
-    """Link the old directory's entries the writer does not own (and did not write) into the new one."""
-    if not old.is_dir():
-        return
-    for entry in old.iterdir():
-        target = new / entry.name
-        if os.path.lexists(target) or any(fnmatch.fnmatchcase(entry.name, p) for p in owns):
-            continue
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry), target)
-        elif entry.is_dir():
-            shutil.copytree(entry, target, symlinks=True, copy_function=_link)
+def _dead_siblings(dest: Path, kind: str) -> list[Path]:
+    """Siblings of `kind` written by a process of this host that is gone."""
+    prefix = f".{dest.name}.{kind}.{_HOST}."
+    found = []
+    for p in dest.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):].split(".")[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(p)
+    return found
+
+
+def clean_dead_writers(dest: str | os.PathLike) -> None:
+    """Put back a previous version a killed swap left aside, and remove the stages of dead writers."""
+    dest = Path(dest)
+    for aside in _dead_siblings(dest, ASIDE):
+        if dest.exists():
+            shutil.rmtree(aside, ignore_errors=True)
         else:
-            _link(entry, target)
+            os.rename(aside, dest)
+    for stage in _dead_siblings(dest, STAGE):
+        shutil.rmtree(stage, ignore_errors=True)
 
 
-def _link(src: str | Path, dst: str | Path) -> None:
+def stage_dir(dest: str | os.PathLike) -> Path:
+    """A new empty directory beside `dest` (named for this process, so a dead writer's is found)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_dead_writers(dest)
+    stage = _sibling(dest, STAGE)
+    stage.mkdir()
+    if dest.is_dir():
+        shutil.copymode(dest, stage)
+    return stage
+
+
+def _carry_over(old: Path, stage: Path, stale: Callable[[str], bool]) -> None:
+    for p in sorted(old.rglob("*")):
+        rel = p.relative_to(old).as_posix()
+        target = stage / rel
+        if stale(rel) or target.exists() or target.is_symlink():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_symlink():
+            os.symlink(os.readlink(p), target)
+        elif p.is_dir():
+            target.mkdir()
+        else:
+            try:
+                os.link(p, target)  # k3's writers never write a file in place, so sharing it is safe
+            except OSError:
+                shutil.copy2(p, target)
+
+
+def _libc_exchange(a: Path, b: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def swap_in(stage: Path, dest: Path, exchange: Callable[[Path, Path], None] = _libc_exchange) -> None:
+    """Make the complete directory `stage` the directory `dest`; the previous `dest` is deleted.
+    `exchange` swaps two directories atomically (tests pass one that refuses, for the fallback)."""
+    if not dest.exists():
+        os.rename(stage, dest)
+        return
     try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or one without hard links
-        shutil.copy2(src, dst)
+        exchange(stage, dest)
+        old = stage
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise
+        old = _sibling(dest, ASIDE)
+        os.rename(dest, old)
+        os.rename(stage, dest)
+    shutil.rmtree(old)
+
+
+@contextmanager
+def write_beside(dest: str | os.PathLike, stale: Callable[[str], bool] = lambda rel: False,
+                 exchange: Callable[[Path, Path], None] = _libc_exchange) -> Iterator[Path]:
+    """Yield a stage to write the new version of the directory `dest` into; swap it in when the
+    block ends without an exception (files of the old version the block did not write are carried
+    over unless `stale(relative posix path)`), else delete it and leave `dest` as it was."""
+    dest = Path(dest).resolve()  # a symlinked directory is rewritten where it lives
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{dest} is not a directory")
+    stage = stage_dir(dest)
+    try:
+        yield stage
+        if dest.is_dir():
+            _carry_over(dest, stage, stale)
+        _fsync_tree(stage)  # the new version is on disk before it takes the name
+        swap_in(stage, dest, exchange)
+        _fsync(dest.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def owned(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """A `stale` for writers that own whole top-level entries by name (glob patterns): those of the
+    previous version go, everything else is kept."""
+    return lambda rel: any(fnmatch.fnmatchcase(rel.split("/")[0], p) for p in patterns)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -138,18 +206,3 @@ def _fsync(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _swap(new: Path, dest: Path, aside: Path) -> None:
-    if not dest.exists():
-        os.rename(new, dest)
-        _fsync(dest.parent)
-        return
-    os.rename(dest, aside)
-    try:
-        os.rename(new, dest)
-    except BaseException:
-        os.rename(aside, dest)
-        raise
-    _fsync(dest.parent)
-    shutil.rmtree(aside)

@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_reader import INDEX, CheckpointReader
 from .config import K3Config
-from .directory import MODEL_FILES, Source, check_destination, replace_directory
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .hf_k3_config import check_quantization, config_from_release, config_to_release
 from .loading import wants_vision
 from .model import K3ForCausalLM, load_dtype
@@ -391,7 +391,7 @@ def save_k3(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path,
     base = model.source.config if model.source is not None and model.source.layout == "k3-release" else None
     cfg = config_to_release(model.cfg, with_vision=isinstance(model, K3ForConditionalGeneration),
                             quantized_experts=quantize_experts, base=base)
-    with replace_directory(path, MODEL_FILES) as new:
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
         _write_shards(release_tensors(model, quantize_experts), new, max_shard_bytes)
         (new / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_reader import CheckpointReader
 from .config import K3Config
-from .directory import MODEL_FILES, Source, check_destination, replace_directory
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .hf_k3_config import mlp_schedule, schedule_params
 from .loading import wants_vision
 from .model import K3ForCausalLM, load_dtype
@@ -261,6 +261,6 @@ def save_kimi_linear(model: K3ForCausalLM, path: str | Path, overwrite: bool = F
                 out[f"{moe}.experts.{e}.{src}.weight"] = t[e].contiguous()
         else:
             out[f"{moe}.{rest}"] = t
-    with replace_directory(path, MODEL_FILES) as new:
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
         save_file(out, str(new / "model.safetensors"), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import K3Config
-from .directory import MODEL_FILES, Source, check_destination, replace_directory
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .loading import model_class
 from .model import K3ForCausalLM, load_dtype
 from .moe import require_all_experts
@@ -31,14 +31,14 @@ def save_model_dir(model: K3ForCausalLM | K3ForConditionalGeneration, path: str 
     holding only some experts, and the directory the model was loaded from unless `overwrite`."""
     check_destination(model.source, path, overwrite)
     require_all_experts(model)
-    with replace_directory(path, MODEL_FILES) as new:
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
         write_model_files(model, new)
     return Path(path)
 
 
 def write_model_files(model: K3ForCausalLM | K3ForConditionalGeneration, directory: Path) -> None:
     """config.json and model.safetensors of `model` into `directory` as they are (no checks, no swap:
-    the caller's replace_directory provides both)."""
+    the caller's write_beside provides both)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(directory / WEIGHTS), metadata={"format": "pt", "k3": "1"})
     model.cfg.to_json(directory / CONFIG)

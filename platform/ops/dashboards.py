@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .write_beside import write_beside
+from k3.model.directory import write_beside
 
 DATASOURCE_VAR = "datasource"
 RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape intervals
@@ -178,7 +178,7 @@ def provisioning_files(dashboards_path: str) -> dict[str, dict]:
 
 def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/grafana/dashboards/k3") -> list[Path]:
     """Write both dashboards' JSON and the provisioning files under out_dir; returns the paths. The
-    new files are written beside out_dir and swapped in together (k3.platform.ops.write_beside),
+    new files are written beside out_dir and swapped in together (k3.model.directory),
     keeping the folder's other files: a writer killed midway leaves the previous version."""
     out = Path(out_dir)
     files = {f"{d['uid']}.json": json.dumps(d, indent=2, sort_keys=True) + "\n"

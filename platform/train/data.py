@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from k3.model.tokenizer import SPECIAL_TOKENS, special_ids, tokenizer_hash, train_bpe
-from k3.platform.ops.write_beside import write_beside
+from k3.model.directory import write_beside
 
 from . import storage
 from .corpus import stdlib_corpus
@@ -197,7 +197,7 @@ def _write_shards(stream: list[int], row: int, rows_per_shard: int, out: Path, p
 def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: int = 256,
             rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True) -> tuple[Manifest, bool]:
     """Tokenize a corpus into shards. Returns (manifest, whether anything was written). The new
-    version is written beside `out_dir` and swapped in whole (k3.platform.ops.write_beside): a
+    version is written beside `out_dir` and swapped in whole (k3.model.directory): a
     prepare killed midway leaves the previous version as it was, and its rerun starts over."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")

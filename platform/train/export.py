@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import k3.model
-from k3.model.directory import MODEL_FILES, check_destination, replace_directory
+from k3.model.directory import MODEL_FILES, check_destination, owned, write_beside
 from k3.model.pretrained import write_model_files
 from k3.model.tokenizer import TOKENIZER_CONFIG, load_chat_template, save_chat_template, special_ids
 
@@ -61,7 +61,7 @@ def export_model(checkpoint: str | Path, out: str | Path, chat_template: str | N
     # The served config names the tokenizer's special tokens, so generation stops at <|eos|>.
     model.cfg = model.cfg.replace(eos_token_id=ids["eos"], bos_token_id=ids["bos"], pad_token_id=ids["pad"])
     template = chat_template or load_chat_template(k3dir)
-    with replace_directory(out, MODEL_FILES + TOKENIZER_FILES) as new:
+    with write_beside(out, stale=owned(MODEL_FILES + TOKENIZER_FILES)) as new:
         write_model_files(model, new)
         shutil.copy(tok, new / "tokenizer.json")
         if template is not None:

@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from k3.model.vision_processor import MediaItem, ProcessorConfig, VisionProcessor, encode_interleaved
-from k3.platform.ops.write_beside import write_beside
+from k3.model.directory import write_beside
 
 from . import storage
 from .data import MEDIA_DIR
@@ -128,7 +128,7 @@ def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max
     clips per training digit (each drifts along its own random path; a digit has three images,
     so with 1 clips are a quarter of the examples and learned last). A rerun with the same
     settings finds media.json and does nothing. The new set is written beside media/ and swapped
-    in whole (k3.platform.ops.write_beside): a writer killed midway leaves the previous set."""
+    in whole (k3.model.directory): a writer killed midway leaves the previous set."""
     from sklearn.datasets import load_digits
 
     root = Path(out_dir) / MEDIA_DIR

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from k3.platform.ops.write_beside import stage_dir
+from k3.model.directory import stage_dir
 
 from .config import TrainConfig
 from .data import read_manifest, read_tokenizer
