@@ -78,6 +78,8 @@ p.add_argument("--no-serve", action="store_true", help="skip serving the trained
 p.add_argument("--serve-only", action="store_true",
                help="skip data and training: serve the newest checkpoint of the run --name under --runs")
 args = p.parse_args()
+# the job runs in Ray's copy of the working dir: it gets absolute paths
+args.data, args.runs = str(Path(args.data).resolve()), str(Path(args.runs).resolve())
 
 
 # Ctrl-C and SIGTERM unwind through the `finally` below, so the cluster this script started stops.

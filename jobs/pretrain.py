@@ -1,7 +1,8 @@
 """Pretrain a K3-family model on Ray: DeepSpeed expert-parallel workers, Quantile Balancing.
 
-    # against a running cluster
-    ray job submit --working-dir . -- python jobs/pretrain.py --data data/bundled --steps 300
+    # against a running cluster (inside a job the working directory is Ray's: absolute paths or URIs)
+    ray job submit --working-dir . -- python jobs/pretrain.py --data "$PWD/data/bundled" \
+        --storage-path "$PWD/runs" --steps 300
     # or locally (starts a Ray instance on 127.0.0.1)
     python jobs/pretrain.py --data data/bundled --num-workers 2 --ep-size 2
 
@@ -27,7 +28,8 @@ p.add_argument("--config", help="JSON file with TrainConfig fields (flags below 
 p.add_argument("--preset", help="model preset (default k3-tiny)")
 p.add_argument("--init-from", help="start from a released checkpoint directory (K3 release or Kimi Linear layout; "
                "each expert-parallel rank reads only its own experts)")
-p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py)")
+p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py): a path, absolute inside a Ray job and "
+               "the same on every node, or a URI (s3://, gs://, file://, local://)")
 p.add_argument("--num-workers", type=int, help="Ray Train workers")
 p.add_argument("--ep-size", type=int, help="expert-parallel size")
 p.add_argument("--zero-stage", type=int, choices=[1, 2], help="DeepSpeed ZeRO stage")
@@ -40,13 +42,13 @@ p.add_argument("--balance", choices=METHODS,
 p.add_argument("--activation-checkpointing", action="store_true", default=None)
 p.add_argument("--checkpoint-every", type=int)
 p.add_argument("--log-every", type=int)
-p.add_argument("--storage-path", help="where checkpoints are persisted (default ./runs)")
+p.add_argument("--storage-path", help="where checkpoints are persisted (default ./runs): a path or URI, as --data")
 p.add_argument("--name", help="run name")
 p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
 p.add_argument("--max-failures", type=int)
 p.add_argument("--seed", type=int)
 p.add_argument("--use-gpu", action="store_true", default=None)
-p.add_argument("--fail-at-step", type=int, help="testing: one worker exits at this step (fault drill)")
+p.add_argument("--fail-at-step", type=int, help="testing: one worker dies at this step (fault drill)")
 p.add_argument("--media-micro-batch", type=int, help="multimodal presets: image/video examples per worker per step")
 p.add_argument("--text-every", type=int, help="multimodal presets: every N-th step is a text batch (1: text only)")
 p.add_argument("--sample", type=int, default=64, help="tokens to sample from the final checkpoint (0: none)")
