@@ -22,7 +22,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -70,15 +69,6 @@ async def fetch_media(req: GenerateRequest) -> list | None:
     return await req.media[0] if req.media else None
 
 
-def load_tokenizer(src: ModelSource):
-    from tokenizers import Tokenizer
-
-    path = src.tokenizer_path or (str(Path(src.path) / "tokenizer.json") if src.path else None)
-    if path is None or not Path(path).is_file():
-        return None
-    return Tokenizer.from_file(path)
-
-
 class EngineHost:
     """One engine in a replica, and the replica's engine gauges reported every second."""
 
@@ -88,7 +78,7 @@ class EngineHost:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
         model = load_model(self.config.model)
-        engine = LLMEngine(model, self.config.engine, load_tokenizer(self.config.model))
+        engine = LLMEngine(model, self.config.engine, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)
         self._reporter: asyncio.Task | None = None
