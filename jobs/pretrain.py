@@ -52,7 +52,7 @@ p.add_argument("--fail-at-step", type=int, help="testing: one worker dies at thi
 p.add_argument("--media-micro-batch", type=int, help="multimodal presets: image/video examples per worker per step")
 p.add_argument("--text-every", type=int, help="multimodal presets: every N-th step is a text batch (1: text only)")
 p.add_argument("--sample", type=int, default=64, help="tokens to sample from the final checkpoint (0: none)")
-p.add_argument("--summary-json", help="also write the summary here")
+p.add_argument("--summary-json", help="also write the summary here (with the sample and its sampling settings)")
 args = p.parse_args()
 
 # 1. Config, validated before anything starts.
@@ -102,16 +102,22 @@ except (ValueError, RuntimeError) as e:
 # single-process model.
 history = summary.pop("history")
 print("summary " + json.dumps(summary))
-if args.summary_json:
-    Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")
 if args.sample:
     from k3.model import SamplingConfig, generate
-    from k3.model.tokenizer import load_tokenizer
+    from k3.model.tokenizer import load_tokenizer, special_ids
 
     with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
         model = k3.model.load(d)
         tok = load_tokenizer(Path(d) / "k3" / "tokenizer.json")
-    prompt = tok.encode("def ").ids
-    new = generate(model, [prompt], SamplingConfig(max_tokens=args.sample, temperature=0.8, top_p=0.95,
-                                                seed=cfg.seed))[0]
-    print("sample:\n" + tok.decode(prompt + new))
+    # the request a client would send for it (the completions API: prompt, max_tokens, temperature,
+    # top_p, seed), ended at <|eos|> as a served model ends it; the summary keeps both, so the
+    # served checkpoint can be asked the same and must answer the same text (jobs/demo.py does)
+    sample = {"prompt": "def ", "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
+    new = generate(model, [tok.encode(sample["prompt"]).ids],
+                   SamplingConfig(**{k: v for k, v in sample.items() if k != "prompt"},
+                                  stop_token_ids=(special_ids(tok)["eos"],)))[0]
+    sample["text"] = tok.decode(new)
+    summary["sample"] = sample
+    print("sample:\n" + sample["prompt"] + sample["text"])
+if args.summary_json:
+    Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")

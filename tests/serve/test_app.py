@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import k3.model
-from k3.model import get_preset
+from k3.model import SamplingConfig, generate, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -188,6 +188,20 @@ def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
     assert again["text"] == first["text"]
     assert max(abs(a - b) for a, b in zip(again["logprobs"]["token_logprobs"],
                                           first["logprobs"]["token_logprobs"])) < 1e-4
+
+
+@pytest.mark.parametrize("seed", [0, 41])
+def test_the_served_model_answers_a_seeded_sample_as_the_model_itself(apps, engine_model, tokenizer, seed):
+    """The request jobs/pretrain.py records for its sample (prompt, temperature, top_p, seed), sent
+    to either app, answers the text k3.model.generate samples from the same weights: what
+    `make demo` prints side by side to show the served model is the trained one."""
+    sample = {"prompt": "def ", "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": seed}
+    new = generate(engine_model, [tokenizer.encode(sample["prompt"]).ids],
+                   SamplingConfig(**{k: v for k, v in sample.items() if k != "prompt"}))[0]
+    want = tokenizer.decode(new)
+    for name in ("pd", "agg"):
+        r = client(apps[name]).completions.create(model="k3-tiny", **sample)
+        assert r.choices[0].text == want, (name, seed)
 
 
 def test_seeded_sampling_is_the_same_both_ways(apps):
