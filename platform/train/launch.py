@@ -74,7 +74,7 @@ def start_coordinator(cfg: TrainConfig, run: str):
         return None
     state = storage.node_path(storage.join(run, "coordinator.pt"))
     return get_or_create_coordinator(
-        cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
+        cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, top_k=mcfg.num_experts_per_token,
         config=cfg.balance, world_size=cfg.num_workers, state_path=state)
 
 
