@@ -5,6 +5,7 @@
     k3 presets                          list the presets
     k3 config --preset k3-tiny          print a preset's config as JSON
     k3 cluster up|status|down           the local autoscaling Ray cluster (cluster/local-autoscaling.yaml)
+    k3 cluster env                      its addresses as shell exports: eval "$(k3 cluster env)"
     k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
     k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
     k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
@@ -92,6 +93,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
               f"  session dir {st['session_dir']}\n"
               f"  submit jobs with: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={st['token_path']} "
               f"ray job submit --address {st['address']} ...")
+    elif args.action == "env":
+        print(cluster.shell_env(args.state), end="")
     elif args.action == "status":
         print(cluster.status(args.state), end="")
     else:
@@ -172,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_config)
 
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
-    sp.add_argument("action", choices=["up", "status", "down", "rayservice"])
+    sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
     sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
     sp.add_argument("--base", default="cluster/kuberay/rayservice.yaml", help="rayservice: the RayService base")

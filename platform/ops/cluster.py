@@ -141,6 +141,25 @@ def recorded_head(state_path: str | os.PathLike = DEFAULT_STATE):
     return LocalRayHead.from_state(json.loads(p.read_text()))
 
 
+def shell_env(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
+    """`export` lines that point Ray's own CLIs and drivers at the recorded cluster: `ray job submit`
+    reads RAY_API_SERVER_ADDRESS, `serve deploy`/`serve status` RAY_DASHBOARD_ADDRESS, `ray.init`
+    and `serve run` RAY_ADDRESS; all of them the token; LOOPBACK_ENV keeps a driver on 127.0.0.1 as the
+    cluster is. With these, nothing falls back to Ray's
+    default ports, where another cluster on the machine may answer."""
+    import shlex
+
+    from k3.platform.ops.local_ray import LOOPBACK_ENV
+
+    head = recorded_head(state_path)
+    if not head.alive():
+        raise ValueError(f"the k3 cluster recorded in {state_path} (pid {head.pid}) is not running: `k3 cluster up` first")
+    values = {"RAY_ADDRESS": head.gcs_address, "RAY_API_SERVER_ADDRESS": head.address,
+              "RAY_DASHBOARD_ADDRESS": head.address, "RAY_AUTH_MODE": "token",
+              "RAY_AUTH_TOKEN_PATH": str(head.token_path), LOOPBACK_ENV: "0"}
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
+
+
 def status(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
     """`ray status` of the recorded cluster (nodes by type, pending demand)."""
     head = recorded_head(state_path)

@@ -43,6 +43,7 @@ def test_answers_without_torch(tmp_path, args, rc, expected):
     (["cluster", "up", "--config", "missing.yaml", "--state", "state.json"], 1,
      "k3: error: missing.yaml: no such cluster YAML"),
     (["cluster", "status", "--state", "state.json"], 1, "k3: error: no k3 cluster recorded in state.json"),
+    (["cluster", "env", "--state", "state.json"], 1, "k3: error: no k3 cluster recorded in state.json"),
     (["cluster", "rayservice", "--base", "missing.yaml"], 1, "k3: error: missing.yaml: no such manifest"),
     (["monitor", "up", "--session-dir", "nowhere", "--state", "monitor.json"], 1,
      "k3: error: Ray session directory nowhere does not exist"),

@@ -1,6 +1,6 @@
 """Distributed pretraining on a local Ray cluster: exact expert parallelism, fault recovery (a
-worker killed midway through a checkpoint), resume past a half-written checkpoint, the README's
-`ray job submit` command as printed, file:// URIs, and configs rejected before any worker starts."""
+worker killed midway through a checkpoint), resume past a half-written checkpoint, file:// URIs, and configs rejected before any worker starts
+(the README's `ray job submit` command runs as printed in tests/test_readme.py)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from k3.platform.train.data import prepare
-from k3.platform.ops.local_ray import LocalRayHead
 from k3.platform.train.config import TrainConfig
 from k3.platform.train.export import latest_checkpoint
 import k3.model
@@ -123,61 +122,6 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode != 0 and "must divide num_workers" in out.stderr
     assert time.time() - t < 60 and "ray" not in out.stdout.lower()
-
-
-def readme_block(after: str) -> str:
-    """The first ```bash block of README.md after the line that starts with `after`."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("```bash\n", text.index("\n" + after)) + len("```bash\n")
-    return text[start:text.index("```", start)]
-
-
-def checkout(dest: Path) -> Path:
-    """The repository as a user's checkout holds it (tracked and unignored files), using this .venv."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for f in filter(None, files):
-        if (REPO / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)
-    (dest / ".venv").symlink_to(REPO / ".venv")
-    return dest
-
-
-def test_the_readme_job_runs_as_printed_against_a_ray_start_cluster(tmp_path, ds_env, ray_local):
-    # ray_local holds Ray's default ports (a test session's own Ray, as on a user's machine): the
-    # head must come up beside it and take jobs anyway.
-    user = checkout(tmp_path / "k3")
-    with LocalRayHead(num_cpus=2, workdir=tmp_path / "ray") as head:
-        sh = dict(shell=True, executable="/bin/bash", cwd=user, env=head.env, capture_output=True, text=True)
-        prep = subprocess.run(readme_block("Prepare data once"), **sh)
-        assert prep.returncode == 0, prep.stderr[-3000:]
-        # The reader's cluster answers on 8265, this one on a free port; 8 steps instead of 300
-        # (argparse keeps the last --steps).
-        submit = readme_block("Then submit the job to a running cluster").replace("http://127.0.0.1:8265", head.address)
-        submit = submit.rstrip() + " --steps 8 --log-every 2 --checkpoint-every 8 --sample 8 --lr 3e-3"
-        # a relative path inside a job would be Ray's unpacked copy of the working dir: refused, with the reason
-        relative = subprocess.run(submit.replace('"$PWD/', '"'), **sh)
-        refused = relative.stdout + relative.stderr
-        assert relative.returncode != 0 and "--data 'data/bundled' is relative" in refused, refused[-3000:]
-        job = subprocess.run(submit, **sh)
-        logs = job.stdout + job.stderr
-        assert job.returncode == 0, logs[-3000:]
-        assert "succeeded" in logs.lower()
-        steps = [line for line in logs.splitlines() if "loss" in line and "step " in line and "/8 " in line]
-        vals = [float(line.split("loss")[1].split()[0]) for line in steps]
-        assert len(vals) >= 2 and vals[-1] < vals[0], f"loss did not fall: {vals}"
-        assert len(steps) == 4 == len(set(steps)), f"one line per interval (steps 2, 4, 6, 8) expected:\n{steps}"
-        assert "summary " in logs and "sample:" in logs
-        # DeepSpeed's ZeRO step calls a deprecated torch.distributed function every step: its
-        # warning is shown once per worker (2), not at every interval
-        warned = [line for line in logs.splitlines() if "FutureWarning" in line]
-        assert len(warned) <= 2, "a warning came more than once per worker:\n" + "\n".join(warned)
-    # the checkpoints are where the README says, and load as it shows
-    ckpts = sorted(c for c in (user / "runs" / "my-run").glob("checkpoint_*") if c.is_dir())
-    assert len(ckpts) == 1, f"no checkpoint under {user / 'runs' / 'my-run'}"
-    model = k3.model.load(ckpts[0])
-    assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
 
 
 def test_muon_loss_free_balancing_activation_checkpointing_and_file_uris(ray_local, data_dir, tmp_path, ds_env):
