@@ -41,7 +41,7 @@ def fit(cfg: TrainConfig) -> dict:
     n_moe = mcfg.mlp_types.count("moe")
     if needs_coordinator(cfg.balance) and n_moe:
         coordinator = get_or_create_coordinator(
-            cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
+            cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, top_k=mcfg.num_experts_per_token,
             config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))
 
     # Deterministic, equal splits of the token shards, one per worker.
