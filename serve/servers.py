@@ -264,9 +264,11 @@ class DecodeServer(EngineHost):
                 return reply["output"], state
             except lost as e:
                 last = e
+                self.metrics.inc("k3_serve_handoff_retries", reason=type(e).__name__)
                 await asyncio.sleep(min(0.5 * 2 ** attempt, 4.0))  # let Serve notice and replace the replica
             except asyncio.TimeoutError as e:
                 last = e
+                self.metrics.inc("k3_serve_handoff_retries", reason="TimeoutError")
         raise HandoffFailed(f"no prefill replica delivered the cache state in {self.config.handoff_attempts} "
                             f"attempts ({time.perf_counter() - t0:.1f} s); last error: {type(last).__name__}: {last}")
 

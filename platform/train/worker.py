@@ -117,6 +117,9 @@ class StepLog:
         self.trainer, self.cfg, self.rank = trainer, trainer.cfg, trainer.rank
         self.start_step, self.history = start_step, history
         self.metrics = TrainMetrics(enabled=self.rank == 0)
+        self.checkpoint_step = start_step  # a resumed run starts from its last checkpoint
+        if start_step > 0:
+            self.metrics.count_restart()
         self.t_start = self.t_last = time.perf_counter()
         self.tokens, self.compute_s, self.wait_s = 0, 0.0, 0.0  # since the last report
 
@@ -134,6 +137,13 @@ class StepLog:
         self.tokens += r.tokens
         self.compute_s += r.step_s - r.wait_s
         self.wait_s += r.wait_s
+        # every step (a gauge not set again within two export intervals disappears from Prometheus)
+        self.metrics.update({"step": step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                             "tokens_per_s": r.tokens / r.step_s if r.step_s > 0 else 0.0,
+                             "maxvio": r.maxvio, "maxvio_mean": sum(r.maxvio) / len(r.maxvio) if r.maxvio else 0.0,
+                             "bias_spread": r.extra.get("bias_spread", []), "compute_s": r.step_s - r.wait_s,
+                             "coordinator_wait_s": r.wait_s, "all_to_all_s": r.all_to_all_s,
+                             "checkpoint_step": self.checkpoint_step})
         last = step + 1 == cfg.steps
         save = (step + 1) % cfg.checkpoint_every == 0 or last
         if not ((step + 1) % cfg.log_every == 0 or last or save):
@@ -155,7 +165,8 @@ class StepLog:
                               tokenizer=Path(cfg.data) / "tokenizer.json")
             report["checkpoint_s"] = time.perf_counter() - t_ck
             checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
-        self.metrics.update(report)
+            self.checkpoint_step = step + 1
+            self.metrics.update({"checkpoint_s": report["checkpoint_s"], "checkpoint_step": self.checkpoint_step})
         ray.train.report(report, checkpoint=checkpoint)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
