@@ -152,7 +152,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from k3.platform.ops.report import write_report
 
-    print(write_report(args.run_dir, args.out))
+    print(write_report(args.run_dir, args.out, args.log))
     return 0
 
 
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="HTML page with PNG plots of a pretraining run")
     sp.add_argument("run_dir", help="the run's directory (storage path / run name)")
     sp.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    sp.add_argument("--log", help="the job's log, whose tail the page shows (default RUN_DIR/job.log if present)")
     sp.set_defaults(func=cmd_report)
     return p
 
