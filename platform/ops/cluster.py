@@ -112,20 +112,27 @@ def load_cloud_config(path: str | os.PathLike) -> dict:
 
 # -- the local autoscaling cluster: k3 cluster up | status | down --------------------------------
 def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE, env: dict | None = None,
-       autoscaler_update_s: int = 5) -> dict:
+       autoscaler_update_s: int = 5, grafana_url: str | None = None) -> dict:
     """Start the local autoscaling head (returns its state, also written to `state_path`); refused
-    while a head recorded there still runs."""
-    from k3.platform.ops.local_ray import LocalRayHead
+    while a head recorded there still runs.
+
+    The Ray dashboard reads where Prometheus and Grafana are when it starts, and Prometheus can
+    only scrape a session that exists: so the head is started pointing at a port reserved here
+    for Prometheus (`prometheus_port` in the state), on which `k3 monitor up` starts it later."""
+    from k3.platform.ops.local_ray import LocalRayHead, free_port
 
     state_path = Path(state_path).resolve()  # the token path in the state must not depend on the cwd
     if state_path.exists():
         old = json.loads(state_path.read_text())
         if LocalRayHead.from_state(old).alive():
             raise ValueError(f"a k3 cluster already runs (pid {old['pid']}, {old['address']}): `k3 cluster down` first")
+    prometheus_port = free_port()
+    env = {**(env or {}), "RAY_PROMETHEUS_HOST": f"http://127.0.0.1:{prometheus_port}",
+           **({"RAY_GRAFANA_HOST": grafana_url} if grafana_url else {})}
     head = LocalRayHead(autoscaling_config=config, workdir=state_path.parent / f"head-{int(time.time())}",
                         env=env, autoscaler_update_s=autoscaler_update_s)
     head.start()  # stops what it started if it does not come up
-    state = head.state()
+    state = {**head.state(), "prometheus_port": prometheus_port}
     state_path.parent.mkdir(parents=True, exist_ok=True)
     state_path.write_text(json.dumps(state, indent=2) + "\n")
     return state
@@ -154,7 +161,10 @@ def status(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
 
 
 def down(state_path: str | os.PathLike = DEFAULT_STATE) -> bool:
-    """Stop the recorded cluster's process group; True when something was running."""
+    """Stop the recorded cluster's process group and forget it; True when something was running.
+    Nothing recorded is not an error (a second `down` answers like `k3 monitor down`'s)."""
+    if not Path(state_path).exists():
+        return False
     head = recorded_head(state_path)
     was = head.alive()
     head.stop()
