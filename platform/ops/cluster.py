@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider names its head node type this way
+FAKE_NODES = "k3.platform.ops.fake_nodes.FakeNodes"  # the fake provider, one log monitor per machine
 DEFAULT_STATE = Path(".cache") / "k3-cluster" / "state.json"
 
 
@@ -79,9 +80,10 @@ def load_autoscaling_config(path: str | os.PathLike) -> dict:
     where = str(path)
     cfg = _read_yaml(path)
     provider = cfg.get("provider") or {}
-    if provider.get("type") != "fake_multinode":
-        raise ValueError(f"{where}: provider.type must be 'fake_multinode' for a local autoscaling cluster, "
-                         f"got {provider.get('type')!r}")
+    kind = (provider.get("type"), provider.get("module"))
+    if kind not in (("fake_multinode", None), ("external", FAKE_NODES)):
+        raise ValueError(f"{where}: provider must be Ray's fake multi-node provider (type: fake_multinode) or k3's "
+                         f"(type: external, module: {FAKE_NODES}), got type {kind[0]!r}, module {kind[1]!r}")
     check_node_types(cfg, where)
     if cfg["head_node_type"] != FAKE_HEAD_TYPE:
         raise ValueError(f"{where}: head_node_type must be {FAKE_HEAD_TYPE!r} (the fake provider's head), "

@@ -75,7 +75,7 @@ def _ray_version() -> str:
 # -- local autoscaling YAML -----------------------------------------------------------------------
 def test_local_autoscaling_yaml_is_complete_and_valid():
     cfg = load_autoscaling_config(LOCAL)
-    assert cfg["provider"]["type"] == "fake_multinode"
+    assert cfg["provider"] == {**cfg["provider"], "type": "external", "module": "k3.platform.ops.fake_nodes.FakeNodes"}
     worker = cfg["available_node_types"]["cpu.worker"]
     assert worker["min_workers"] == 0 < worker["max_workers"] and cfg["idle_timeout_minutes"] > 0
     # every key the monitor reads without defaults is present (`ray start --autoscaling-config` fills none)
@@ -91,7 +91,8 @@ def test_local_autoscaling_yaml_is_complete_and_valid():
     (lambda c: c["available_node_types"]["cpu.worker"]["resources"].update(CPU="2"),
      r"resources.CPU must be a non-negative integer, got '2'"),
     (lambda c: c["available_node_types"]["cpu.worker"].update(min_workers=5), "min_workers 5 > max_workers 3"),
-    (lambda c: c["provider"].update(type="aws"), "provider.type must be 'fake_multinode'"),
+    (lambda c: c["provider"].update(type="aws"), "provider must be Ray's fake multi-node provider"),
+    (lambda c: c["provider"].update(module="my.Provider"), "module 'my.Provider'"),
     (lambda c: c.update(idle_timeout="1m"), "Additional properties are not allowed"),
     (lambda c: c.pop("cluster_synced_files"), "cluster_synced_files"),
 ])
