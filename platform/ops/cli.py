@@ -6,6 +6,7 @@
     k3 config --preset k3-tiny          print a preset's config as JSON
     k3 cluster up|status|down           the local autoscaling Ray cluster (cluster/local-autoscaling.yaml)
     k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
+    k3 cluster aws --subnet --security-group   cluster/aws-gpu.yaml with EFA and a placement group
     k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
     k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
     k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
@@ -85,7 +86,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "rayservice":
         from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
 
-        print(dump_manifest(rayservice_manifest(args.base, args.serve_config)), end="")
+        print(dump_manifest(rayservice_manifest(args.base or "cluster/kuberay/rayservice.yaml", args.serve_config,
+                                                args.model_path)), end="")
+    elif args.action == "aws":
+        from k3.platform.ops.aws import render_aws
+        from k3.platform.ops.kuberay import dump_manifest
+
+        print(dump_manifest(render_aws(args.base or "cluster/aws-gpu.yaml", args.region, args.subnet,
+                                       args.security_group, args.placement_group, args.ami)), end="")
     elif args.action == "up":
         st = cluster.up(args.config, args.state, grafana_url=os.environ.get("GRAFANA_URL") or None)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
@@ -202,10 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_config)
 
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
-    sp.add_argument("action", choices=["up", "status", "down", "rayservice"])
+    sp.add_argument("action", choices=["up", "status", "down", "rayservice", "aws"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
     sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
-    sp.add_argument("--base", default="cluster/kuberay/rayservice.yaml", help="rayservice: the RayService base")
+    sp.add_argument("--model-path", default="/mnt/k3/models/k3", help="rayservice: the model directory inside "
+                                                                      "the pods (on the shared volume)")
+    sp.add_argument("--base", help="rayservice: the RayService base (cluster/kuberay/rayservice.yaml); "
+                                   "aws: the cluster YAML (cluster/aws-gpu.yaml)")
+    sp.add_argument("--region", default="us-east-2", help="aws: the AWS region")
+    sp.add_argument("--subnet", help="aws: the subnet for every node (in the zone of your p5 capacity)")
+    sp.add_argument("--security-group", help="aws: a security group letting all traffic from itself in and out")
+    sp.add_argument("--placement-group", default="k3-p5", help="aws: an existing cluster placement group")
+    sp.add_argument("--ami", help="aws: pin this AMI (default: the current DLAMI, resolved when a node launches)")
     sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
                     help="where the running cluster is recorded")
     sp.set_defaults(func=cmd_cluster)

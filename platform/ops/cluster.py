@@ -24,7 +24,7 @@ FAKE_NODES = "k3.platform.ops.fake_nodes.FakeNodes"  # the fake provider, one lo
 DEFAULT_STATE = Path(".cache") / "k3-cluster" / "state.json"
 
 
-def _read_yaml(path: str | os.PathLike) -> dict:
+def read_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such cluster YAML")
@@ -78,7 +78,7 @@ def ray_validate(cfg: dict, where: str) -> None:
 def load_autoscaling_config(path: str | os.PathLike) -> dict:
     """The local fake multi-node cluster YAML, checked; returned as `ray start` will read it."""
     where = str(path)
-    cfg = _read_yaml(path)
+    cfg = read_yaml(path)
     provider = cfg.get("provider") or {}
     kind = (provider.get("type"), provider.get("module"))
     if kind not in (("fake_multinode", None), ("external", FAKE_NODES)):
@@ -99,10 +99,13 @@ def load_autoscaling_config(path: str | os.PathLike) -> dict:
 def load_cloud_config(path: str | os.PathLike) -> dict:
     """A cloud cluster YAML (`ray up`), checked the way `ray up` checks it: Ray fills in its
     provider's defaults (`prepare_config`), then validates against its schema."""
+    return check_cloud_config(read_yaml(path), str(path))
+
+
+def check_cloud_config(cfg: dict, where: str) -> dict:
+    """`load_cloud_config`'s checks of a config already read; returns it as Ray fills it in."""
     from ray.autoscaler._private.util import prepare_config
 
-    where = str(path)
-    cfg = _read_yaml(path)
     check_node_types(cfg, where)
     try:
         full = prepare_config(copy.deepcopy(cfg))
