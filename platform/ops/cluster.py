@@ -117,9 +117,10 @@ def check_cloud_config(cfg: dict, where: str) -> dict:
 
 # -- the local autoscaling cluster: k3 cluster up | status | down --------------------------------
 def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE, env: dict | None = None,
-       autoscaler_update_s: int = 5, grafana_url: str | None = None) -> dict:
+       autoscaler_update_s: int = 5, grafana_url: str | None = None, workdir: str | os.PathLike | None = None) -> dict:
     """Start the local autoscaling head (returns its state, also written to `state_path`); refused
-    while a head recorded there still runs.
+    while a head recorded there still runs. `workdir` holds the head's token and log (default: a
+    new folder beside the state file).
 
     The Ray dashboard reads where Prometheus and Grafana are when it starts, and Prometheus can
     only scrape a session that exists: so the head is started pointing at a port reserved here
@@ -134,7 +135,7 @@ def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE,
     prometheus_port = free_port()
     env = {**(env or {}), "RAY_PROMETHEUS_HOST": f"http://127.0.0.1:{prometheus_port}",
            **({"RAY_GRAFANA_HOST": grafana_url} if grafana_url else {})}
-    head = LocalRayHead(autoscaling_config=config, workdir=state_path.parent / f"head-{int(time.time())}",
+    head = LocalRayHead(autoscaling_config=config, workdir=workdir or state_path.parent / f"head-{int(time.time())}",
                         env=env, autoscaler_update_s=autoscaler_update_s)
     head.start()  # stops what it started if it does not come up
     state = {**head.state(), "prometheus_port": prometheus_port}

@@ -135,7 +135,8 @@ CLUSTER_PANELS: tuple[PanelSpec, ...] = (
               "view)", "none",
               (Query("sum by (NodeType) (autoscaler_active_nodes)", "alive {{NodeType}}"),
                Query("sum by (NodeType) (autoscaler_pending_nodes)", "pending {{NodeType}}"),
-               Query("sum by (NodeType) (autoscaler_recently_failed_nodes)", "failed {{NodeType}}"))),
+               Query("sum by (NodeType) (autoscaler_recently_failed_nodes) or "
+                     "0 * sum by (NodeType) (autoscaler_active_nodes)", "failed {{NodeType}}"))),
     PanelSpec("CPU utilisation per node", "CPU busy, percent of the node's CPUs", "percent",
               (Query("avg by (instance) (ray_node_cpu_utilization)", "{{instance}}"),)),
     PanelSpec("Memory per node", "memory in use on each node", "bytes",

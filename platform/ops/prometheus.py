@@ -95,6 +95,10 @@ class PrometheusClient:
         """The alerts the server's rules hold now (pending or firing)."""
         return self._get("/api/v1/alerts", {})["alerts"]
 
+    def rule_names(self) -> list[str]:
+        """Names of the rules the server evaluates."""
+        return [r["name"] for g in self._get("/api/v1/rules", {})["groups"] for r in g["rules"]]
+
     def targets_up(self) -> int:
         """How many scrape targets answered on the last scrape."""
         return int(sum(float(s["value"][1]) for s in self.query("up")))

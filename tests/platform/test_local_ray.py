@@ -2,7 +2,6 @@
 start is proven by the job-submit test)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -67,80 +66,3 @@ def test_bad_attempt_count_is_refused_before_anything_starts(tmp_path, attempts)
     with pytest.raises(ValueError, match="attempts"):
         head.start(attempts=attempts)
     assert head.pid is None and not head.alive()
-
-
-def own_sessions(prom_url: str, metric_re: str) -> set[str]:
-    """SessionName labels of every series whose name matches metric_re, as a Prometheus sees them."""
-    from k3.platform.ops.prometheus import PrometheusClient
-
-    q = f'count by (SessionName) ({{__name__=~"{metric_re}", SessionName!=""}})'
-    return {s["metric"]["SessionName"] for s in PrometheusClient(prom_url).query(q)}
-
-
-def sessions_seen(prom_url: str, timeout_s: float = 120) -> dict[str, set[str]]:
-    """SessionNames of all series, the autoscaler's and the dashboard's, once both of those appear."""
-    import time
-
-    deadline = time.time() + timeout_s
-    while True:
-        seen = {kind: own_sessions(prom_url, rx) for kind, rx in (("any", ".+"), ("autoscaler", "autoscaler_.+"),
-                                                                  ("dashboard", "ray_dashboard_.+"))}
-        if (seen["autoscaler"] and seen["dashboard"]) or time.time() > deadline:
-            return seen
-        time.sleep(2)
-
-
-def dashboard_get(address: str, path: str, token_path: str | None = None) -> dict:
-    """GET a JSON endpoint (a token-auth Ray dashboard wants `Authorization: Bearer <token>`)."""
-    import urllib.request
-
-    headers = {"Authorization": f"Bearer {Path(token_path).read_text().strip()}"} if token_path else {}
-    with urllib.request.urlopen(urllib.request.Request(f"{address}{path}", headers=headers), timeout=30) as r:
-        return json.loads(r.read())
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_two_clusters_at_once_each_prometheus_sees_only_its_own_session(tmp_path, capsys):
-    """Every port of a head is its own, the autoscaler's and the dashboard's metrics servers
-    included (Ray's fixed 44217 / 44227 were shared: the second head's servers failed to bind and
-    its Prometheus scraped the first cluster's series under its own service-discovery file).
-
-    Cluster A is the CLI's (`k3 cluster up`, then `k3 monitor up` on the port the head's
-    dashboard was told about); cluster B a bare LocalRayHead with its own Prometheus."""
-    from k3.platform.ops.cli import main
-    from k3.platform.ops.local_ray import METRICS_PORT_ENV
-    from k3.platform.ops.prometheus import Prometheus
-
-    cluster_state, monitor_state = tmp_path / "a" / "cluster.json", tmp_path / "a" / "monitor.json"
-    b = LocalRayHead(num_cpus=1, workdir=tmp_path / "b")
-    prom_b = Prometheus(b.session_dir, tmp_path / "b-prom", scrape_interval_s=1)
-    cli = ["--state", str(cluster_state)]
-    try:
-        assert main(["cluster", "up", "--config", str(REPO / "cluster" / "local-autoscaling.yaml"), *cli]) == 0
-        assert main(["monitor", "up", "--cluster-state", str(cluster_state), "--state", str(monitor_state),
-                     "--scrape-interval", "1"]) == 0
-        b.start()
-        prom_b.start()
-        a_state, a_prom = json.loads(cluster_state.read_text()), json.loads(monitor_state.read_text())
-        assert a_prom["port"] == a_state["prometheus_port"]  # where A's Ray dashboard was told to look
-        health = dashboard_get(a_state["address"], "/api/prometheus_health", a_state["token_path"])
-        assert health["result"] is True, health  # the Ray dashboard reaches A's Prometheus
-        ports = [a_state["ports"][n] for n in METRICS_PORT_ENV] + [b.ports[n] for n in METRICS_PORT_ENV]
-        assert len(set(ports)) == 4
-        mine = [Path(a_state["session_dir"]).resolve().name, b.session_dir.resolve().name]
-        for session, url in zip(mine, (a_prom["url"], prom_b.url)):
-            assert sessions_seen(url) == {"any": {session}, "autoscaler": {session}, "dashboard": {session}}, mine
-        rules = {r["name"] for g in dashboard_get(a_prom["url"], "/api/v1/rules")["data"]["groups"]
-                 for r in g["rules"]}
-        assert "K3NodeDown" in rules  # `k3 monitor up` loads k3's alerting rules
-    finally:
-        prom_b.stop()
-        b.stop()
-        capsys.readouterr()
-        downs = [(main(["monitor", "down", "--state", str(monitor_state)]), main(["cluster", "down", *cli]))
-                 for _ in range(2)]
-    out = capsys.readouterr().out.splitlines()
-    assert downs == [(0, 0), (0, 0)]
-    assert out == ["k3 monitor down: stopped", "k3 cluster down: stopped",
-                   "k3 monitor down: was not running", "k3 cluster down: was not running"]
