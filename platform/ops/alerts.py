@@ -23,6 +23,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3.model.directory import write_beside
+
 from .prometheus import CACHED_BINARY, PrometheusError
 
 RULES_FILE = "k3-alerts.yaml"
@@ -205,15 +207,14 @@ def tests_file(items: list[Alert], rules: str = RULES_FILE) -> dict:
 
 
 def write_alerts(out_dir: str | os.PathLike, config: AlertConfig | None = None) -> list[Path]:
-    """Write the rules and their promtool tests under out_dir; returns both paths."""
+    """Write the rules and their promtool tests under out_dir, swapped in together beside the
+    folder's other files (k3.model.directory); returns both paths."""
     items = alerts(config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, body in ((RULES_FILE, rules_file(items)), (TESTS_FILE, tests_file(items))):
-        (out / name).write_text(yaml.safe_dump(body, sort_keys=False, width=120))
-        written.append(out / name)
-    return written
+    files = {RULES_FILE: rules_file(items), TESTS_FILE: tests_file(items)}
+    with write_beside(out_dir) as stage:
+        for name, body in files.items():
+            (stage / name).write_text(yaml.safe_dump(body, sort_keys=False, width=120))
+    return [Path(out_dir) / name for name in files]
 
 
 def load_alert_config(path: str | os.PathLike) -> AlertConfig:

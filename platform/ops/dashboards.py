@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from k3.model.directory import write_beside
+
 from .panels import CLUSTER_PANELS, SERVING_PANELS, TRAINING_PANELS, PanelSpec
 
 DATASOURCE_VAR = "datasource"
@@ -119,22 +121,18 @@ def provisioning_files(dashboards_path: str) -> dict[str, dict]:
 
 def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/grafana/dashboards") -> list[Path]:
     """Write k3's dashboards (out_dir/k3-*.json), Ray's (out_dir/ray/*.json) and the provisioning
-    files under out_dir; returns the paths."""
+    files under out_dir; returns the paths. The new files are written beside out_dir and swapped in
+    together (k3.model.directory), keeping the folder's other files: a writer killed midway leaves
+    the previous version."""
     out = Path(out_dir)
-    files = {f"{d['uid']}.json": d for d in k3_dashboards()}
-    files.update({f"ray/{name}": d for name, d in ray_dashboards().items()})
-    written = []
-    for rel, d in files.items():
-        p = out / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-        written.append(p)
-    for rel, body in provisioning_files(dashboards_path).items():
-        p = out / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(yaml.safe_dump(body, sort_keys=False))
-        written.append(p)
-    return written
+    files = {f"{d['uid']}.json": json.dumps(d, indent=2, sort_keys=True) + "\n" for d in k3_dashboards()}
+    files |= {f"ray/{name}": json.dumps(d, indent=2, sort_keys=True) + "\n" for name, d in ray_dashboards().items()}
+    files |= {rel: yaml.safe_dump(body, sort_keys=False) for rel, body in provisioning_files(dashboards_path).items()}
+    with write_beside(out) as stage:
+        for rel, text in files.items():
+            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+            (stage / rel).write_text(text)
+    return [out / rel for rel in files]
 
 
 class GrafanaPushError(RuntimeError):

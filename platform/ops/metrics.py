@@ -118,8 +118,8 @@ SERVE_METRICS: dict[str, tuple] = {  # (kind, description, tag keys[, histogram 
                                ("model",), BYTES_BUCKETS),
     "k3_serve_handoff_seconds": ("histogram", "seconds to export, move and import one request's cache state",
                                  ("model",), TTFT_BUCKETS),
-    "k3_serve_handoff_retries": ("counter", "prefill attempts retried because the cache state or its replica was "
-                                 "lost, by cause (the exception's name)", ("model", "reason")),
+    "k3_serve_handoff_retries": ("counter", "prefill attempts of a handoff that failed and were tried again, by error",
+                                 ("model", "error")),
 }
 
 

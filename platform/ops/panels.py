@@ -121,10 +121,10 @@ SERVING_PANELS: tuple[PanelSpec, ...] = (
               _quantiles("ray_k3_serve_handoff_bytes", "model")),
     PanelSpec("Handoff latency", "seconds to export, move and import one request's cache state, percentiles", "s",
               _quantiles("ray_k3_serve_handoff_seconds", "model")),
-    PanelSpec("Handoff retries", "prefill attempts retried because the cache state or its replica was lost "
-              "(a prefill node went away), by cause; 0 while handoffs succeed first time", "none",
-              (Query(f"sum by (reason) (increase(ray_k3_serve_handoff_retries_total[{RATE}])) or "
-                     f"0 * sum(rate(ray_k3_serve_handoff_bytes_count[{RATE}]))", "{{reason}}"),)),
+    PanelSpec("Handoff retries", "prefill attempts tried again after one lost the cache state or its replica "
+              "(a prefill node went away) or timed out, by error; 0 while handoffs succeed first time", "none",
+              (Query(f"sum by (error) (increase(ray_k3_serve_handoff_retries_total[{RATE}])) or "
+                     f"0 * sum(rate(ray_k3_serve_handoff_bytes_count[{RATE}]))", "{{error}}"),)),
     PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric)",
               "none", (Query("sum by (application, deployment) (ray_serve_deployment_replica_healthy)",
                              "{{application}}/{{deployment}}"),)),

@@ -210,7 +210,7 @@ def serve_phase() -> None:
         event(f"prefill replica replaced {result['recovery_s']:.0f} s after the removal")
         time.sleep(15)  # traffic on the replaced replica, a metrics report and a scrape
     result["serve"] = {"max_nodes": w.max, "requests": traffic.summary(t_kill),
-                       "retries": {s["metric"].get("reason", "?"): float(s["value"][1])
+                       "retries": {s["metric"].get("error", "?"): float(s["value"][1])
                                    for s in prom.client.query("ray_k3_serve_handoff_retries_total")}}
     result["serve_moments"] = sampler.moments
     result["placement_after"] = placement()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import run_killed_midway, tree_bytes
 from k3.platform.ops.alerts import (
     RULES_FILE, TESTS_FILE, alerts, check_rules, load_alert_config, run_rule_tests, write_alerts)
 from k3.platform.ops.prometheus import PrometheusError
@@ -21,6 +22,21 @@ ASKED_FOR = {"K3TrainLossNotFinite", "K3TrainLossRising", "K3TrainThroughputDrop
 def test_committed_rules_and_tests_are_what_the_code_writes(tmp_path):
     for p in write_alerts(tmp_path):
         assert (COMMITTED / p.name).read_text() == p.read_text(), f"{p.name} is stale: run `k3 monitor dashboards`"
+
+
+def test_rules_killed_midway_leave_the_previous_version_whole(tmp_path):
+    out = tmp_path / "prometheus"
+    write_alerts(out)
+    (out / RULES_FILE).write_text("groups: []\n")  # an older version, and a file of the user's own
+    (out / "mine.yaml").write_text("mine\n")
+    before = tree_bytes(out)
+    run_killed_midway(f"from k3.platform.ops.alerts import write_alerts\nwrite_alerts({str(out)!r})",
+                      "pathlib:Path.write_text", after=1)
+    assert tree_bytes(out) == before, "the killed writer changed the previous rules"
+    written = write_alerts(out)
+    assert [p.name for p in written] == [RULES_FILE, TESTS_FILE] and (out / "mine.yaml").read_text() == "mine\n"
+    assert (out / RULES_FILE).read_text() == (COMMITTED / RULES_FILE).read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prometheus"], "a killed writer's leftovers stayed"
 
 
 def test_promtool_accepts_the_rules_and_every_case_passes():

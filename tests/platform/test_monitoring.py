@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import run_killed_midway, tree_bytes
 from k3.platform.ops.cli import main
 from k3.platform.ops.local_ray import free_port
 from k3.platform.ops.metrics import SERVE_METRICS, TRAIN_GAUGES, TRAIN_LAYER_GAUGES, TrainMetrics
@@ -147,6 +148,22 @@ def test_rays_own_dashboards_keep_rays_uids_for_the_ray_dashboards_metrics_tab()
     providers = {p["folderUid"]: p["options"]["path"] for p in
                  yaml.safe_load((REPO / "cluster/grafana/provisioning/dashboards/k3.yaml").read_text())["providers"]}
     assert providers == {"k3": "/etc/grafana/dashboards/k3", "ray": "/etc/grafana/dashboards/ray"}
+
+
+def test_dashboards_killed_midway_leave_the_previous_version_whole(tmp_path):
+    out = tmp_path / "grafana"
+    write_dashboards(out)
+    for p in out.glob("*.json"):  # an older version of the dashboards, and a file of the user's own
+        p.write_text('{"title": "an older version"}\n')
+    (out / "notes.md").write_text("mine\n")
+    before = tree_bytes(out)
+    run_killed_midway(f"from k3.platform.ops.dashboards import write_dashboards\nwrite_dashboards({str(out)!r})",
+                      "pathlib:Path.write_text", after=1)
+    assert tree_bytes(out) == before, "the killed writer changed the previous dashboards"
+    written = write_dashboards(out)
+    assert all(p.parent.exists() and p.read_text() for p in written) and (out / "notes.md").read_text() == "mine\n"
+    assert json.loads((out / "k3-training.json").read_text())["title"] == "k3 training"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grafana"], "a killed writer's leftovers stayed"
 
 
 def test_serving_dashboard_reads_every_serve_metric_by_its_prometheus_name():
