@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import yaml
@@ -49,7 +50,8 @@ p.add_argument("--data", required=True)
 p.add_argument("--work", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--idle-timeout-min", type=float, default=0.2)
-p.add_argument("--steps", type=int, default=16)
+# enough steps for 8 and more sampled moments (a step takes about 0.7 s on 2 idle cores)
+p.add_argument("--steps", type=int, default=48)
 args = p.parse_args()
 work = Path(args.work)
 work.mkdir(parents=True, exist_ok=True)
@@ -112,12 +114,13 @@ def start() -> tuple[LocalRayHead, Prometheus]:
 
 
 def train() -> None:
-    """2 workers of 1 CPU each on a head of 1 CPU; metrics reported every 4 steps."""
+    """2 workers of 1 CPU each on a head of 1 CPU; a report every 8 steps (longer than a gauge
+    lives unless set again)."""
     run_name = "autoscale"
     (work / "train.json").write_text(json.dumps({"warmup_steps": 2}))  # a short job whose loss falls early
     entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data,
              "--num-workers", "2", "--ep-size", "2", "--balance", "quantile_hist", "--steps", str(args.steps),
-             "--micro-batch", "4", "--log-every", "4", "--checkpoint-every", "8", "--lr", "3e-3",
+             "--micro-batch", "4", "--log-every", "8", "--checkpoint-every", "16", "--lr", "3e-3",
              "--storage-path", str(work / "runs"), "--name", run_name, "--sample", "0"]
     t_train = time.time()
     # moments from two scrapes after the first step (a rate needs two samples) to the last step
@@ -164,7 +167,9 @@ def placement() -> dict:
     from ray.util.state import list_actors
 
     where: dict[str, list[str]] = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    # this head's dashboard by name: without an address the state API asks the cluster named in
+    # /tmp/ray, another agent's on a shared machine
+    for a in list_actors(address=head.address, filters=[("state", "=", "ALIVE")], limit=1000, timeout=60):
         if a.class_name.startswith("ServeReplica:k3:"):
             where.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
     return where
@@ -267,7 +272,13 @@ try:
     ray.shutdown()
     second_cluster(head, prom)
     stop_twice()
+except BaseException:
+    result["error"] = traceback.format_exc()
+    raise
 finally:
+    import ray
+
+    ray.shutdown()  # before its cluster goes: a driver that loses its GCS for 60 s aborts this process
     for thing in (prom, head):  # whatever the downs did not stop
         if thing is not None:
             thing.stop()

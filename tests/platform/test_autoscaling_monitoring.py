@@ -53,7 +53,7 @@ def scenario(tmp_path_factory) -> dict:
 
 def test_nothing_is_left_running(scenario):
     assert scenario["left_running"] == {"ray_head": False, "prometheus": False}
-    assert scenario["rc"] == 0, f"{scenario['events']}\n{scenario['stderr_tail']}"
+    assert scenario["rc"] == 0, f"{scenario['events']}\n{scenario.get('error')}\n{scenario['stderr_tail']}"
 
 
 def test_training_scales_up_finishes_with_falling_loss_and_scales_down(scenario):
