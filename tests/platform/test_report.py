@@ -105,3 +105,12 @@ def test_report_in_a_real_browser(tmp_path, break_it):
         assert loaded["maxvio.png"] is False and any("maxvio.png" in c for c in seen["console"]), seen
     else:
         assert all(loaded.values()) and seen["console"] == [], seen
+
+
+def test_the_screenshot_in_docs_is_a_whole_report_page():
+    """docs/report.png, which the README shows as what `k3 report` writes, is a full-page shot
+    (render()'s 1400 px window less the scrollbar), taller than one screen."""
+    data = (REPO / "docs" / "report.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert 1300 <= width <= 1400 and height > 900, (width, height)
