@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast lint bench bench-kernels prometheus clean
+.PHONY: venv demo test test-fast lint bench bench-kernels prometheus chromium clean
 
 venv: $(STAMP)
 
@@ -34,13 +34,22 @@ $(PROM_DIR)/.installed:
 
 prometheus: $(PROM_DIR)/.installed
 
+# Chromium's headless shell for the run report's browser test (tests/platform/test_report.py):
+# used from PATH when there, else Debian's package and the libraries this machine lacks, unpacked
+# into .cache/chromium without root (.ci/fetch-chromium).
+CHROME_DIR := .cache/chromium
+$(CHROME_DIR)/.installed:
+	if command -v chromium-headless-shell >/dev/null; then mkdir -p $(CHROME_DIR) && touch $@; else .ci/fetch-chromium; fi
+
+chromium: $(CHROME_DIR)/.installed
+
 demo: $(STAMP) $(PROM_DIR)/.installed
 	$(BIN)/python jobs/demo.py
 
 lint: $(STAMP)
 	.ci/lint-imports
 
-test: $(STAMP) $(PROM_DIR)/.installed
+test: $(STAMP) $(PROM_DIR)/.installed $(CHROME_DIR)/.installed
 	.ci/lint-imports
 	$(BIN)/python -m pytest -q --durations=20 tests
 

@@ -69,6 +69,13 @@ async def fetch_media(req: GenerateRequest) -> list | None:
     return await req.media[0] if req.media else None
 
 
+def replica_device() -> torch.device:
+    """cuda when Ray gave this replica a GPU (`ray_actor_options.num_gpus`), else cpu."""
+    import ray
+
+    return torch.device("cuda") if ray.is_initialized() and ray.get_gpu_ids() else torch.device("cpu")
+
+
 class EngineHost:
     """One engine in a replica, and the replica's engine gauges reported every second."""
 
@@ -77,7 +84,7 @@ class EngineHost:
     def __init__(self, config: LLMServingConfig | dict) -> None:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
-        model = load_model(self.config.model)
+        model = load_model(self.config.model).to(replica_device())
         engine = LLMEngine(model, self.config.engine, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)

@@ -7,6 +7,7 @@
     k3 cluster up|status|down           the local autoscaling Ray cluster (cluster/local-autoscaling.yaml)
     k3 cluster env                      its addresses as shell exports: eval "$(k3 cluster env)"
     k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
+    k3 cluster aws --subnet --security-group   cluster/aws-gpu.yaml with EFA and a placement group
     k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
     k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
     k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
@@ -86,11 +87,19 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "rayservice":
         from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
 
-        print(dump_manifest(rayservice_manifest(args.base, args.serve_config)), end="")
+        print(dump_manifest(rayservice_manifest(args.base or "cluster/kuberay/rayservice.yaml", args.serve_config,
+                                                args.model_path)), end="")
+    elif args.action == "aws":
+        from k3.platform.ops.aws import render_aws
+        from k3.platform.ops.kuberay import dump_manifest
+
+        print(dump_manifest(render_aws(args.base or "cluster/aws-gpu.yaml", args.region, args.subnet,
+                                       args.security_group, args.placement_group, args.ami)), end="")
     elif args.action == "up":
-        st = cluster.up(args.config, args.state)
+        st = cluster.up(args.config, args.state, grafana_url=os.environ.get("GRAFANA_URL") or None)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
               f"  session dir {st['session_dir']}\n"
+              f"  Prometheus port {st['prometheus_port']} reserved: `k3 monitor up` starts it there\n"
               f"  submit jobs with: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={st['token_path']} "
               f"ray job submit --address {st['address']} ...")
     elif args.action == "env":
@@ -104,38 +113,68 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def cmd_monitor(args: argparse.Namespace) -> int:
     from k3.platform.ops.dashboards import push_dashboards, write_dashboards
+
+    if args.action == "dashboards":
+        from k3.platform.ops.alerts import load_alert_config, write_alerts
+
+        alert_config = load_alert_config(args.alerts_config) if args.alerts_config else None
+        for p in write_dashboards(args.out):
+            print(p)
+        for p in write_alerts(args.alerts_out, alert_config):
+            print(p)
+    elif args.action == "push":
+        for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
+            print(f"pushed {r.get('uid')}: {r.get('url')}")
+    elif args.action == "down":
+        _monitor_down(Path(args.state))
+    else:
+        _monitor_up(args)
+    return 0
+
+
+def _monitor_down(state: Path) -> None:
+    from k3.platform.ops.prometheus import Prometheus
+
+    if not state.exists():
+        print("k3 monitor down: was not running")
+        return
+    prom = Prometheus.from_state(json.loads(state.read_text()))
+    was = prom.alive()
+    prom.stop()
+    state.unlink()
+    print("k3 monitor down: stopped" if was else "k3 monitor down: was not running")
+
+
+def _scrape_target(args: argparse.Namespace) -> tuple[str, int | None]:
+    """(session dir, port): --session-dir and --port, or the recorded cluster's session and the
+    port `k3 cluster up` reserved for Prometheus (the Ray dashboard was started pointing there)."""
+    if args.session_dir is not None:
+        return args.session_dir, args.port
+    from k3.platform.ops.cluster import recorded_head
+
+    head = recorded_head(args.cluster_state)
+    if not head.alive():
+        raise ValueError(f"the k3 cluster recorded in {args.cluster_state} is not running: `k3 cluster up` first")
+    reserved = json.loads(Path(args.cluster_state).read_text()).get("prometheus_port")
+    return str(head.session_dir), args.port or reserved
+
+
+def _monitor_up(args: argparse.Namespace) -> None:
+    from k3.platform.ops.dashboards import push_dashboards
     from k3.platform.ops.prometheus import Prometheus
 
     state = Path(args.state)
-    if args.action == "dashboards":
-        for p in write_dashboards(args.out):
-            print(p)
-        return 0
-    if args.action == "push":
-        for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
-            print(f"pushed {r.get('uid')}: {r.get('url')}")
-        return 0
-    if args.action == "down":
-        if not state.exists():
-            print("k3 monitor down: was not running")
-            return 0
-        Prometheus.from_state(json.loads(state.read_text())).stop()
-        state.unlink()
-        print("k3 monitor down: stopped")
-        return 0
     if state.exists() and Prometheus.from_state(json.loads(state.read_text())).alive():
         raise ValueError(f"Prometheus already runs (see {state}): `k3 monitor down` first")
     if args.grafana_url and not os.environ.get("GRAFANA_TOKEN"):
         raise ValueError("GRAFANA_URL is set but GRAFANA_TOKEN is not: the dashboards cannot be pushed")
-    session = args.session_dir
-    if session is None:
-        from k3.platform.ops.cluster import recorded_head
+    session, port = _scrape_target(args)
+    from k3.platform.ops.prometheus import REPO
 
-        head = recorded_head(args.cluster_state)
-        if not head.alive():
-            raise ValueError(f"the k3 cluster recorded in {args.cluster_state} is not running: `k3 cluster up` first")
-        session = str(head.session_dir)
-    prom = Prometheus(session, state.parent / "prometheus", scrape_interval_s=args.scrape_interval).start()
+    shipped = REPO / "cluster" / "prometheus" / "k3-alerts.yaml"
+    rules = Path(args.rules) if args.rules else (shipped if shipped.is_file() else None)
+    prom = Prometheus(session, state.parent / "prometheus", scrape_interval_s=args.scrape_interval, port=port,
+                      rules_file=rules).start()
     try:
         if args.grafana_url:
             for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
@@ -145,17 +184,16 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         raise
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps(prom.state(), indent=2) + "\n")
-    print(f"k3 monitor up: Prometheus {prom.url} (pid {prom.pid}) scraping {session}\n"
-          f"  for the Ray dashboard's embedded Grafana panels, start Ray with:\n"
-          f"  RAY_PROMETHEUS_HOST={prom.url}\n"
-          f"  RAY_GRAFANA_HOST={args.grafana_url or 'http://127.0.0.1:3000'}")
-    return 0
+    print(f"k3 monitor up: Prometheus {prom.url} (pid {prom.pid}) scraping {session}, "
+          f"alerting rules {prom.rules_file or 'none'}")
+    if args.session_dir is not None:
+        print(f"  for the Ray dashboard's metrics, start that cluster's head with RAY_PROMETHEUS_HOST={prom.url}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from k3.platform.ops.report import write_report
 
-    print(write_report(args.run_dir, args.out))
+    print(write_report(args.run_dir, args.out, args.log))
     return 0
 
 
@@ -175,10 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_config)
 
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
-    sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice"])
+    sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice", "aws"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
     sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
-    sp.add_argument("--base", default="cluster/kuberay/rayservice.yaml", help="rayservice: the RayService base")
+    sp.add_argument("--model-path", default="/mnt/k3/models/k3", help="rayservice: the model directory inside "
+                                                                      "the pods (on the shared volume)")
+    sp.add_argument("--base", help="rayservice: the RayService base (cluster/kuberay/rayservice.yaml); "
+                                   "aws: the cluster YAML (cluster/aws-gpu.yaml)")
+    sp.add_argument("--region", default="us-east-2", help="aws: the AWS region")
+    sp.add_argument("--subnet", help="aws: the subnet for every node (in the zone of your p5 capacity)")
+    sp.add_argument("--security-group", help="aws: a security group letting all traffic from itself in and out")
+    sp.add_argument("--placement-group", default="k3-p5", help="aws: an existing cluster placement group")
+    sp.add_argument("--ami", help="aws: pin this AMI (default: the current DLAMI, resolved when a node launches)")
     sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
                     help="where the running cluster is recorded")
     sp.set_defaults(func=cmd_cluster)
@@ -189,14 +235,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the cluster to scrape (written by `k3 cluster up`)")
     sp.add_argument("--session-dir", help="scrape this Ray session directory instead")
     sp.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between scrapes")
+    sp.add_argument("--port", type=int, help="up: Prometheus's port (default: the one `k3 cluster up` reserved, "
+                                            "or a free one with --session-dir)")
     sp.add_argument("--state", default=str(MONITOR_STATE), help="where the running Prometheus is recorded")
     sp.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"), help="Grafana to push to ($GRAFANA_URL)")
     sp.add_argument("--out", default="cluster/grafana", help="dashboards: output directory")
+    sp.add_argument("--alerts-out", default="cluster/prometheus", help="dashboards: where the alerting rules and "
+                                                                      "their promtool tests go")
+    sp.add_argument("--alerts-config", help="dashboards: YAML of alert thresholds (k3.platform.ops.alerts.AlertConfig)")
+    sp.add_argument("--rules", help="up: alerting rules for Prometheus to evaluate (default: this checkout's "
+                                    "cluster/prometheus/k3-alerts.yaml when there is one)")
     sp.set_defaults(func=cmd_monitor)
 
     sp = sub.add_parser("report", help="HTML page with PNG plots of a pretraining run")
     sp.add_argument("run_dir", help="the run's directory (storage path / run name)")
     sp.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    sp.add_argument("--log", help="the job's log, whose tail the page shows (default RUN_DIR/job.log if present)")
     sp.set_defaults(func=cmd_report)
     return p
 

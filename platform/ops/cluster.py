@@ -20,10 +20,11 @@ from pathlib import Path
 import yaml
 
 FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider names its head node type this way
+FAKE_NODES = "k3.platform.ops.fake_nodes.FakeNodes"  # the fake provider, one log monitor per machine
 DEFAULT_STATE = Path(".cache") / "k3-cluster" / "state.json"
 
 
-def _read_yaml(path: str | os.PathLike) -> dict:
+def read_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such cluster YAML")
@@ -77,11 +78,12 @@ def ray_validate(cfg: dict, where: str) -> None:
 def load_autoscaling_config(path: str | os.PathLike) -> dict:
     """The local fake multi-node cluster YAML, checked; returned as `ray start` will read it."""
     where = str(path)
-    cfg = _read_yaml(path)
+    cfg = read_yaml(path)
     provider = cfg.get("provider") or {}
-    if provider.get("type") != "fake_multinode":
-        raise ValueError(f"{where}: provider.type must be 'fake_multinode' for a local autoscaling cluster, "
-                         f"got {provider.get('type')!r}")
+    kind = (provider.get("type"), provider.get("module"))
+    if kind not in (("fake_multinode", None), ("external", FAKE_NODES)):
+        raise ValueError(f"{where}: provider must be Ray's fake multi-node provider (type: fake_multinode) or k3's "
+                         f"(type: external, module: {FAKE_NODES}), got type {kind[0]!r}, module {kind[1]!r}")
     check_node_types(cfg, where)
     if cfg["head_node_type"] != FAKE_HEAD_TYPE:
         raise ValueError(f"{where}: head_node_type must be {FAKE_HEAD_TYPE!r} (the fake provider's head), "
@@ -97,10 +99,13 @@ def load_autoscaling_config(path: str | os.PathLike) -> dict:
 def load_cloud_config(path: str | os.PathLike) -> dict:
     """A cloud cluster YAML (`ray up`), checked the way `ray up` checks it: Ray fills in its
     provider's defaults (`prepare_config`), then validates against its schema."""
+    return check_cloud_config(read_yaml(path), str(path))
+
+
+def check_cloud_config(cfg: dict, where: str) -> dict:
+    """`load_cloud_config`'s checks of a config already read; returns it as Ray fills it in."""
     from ray.autoscaler._private.util import prepare_config
 
-    where = str(path)
-    cfg = _read_yaml(path)
     check_node_types(cfg, where)
     try:
         full = prepare_config(copy.deepcopy(cfg))
@@ -112,20 +117,28 @@ def load_cloud_config(path: str | os.PathLike) -> dict:
 
 # -- the local autoscaling cluster: k3 cluster up | status | down --------------------------------
 def up(config: str | os.PathLike, state_path: str | os.PathLike = DEFAULT_STATE, env: dict | None = None,
-       autoscaler_update_s: int = 5) -> dict:
+       autoscaler_update_s: int = 5, grafana_url: str | None = None, workdir: str | os.PathLike | None = None) -> dict:
     """Start the local autoscaling head (returns its state, also written to `state_path`); refused
-    while a head recorded there still runs."""
-    from k3.platform.ops.local_ray import LocalRayHead
+    while a head recorded there still runs. `workdir` holds the head's token and log (default: a
+    new folder beside the state file).
+
+    The Ray dashboard reads where Prometheus and Grafana are when it starts, and Prometheus can
+    only scrape a session that exists: so the head is started pointing at a port reserved here
+    for Prometheus (`prometheus_port` in the state), on which `k3 monitor up` starts it later."""
+    from k3.platform.ops.local_ray import LocalRayHead, free_port
 
     state_path = Path(state_path).resolve()  # the token path in the state must not depend on the cwd
     if state_path.exists():
         old = json.loads(state_path.read_text())
         if LocalRayHead.from_state(old).alive():
             raise ValueError(f"a k3 cluster already runs (pid {old['pid']}, {old['address']}): `k3 cluster down` first")
-    head = LocalRayHead(autoscaling_config=config, workdir=state_path.parent / f"head-{int(time.time())}",
+    prometheus_port = free_port()
+    env = {**(env or {}), "RAY_PROMETHEUS_HOST": f"http://127.0.0.1:{prometheus_port}",
+           **({"RAY_GRAFANA_HOST": grafana_url} if grafana_url else {})}
+    head = LocalRayHead(autoscaling_config=config, workdir=workdir or state_path.parent / f"head-{int(time.time())}",
                         env=env, autoscaler_update_s=autoscaler_update_s)
     head.start()  # stops what it started if it does not come up
-    state = head.state()
+    state = {**head.state(), "prometheus_port": prometheus_port}
     state_path.parent.mkdir(parents=True, exist_ok=True)
     state_path.write_text(json.dumps(state, indent=2) + "\n")
     return state
@@ -173,7 +186,10 @@ def status(state_path: str | os.PathLike = DEFAULT_STATE) -> str:
 
 
 def down(state_path: str | os.PathLike = DEFAULT_STATE) -> bool:
-    """Stop the recorded cluster's process group; True when something was running."""
+    """Stop the recorded cluster's process group and forget it; True when something was running.
+    Nothing recorded is not an error (a second `down` answers like `k3 monitor down`'s)."""
+    if not Path(state_path).exists():
+        return False
     head = recorded_head(state_path)
     was = head.alive()
     head.stop()

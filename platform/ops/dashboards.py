@@ -1,124 +1,43 @@
-"""Grafana dashboards as code: the training and serving dashboards, their provisioning files,
-and the push to a Grafana server.
+"""Grafana dashboards as code: k3's training, serving and cluster dashboards, Ray's own
+dashboards beside them, their provisioning files, and the push to a Grafana server.
 
-    write_dashboards("cluster/grafana")               # k3-training.json, k3-serving.json, provisioning/
+    write_dashboards("cluster/grafana")               # k3-*.json, ray/*.json, provisioning/
     push_dashboards("http://grafana:3000", token)     # POST /api/dashboards/db through grafana-client
 
-Each panel is a `PanelSpec` (title, unit, PromQL queries) turned into Grafana's JSON by the
-official `grafana-foundation-sdk` builders. The queries name the metrics as Prometheus sees them:
-Ray prefixes every `ray.util.metrics` name with `ray_` and appends `_total` to counters
-(`k3_serve_prompt_tokens` -> `ray_k3_serve_prompt_tokens_total`); histograms come as
-`_bucket`/`_sum`/`_count`. Every panel's queries are checked against a real Prometheus scraping a
-real cluster (tests/platform/test_autoscaling_monitoring.py): a panel that can never return data
-is a defect, so panels whose metric does not exist yet are listed in `PENDING_PANELS` instead.
+Each k3 panel is a `PanelSpec` (k3.platform.ops.panels) turned into Grafana's JSON by the official
+`grafana-foundation-sdk` builders. Ray's dashboards (default, Serve, Serve deployment, Train,
+Data) are the ones a Ray head generates into `<session dir>/metrics/grafana/dashboards/`, made
+here by Ray's own generator (so they match the pinned Ray, offline), with Ray's uids: the Ray
+dashboard's Metrics tab embeds their panels by uid from the Grafana at RAY_GRAFANA_HOST.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from k3.model.directory import write_beside
 
+from .panels import CLUSTER_PANELS, SERVING_PANELS, TRAINING_PANELS, PanelSpec
+
 DATASOURCE_VAR = "datasource"
-RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape intervals
 FOLDER_UID = "k3"
-
-
-@dataclass(frozen=True)
-class Query:
-    expr: str
-    legend: str
-
-
-@dataclass(frozen=True)
-class PanelSpec:
-    """One panel: a time series (or a heatmap with one row per series) of PromQL queries."""
-
-    title: str
-    description: str
-    unit: str
-    queries: tuple[Query, ...]
-    kind: str = "timeseries"  # or "heatmap"
-
-
-def _quantiles(metric: str, by: str) -> tuple[Query, ...]:
-    return tuple(Query(f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket[{RATE}])))",
-                       f"p{int(q * 100)} {{{{{by}}}}}") for q in (0.5, 0.9, 0.99))
-
-
-TRAINING_PANELS: tuple[PanelSpec, ...] = (
-    PanelSpec("Loss", "training loss, mean over workers (rank 0 reports)", "none",
-              (Query("ray_k3_train_loss", "loss"),)),
-    PanelSpec("Tokens per second", "tokens per second over all workers since the last report", "none",
-              (Query("ray_k3_train_tokens_per_s", "tokens/s"),)),
-    PanelSpec("Learning rate", "learning rate of the last step", "none", (Query("ray_k3_train_lr", "lr"),)),
-    PanelSpec("Gradient norm", "global gradient norm (dense and expert parameters) before clipping", "none",
-              (Query("ray_k3_train_grad_norm", "grad norm"),)),
-    PanelSpec("MaxVio per MoE layer", "max expert load / mean load - 1 of the last step, one row per MoE layer",
-              "none", (Query("ray_k3_train_maxvio", "{{layer}}"),), kind="heatmap"),
-    PanelSpec("Quantile Balancing bias spread", "max - min of the router bias the coordinator solved, per MoE layer",
-              "none", (Query("ray_k3_train_qb_bias_spread", "layer {{layer}}"),)),
-    PanelSpec("QB histogram bytes", "bytes of margin histograms the balance coordinator receives per second",
-              "Bps", (Query(f"sum(rate(ray_k3_train_qb_hist_bytes_total[{RATE}]))", "received"),)),
-    PanelSpec("Coordinator wait", "seconds rank 0 waited for the balance coordinator's bias since the last report",
-              "s", (Query("ray_k3_train_coordinator_wait_s", "wait"),)),
-    PanelSpec("Expert all-to-all time", "seconds of expert all-to-all in the last step (rank 0)", "s",
-              (Query("ray_k3_train_all_to_all_s", "all-to-all"),)),
-    PanelSpec("Compute time", "seconds of forward, backward and optimizer step since the last report (rank 0)",
-              "s", (Query("ray_k3_train_compute_s", "compute"),)),
-    PanelSpec("Checkpoint time", "seconds to write the last checkpoint (rank 0)", "s",
-              (Query("ray_k3_train_checkpoint_s", "checkpoint"),)),
-)
-
-_hit = "sum by (source) (rate(ray_k3_serve_prefix_cache_hits_total[{r}])) / " \
-       "sum by (source) (rate(ray_k3_serve_prefix_cache_queries_total[{r}]))"
-SERVING_PANELS: tuple[PanelSpec, ...] = (
-    PanelSpec("Time to first token", "TTFT percentiles", "s",
-              _quantiles("ray_k3_serve_time_to_first_token_seconds", "model")),
-    PanelSpec("Inter-token latency", "seconds between consecutive output tokens, percentiles", "s",
-              _quantiles("ray_k3_serve_inter_token_latency_seconds", "model")),
-    PanelSpec("End-to-end request latency", "request arrival to last token, percentiles", "s",
-              _quantiles("ray_k3_serve_e2e_request_latency_seconds", "model")),
-    PanelSpec("Throughput", "tokens per second", "none",
-              (Query(f"sum by (model) (rate(ray_k3_serve_generation_tokens_total[{RATE}]))", "generated {{model}}"),
-               Query(f"sum by (model) (rate(ray_k3_serve_prompt_tokens_total[{RATE}]))", "prompt {{model}}"))),
-    PanelSpec("Finished requests", "requests finished per second, by finish reason", "reqps",
-              (Query(f"sum by (finish_reason) (rate(ray_k3_serve_requests_finished_total[{RATE}]))",
-                     "{{finish_reason}}"),)),
-    PanelSpec("Running and waiting requests", "requests in the running batch and waiting for admission", "none",
-              (Query("sum by (model, role) (ray_k3_serve_num_requests_running)", "running {{role}}"),
-               Query("sum by (model, role) (ray_k3_serve_num_requests_waiting)", "waiting {{role}}"))),
-    PanelSpec("Prefix-cache hit rate", "prompt tokens served from the prefix cache / looked up, by source "
-              "(local: the replica's own cache; pool: the shared prefix pool)", "percentunit",
-              (Query(_hit.format(r=RATE), "{{source}}"),)),
-    PanelSpec("Cache usage", "share of the engine's MLA pages held by running requests", "percentunit",
-              (Query("max by (model, role) (ray_k3_serve_cache_usage_ratio)", "{{role}}"),)),
-    PanelSpec("Handoff size", "bytes of hybrid cache state handed from prefill to decode, percentiles", "bytes",
-              _quantiles("ray_k3_serve_handoff_bytes", "model")),
-    PanelSpec("Handoff latency", "seconds to export, move and import one request's cache state, percentiles", "s",
-              _quantiles("ray_k3_serve_handoff_seconds", "model")),
-    PanelSpec("Handoff retries", "prefill attempts tried again per second after one lost the state or timed out, "
-              "by error", "ops",
-              (Query(f"sum by (error) (rate(ray_k3_serve_handoff_retries_total[{RATE}]))", "{{error}}"),)),
-    PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric)",
-              "none", (Query("sum by (application, deployment) (ray_serve_deployment_replica_healthy)",
-                             "{{application}}/{{deployment}}"),)),
-)
-
-# Panels the issue asks for whose metric no code exports yet; added when it does.
-PENDING_PANELS = {
-    "Worker restarts": "needs a worker-restart counter from the trainer (none is exported on this branch); "
-                       "Ray Train's own metrics do not count restarts",
-}
+RAY_FOLDER_UID = "ray"
+# file name -> generator in ray.dashboard.modules.metrics.grafana_dashboard_factory (the names the
+# head writes them under)
+RAY_DASHBOARDS = {"default_grafana_dashboard.json": "generate_default_grafana_dashboard",
+                  "serve_grafana_dashboard.json": "generate_serve_grafana_dashboard",
+                  "serve_deployment_grafana_dashboard.json": "generate_serve_deployment_grafana_dashboard",
+                  "train_grafana_dashboard.json": "generate_train_grafana_dashboard",
+                  "data_grafana_dashboard.json": "generate_data_grafana_dashboard"}
 
 
 def _panel(spec: PanelSpec, ds):
     from grafana_foundation_sdk.builders import heatmap, prometheus, timeseries
     from grafana_foundation_sdk.models.common import HeatmapCellLayout
+    from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
     from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
 
     if spec.kind == "heatmap":
@@ -132,8 +51,11 @@ def _panel(spec: PanelSpec, ds):
         raise ValueError(f"panel {spec.title!r}: kind must be 'timeseries' or 'heatmap', got {spec.kind!r}")
     p = p.title(spec.title).description(spec.description).unit(spec.unit).datasource(ds).height(8).span(12)
     for i, q in enumerate(spec.queries):
-        target = prometheus.Dataquery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i)).datasource(ds)
-        p = p.with_target(target)
+        ref = chr(ord("A") + i)
+        p = p.with_target(prometheus.Dataquery().expr(q.expr).legend_format(q.legend).ref_id(ref).datasource(ds))
+        if q.unit is not None:
+            p = p.override_by_query(ref, [DynamicConfigValue(id_val="unit", value=q.unit),
+                                          DynamicConfigValue(id_val="custom.axisPlacement", value="right")])
     return p
 
 
@@ -159,14 +81,31 @@ def serving_dashboard() -> dict:
     return build_dashboard("k3 serving", "k3-serving", SERVING_PANELS, ["k3", "serving"])
 
 
+def cluster_dashboard() -> dict:
+    return build_dashboard("k3 cluster", "k3-cluster", CLUSTER_PANELS, ["k3", "cluster"])
+
+
+def k3_dashboards() -> list[dict]:
+    return [training_dashboard(), serving_dashboard(), cluster_dashboard()]
+
+
+def ray_dashboards() -> dict[str, dict]:
+    """Ray's own dashboards by file name, from the installed Ray's generator (its RAY_GRAFANA_*
+    environment overrides of uids and filters apply, as they do on a head)."""
+    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
+
+    return {name: json.loads(getattr(factory, gen)()[0]) for name, gen in RAY_DASHBOARDS.items()}
+
+
 def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target of every panel of a dashboard's JSON."""
     return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 def provisioning_files(dashboards_path: str) -> dict[str, dict]:
-    """Grafana provisioning: a Prometheus datasource (URL from $PROMETHEUS_URL, which Grafana
-    expands when it reads the file) and a file provider for the dashboards folder."""
+    """Grafana provisioning: a Prometheus datasource named as Ray's dashboards expect it (URL from
+    $PROMETHEUS_URL, which Grafana expands when it reads the file) and one file provider per
+    folder: k3's dashboards in <dashboards_path>/k3, Ray's in <dashboards_path>/ray."""
     return {
         "provisioning/datasources/k3-prometheus.yaml": {
             "apiVersion": 1,
@@ -174,18 +113,20 @@ def provisioning_files(dashboards_path: str) -> dict[str, dict]:
                              "url": "$PROMETHEUS_URL", "isDefault": True}]},
         "provisioning/dashboards/k3.yaml": {
             "apiVersion": 1,
-            "providers": [{"name": "k3", "folder": "k3", "folderUid": FOLDER_UID, "type": "file",
-                           "allowUiUpdates": False, "options": {"path": dashboards_path}}]},
+            "providers": [{"name": name, "folder": title, "folderUid": uid, "type": "file", "allowUiUpdates": False,
+                           "options": {"path": f"{dashboards_path}/{uid}"}}
+                          for name, title, uid in (("k3", "k3", FOLDER_UID), ("ray", "Ray", RAY_FOLDER_UID))]},
     }
 
 
-def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/grafana/dashboards/k3") -> list[Path]:
-    """Write both dashboards' JSON and the provisioning files under out_dir; returns the paths. The
-    new files are written beside out_dir and swapped in together (k3.model.directory),
-    keeping the folder's other files: a writer killed midway leaves the previous version."""
+def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/grafana/dashboards") -> list[Path]:
+    """Write k3's dashboards (out_dir/k3-*.json), Ray's (out_dir/ray/*.json) and the provisioning
+    files under out_dir; returns the paths. The new files are written beside out_dir and swapped in
+    together (k3.model.directory), keeping the folder's other files: a writer killed midway leaves
+    the previous version."""
     out = Path(out_dir)
-    files = {f"{d['uid']}.json": json.dumps(d, indent=2, sort_keys=True) + "\n"
-             for d in (training_dashboard(), serving_dashboard())}
+    files = {f"{d['uid']}.json": json.dumps(d, indent=2, sort_keys=True) + "\n" for d in k3_dashboards()}
+    files |= {f"ray/{name}": json.dumps(d, indent=2, sort_keys=True) + "\n" for name, d in ray_dashboards().items()}
     files |= {rel: yaml.safe_dump(body, sort_keys=False) for rel, body in provisioning_files(dashboards_path).items()}
     with write_beside(out) as stage:
         for rel, text in files.items():
@@ -198,10 +139,11 @@ class GrafanaPushError(RuntimeError):
     """The push to Grafana failed (the message is one line)."""
 
 
-def push_dashboards(url: str, token: str | None, folder_uid: str = FOLDER_UID, folder_title: str = "k3",
-                    dashboards: list[dict] | None = None, timeout_s: float = 10.0) -> list[dict]:
-    """Create the folder if missing, then POST each dashboard to /api/dashboards/db with
-    `folderUid` and `overwrite: true`, through grafana-client; returns Grafana's replies."""
+def push_dashboards(url: str, token: str | None, folders: dict[tuple[str, str], list[dict]] | None = None,
+                    timeout_s: float = 10.0) -> list[dict]:
+    """For each (folder uid, title) -> dashboards (default: k3's in "k3", Ray's in "Ray"): create
+    the folder if missing, then POST each dashboard to /api/dashboards/db with `folderUid` and
+    `overwrite: true`, through grafana-client; returns Grafana's replies."""
     import requests
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
@@ -210,20 +152,22 @@ def push_dashboards(url: str, token: str | None, folder_uid: str = FOLDER_UID, f
         raise ValueError("no Grafana URL: pass --grafana-url or set GRAFANA_URL")
     if not token:
         raise ValueError("no Grafana token: set GRAFANA_TOKEN to a service-account token with dashboard write access")
-    dashboards = dashboards if dashboards is not None else [training_dashboard(), serving_dashboard()]
+    if folders is None:
+        folders = {(FOLDER_UID, "k3"): k3_dashboards(), (RAY_FOLDER_UID, "Ray"): list(ray_dashboards().values())}
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
     replies = []
     try:
-        try:
-            api.folder.get_folder(folder_uid)
-        except GrafanaClientError as e:
-            if e.status_code != 404:
-                raise
-            api.folder.create_folder(folder_title, uid=folder_uid)
-        for d in dashboards:
-            body = {"dashboard": {**d, "id": None}, "folderUid": folder_uid, "overwrite": True,
-                    "message": "k3 dashboards as code"}
-            replies.append(api.dashboard.update_dashboard(body))
+        for (folder_uid, folder_title), dashboards in folders.items():
+            try:
+                api.folder.get_folder(folder_uid)
+            except GrafanaClientError as e:
+                if e.status_code != 404:
+                    raise
+                api.folder.create_folder(folder_title, uid=folder_uid)
+            for d in dashboards:
+                body = {"dashboard": {**d, "id": None}, "folderUid": folder_uid, "overwrite": True,
+                        "message": "k3 dashboards as code"}
+                replies.append(api.dashboard.update_dashboard(body))
     except GrafanaUnauthorizedError:
         raise GrafanaPushError(f"Grafana at {url} refused the token (HTTP 401): check GRAFANA_TOKEN") from None
     except GrafanaException as e:

@@ -13,10 +13,14 @@ against a cluster started with `ray start`). Three things make that path reliabl
 machine, and this module does all three:
 
 - every port the node opens is chosen free on 127.0.0.1 (GCS, dashboard, dashboard agent HTTP and
-  gRPC, runtime-env agent, metrics export, node and object managers, Ray client). Ray's defaults
-  are fixed numbers (the agent's HTTP port is 52365): a second Ray on the machine, such as a
-  test session's `ray.init()`, already holds them, the new agent fails to bind, and every job
-  submission then answers "No available agent";
+  gRPC, runtime-env agent, metrics export, node and object managers, Ray client, and the
+  autoscaler's and the dashboard's own metrics servers, which Ray takes from the environment).
+  Ray's defaults are fixed numbers (the agent's HTTP port is 52365, the metrics servers 44217 and
+  44227): a second Ray on the machine, such as a test session's `ray.init()`, already holds them,
+  the new agent fails to bind and every job submission answers "No available agent", and a
+  metrics server that fails to bind leaves Prometheus scraping the other cluster under this
+  one's service-discovery entry. The head is ready only once both metrics servers answer with
+  this cluster's SessionName;
 - the cluster gets its own auth token (Ray clusters require token auth by default) and stays on
   loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray from swapping 127.0.0.1 for the
   machine's outward address);
@@ -80,13 +84,40 @@ def _port_open(port: int) -> bool:
 PORT_NAMES = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
               "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
               "ray-client-server-port")
+# The head's two Prometheus endpoints outside the raylet: `ray start` has no flag for them, the
+# monitor and the dashboard read these variables when they import Ray's constants.
+METRICS_PORT_ENV = {"autoscaler-metrics-port": "AUTOSCALER_METRIC_PORT",
+                    "dashboard-metrics-port": "DASHBOARD_METRIC_PORT"}
 # What a Ray process logs when the port it was given is taken by then (a port free when it was
-# picked can be handed to another process's socket before Ray binds it, on a busy machine).
-PORT_TAKEN = "Failed to start the grpc server"
+# picked can be handed to another process's socket before Ray binds it, on a busy machine): the
+# gRPC servers in *.out, the metrics servers (prometheus_client) in dashboard.log / monitor.log.
+PORT_TAKEN = ("Failed to start the grpc server", "Address already in use")
 
 
 def _pick_ports() -> dict[str, int]:
-    return {name: free_port() for name in PORT_NAMES}
+    """One distinct free port per name (two calls to free_port may hand out the same port)."""
+    ports: dict[str, int] = {}
+    for name in (*PORT_NAMES, *METRICS_PORT_ENV):
+        port = free_port()
+        while port in ports.values():
+            port = free_port()
+        ports[name] = port
+    return ports
+
+
+def metrics_session(port: int) -> str | None:
+    """The SessionName label a Prometheus endpoint on 127.0.0.1:port exports (None: it does not
+    answer, or exports no SessionName)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r'SessionName="([^"]+)"', text)
+    return m.group(1) if m else None
 
 
 class _PortTaken(RuntimeError):
@@ -197,8 +228,21 @@ class LocalRayHead:
 
     def _port_taken(self) -> bool:
         """Whether a Ray process of this start (not of an earlier attempt) logged a taken port."""
-        new = [d for d in self.temp_dir.glob("session_2*") if d not in self._earlier_sessions]
-        return any(PORT_TAKEN in f.read_text(errors="replace") for d in new for f in (d / "logs").glob("*.out"))
+        new = [d / "logs" for d in self.temp_dir.glob("session_2*") if d not in self._earlier_sessions]
+        logs = [f for d in new for f in (*d.glob("*.out"), d / "dashboard.log", d / "monitor.log") if f.is_file()]
+        return any(s in f.read_text(errors="replace") for f in logs for s in PORT_TAKEN)
+
+    def _metrics_servers_ours(self) -> bool:
+        """Whether the autoscaler's and the dashboard's metrics servers answer with this head's
+        SessionName; _PortTaken when one answers with another's (the port went to another Ray)."""
+        if not self.session_dir.exists():
+            return False
+        ours = self.session_dir.resolve().name
+        sessions = {name: metrics_session(self.ports[name]) for name in METRICS_PORT_ENV}
+        for name, session in sessions.items():
+            if session not in (None, ours):
+                raise _PortTaken(f"the {name} {self.ports[name]} serves another Ray session ({session})")
+        return all(s == ours for s in sessions.values())
 
     def _start_once(self) -> "LocalRayHead":
         self.token_path.write_text(secrets.token_hex(32))
@@ -207,13 +251,13 @@ class LocalRayHead:
         cmd = [*self.ray_cli, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(self.num_cpus),
                "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
-        for name, port in self.ports.items():
-            cmd += [f"--{name}", str(port)]
+        for name in PORT_NAMES:
+            cmd += [f"--{name}", str(self.ports[name])]
         if self.cluster_config is not None:
             cmd += self.autoscaling_args()
+        env = {**self.env, **{var: str(self.ports[name]) for name, var in METRICS_PORT_ENV.items()}}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
         try:
             self._wait_ready()
@@ -228,16 +272,21 @@ class LocalRayHead:
     def _wait_ready(self) -> None:
         deadline = time.time() + self.start_timeout_s
         agent = self.ports["dashboard-agent-listen-port"]
+        jobs_up = False
         while True:
             if self._port_taken():
                 raise _PortTaken(f"a Ray process of this head found its port taken; see {self.session_dir / 'logs'}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`ray start` exited with {self.proc.returncode}; see {self.log_path}:\n"
                                    + self.log_path.read_text()[-2000:])
-            if _port_open(agent) and self.ray("job", "list", "--address", self.address).returncode == 0:
+            # `job list` is also the dashboard's first request, which gives its metrics a SessionName
+            jobs_up = jobs_up or (_port_open(agent)
+                                  and self.ray("job", "list", "--address", self.address).returncode == 0)
+            if jobs_up and self._metrics_servers_ours():
                 return
             if time.time() > deadline:
-                raise TimeoutError(f"Ray's job server or job agent (port {agent}) not up after "
+                raise TimeoutError(f"Ray's job server, job agent (port {agent}) or metrics servers "
+                                   f"({', '.join(str(self.ports[n]) for n in METRICS_PORT_ENV)}) not up after "
                                    f"{self.start_timeout_s:.0f} s; see {self.log_path}")
             time.sleep(1.0)
 

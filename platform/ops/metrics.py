@@ -1,38 +1,88 @@
-"""Training metrics through ray.util.metrics (Prometheus sees them as ray_k3_train_*)."""
+"""k3's metrics through ray.util.metrics (Prometheus sees them as ray_k3_train_* and ray_k3_serve_*).
+
+Ray keeps a gauge only while it is set again: a value not re-set within two metrics export
+intervals (Ray 2.60's OpenTelemetry recorder, `metrics_report_interval_ms`, 10 s by default) is
+dropped, and a panel reading it goes blank. TrainMetrics therefore sets every gauge each step
+and re-sets the last values from a small thread between steps (a step or a checkpoint can take
+longer than the interval); the values go when the worker does, as they should.
+"""
 from __future__ import annotations
+
+import threading
+import time
+
+# name: description. Every gauge the training rank 0 sets; Prometheus sees `ray_k3_train_<name>`.
+TRAIN_GAUGES = {
+    "step": "optimizer step just finished",
+    "loss": "training loss of the last step (mean over workers)",
+    "tokens_per_s": "tokens per second of the last step, all workers",
+    "lr": "learning rate of the last step",
+    "grad_norm": "global gradient norm of the last step, before clipping",
+    "maxvio_mean": "mean MaxVio over MoE layers, last step",
+    "compute_s": "seconds of forward, backward and optimizer step in the last step",
+    "all_to_all_s": "seconds of expert all-to-all in the last step",
+    "coordinator_wait_s": "seconds the last step waited for the balance coordinator's bias",
+    "checkpoint_s": "seconds to write the last checkpoint",
+    "checkpoint_step": "step of the last checkpoint (0: none yet)",
+}
+TRAIN_LAYER_GAUGES = {"maxvio": "max expert load / mean load - 1 of the last step, per MoE layer",
+                      "bias_spread": "max - min router bias after the last step, per MoE layer"}
 
 
 class TrainMetrics:
-    """Gauges for the rank-0 worker: loss, tokens/s, lr, grad norm, MaxVio and bias spread per
-    MoE layer (tag `layer`), checkpoint seconds, time split (compute, all-to-all, coordinator)."""
+    """The training gauges of one worker (only rank 0 sets them: `enabled`), each step's values
+    kept alive between steps; and `restarts`, counted when a worker group starts from a
+    checkpoint (a worker failure, or a resubmitted run).
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: whether this worker exports (rank 0); a disabled TrainMetrics does nothing.
+        refresh_s: seconds between re-sets of the last values (default: Ray's export interval).
+    """
+
+    def __init__(self, enabled: bool = True, refresh_s: float | None = None) -> None:
+        if refresh_s is not None and refresh_s <= 0:
+            raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
         self.enabled = enabled
+        self.last: dict[tuple[str, str | None], float] = {}  # (name, layer) -> value
+        self._lock = threading.Lock()
         if not enabled:
             return
-        from ray.util.metrics import Gauge
+        import ray
+        from ray.util.metrics import Counter, Gauge
 
-        names = {
-            "loss": "training loss (mean over workers)", "tokens_per_s": "tokens per second, all workers",
-            "lr": "learning rate", "grad_norm": "global gradient norm", "maxvio_mean": "mean MaxVio over MoE layers",
-            "checkpoint_s": "seconds to write the last checkpoint", "compute_s": "compute seconds since last report",
-            "all_to_all_s": "expert all-to-all seconds in the last step",
-            "coordinator_wait_s": "seconds waiting for the balance coordinator since last report",
-            "step": "optimizer step",
-        }
-        self.g = {k: Gauge(f"k3_train_{k}", v) for k, v in names.items()}
-        self.layer_g = {"maxvio": Gauge("k3_train_maxvio", "max expert load / mean load - 1", ("layer",)),
-                        "bias_spread": Gauge("k3_train_bias_spread", "max - min router bias", ("layer",))}
+        self.g = {k: Gauge(f"k3_train_{k}", v) for k, v in TRAIN_GAUGES.items()}
+        self.g.update({k: Gauge(f"k3_train_{k}", v, ("layer",)) for k, v in TRAIN_LAYER_GAUGES.items()})
+        self.restarts = Counter("k3_train_restarts", "worker-group starts from a checkpoint (a worker failure, "
+                                                     "or a resubmitted run)")
+        # Ray's export interval (never under 1 s): at least one re-set lands in every expiry window
+        self.refresh_s = refresh_s or max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+        threading.Thread(target=self._keep, name="k3-train-metrics", daemon=True).start()
 
     def update(self, values: dict) -> None:
+        """Set the gauges named in `values` (numbers; lists per MoE layer); other keys are ignored."""
         if not self.enabled:
             return
-        for k, v in values.items():
-            if k in self.g and isinstance(v, (int, float)):
-                self.g[k].set(float(v))
-            elif k in self.layer_g and isinstance(v, list):
-                for i, x in enumerate(v):
-                    self.layer_g[k].set(float(x), tags={"layer": str(i)})
+        with self._lock:
+            for k, v in values.items():
+                if k in TRAIN_GAUGES and isinstance(v, (int, float)):
+                    self.last[(k, None)] = float(v)
+                elif k in TRAIN_LAYER_GAUGES and isinstance(v, list):
+                    self.last.update({(k, str(i)): float(x) for i, x in enumerate(v)})
+            self._set_all()
+
+    def count_restart(self) -> None:
+        if self.enabled:
+            self.restarts.inc(1.0)
+
+    def _set_all(self) -> None:
+        for (k, layer), v in self.last.items():
+            self.g[k].set(v, tags=None if layer is None else {"layer": layer})
+
+    def _keep(self) -> None:
+        while True:  # a daemon thread: it ends with the worker, and Ray then drops the gauges
+            time.sleep(self.refresh_s)
+            with self._lock:
+                self._set_all()
 
 
 # Buckets in seconds and bytes, in the manner of vLLM's (latencies from 1 ms to 80 s).

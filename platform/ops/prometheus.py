@@ -44,9 +44,11 @@ def find_binary() -> Path:
     raise PrometheusError(f"no prometheus binary: not on PATH and not at {CACHED_BINARY} (run `make prometheus`)")
 
 
-def scrape_config(session_dir: str | os.PathLike, interval_s: float) -> dict:
-    """prometheus.yml scraping every node Ray lists in its service-discovery file."""
+def scrape_config(session_dir: str | os.PathLike, interval_s: float, rules_file: Path | None = None) -> dict:
+    """prometheus.yml scraping every node Ray lists in its service-discovery file (and evaluating
+    the alerting rules of rules_file, if given)."""
     return {"global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
+            **({"rule_files": [str(rules_file)]} if rules_file is not None else {}),
             "scrape_configs": [{"job_name": "ray",
                                 "file_sd_configs": [{"files": [str(Path(session_dir) / SD_FILE)],
                                                      "refresh_interval": f"{interval_s:g}s"}]}]}
@@ -89,6 +91,14 @@ class PrometheusClient:
         names = self._get("/api/v1/label/__name__/values", {})
         return sorted(n for n in names if n.startswith(prefix))
 
+    def alerts(self) -> list[dict]:
+        """The alerts the server's rules hold now (pending or firing)."""
+        return self._get("/api/v1/alerts", {})["alerts"]
+
+    def rule_names(self) -> list[str]:
+        """Names of the rules the server evaluates."""
+        return [r["name"] for g in self._get("/api/v1/rules", {})["groups"] for r in g["rules"]]
+
     def targets_up(self) -> int:
         """How many scrape targets answered on the last scrape."""
         return int(sum(float(s["value"][1]) for s in self.query("up")))
@@ -102,10 +112,11 @@ class Prometheus:
         workdir: where prometheus.yml, the TSDB and the log go.
         scrape_interval_s: seconds between scrapes (and service-discovery re-reads).
         port: the HTTP port (a free one by default).
+        rules_file: alerting rules to evaluate (k3.platform.ops.alerts writes them), or None.
     """
 
     def __init__(self, session_dir: str | os.PathLike, workdir: str | os.PathLike, scrape_interval_s: float = 5.0,
-                 port: int | None = None, start_timeout_s: float = 60.0):
+                 port: int | None = None, start_timeout_s: float = 60.0, rules_file: str | os.PathLike | None = None):
         from k3.platform.ops.local_ray import free_port
 
         if scrape_interval_s <= 0:
@@ -115,6 +126,9 @@ class Prometheus:
         self.interval_s = scrape_interval_s
         self.port = port or free_port()
         self.start_timeout_s = start_timeout_s
+        self.rules_file = Path(rules_file).resolve() if rules_file is not None else None
+        if self.rules_file is not None and not self.rules_file.is_file():
+            raise ValueError(f"{rules_file}: no such rules file")
         self.pid: int | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -132,7 +146,8 @@ class Prometheus:
         binary = find_binary()
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "prometheus.yml"
-        cfg.write_text(yaml.safe_dump(scrape_config(self.session_dir, self.interval_s), sort_keys=False))
+        cfg.write_text(yaml.safe_dump(scrape_config(self.session_dir, self.interval_s, self.rules_file),
+                                      sort_keys=False))
         cmd = [str(binary), f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
                f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=2d"]
         with open(self.workdir / "prometheus.log", "w") as log:

@@ -1,8 +1,11 @@
-"""`k3 report RUN_DIR`: one HTML page with PNG plots of a pretraining run, for users without Grafana.
+"""`k3 report RUN_DIR`: the page to open first after a run, for users without Grafana.
 
 Reads the history the run recorded in its latest checkpoint (`<run>/checkpoint_*/k3/state.pt`:
-one entry per step with loss, tokens, step seconds, per-layer MaxVio and router bias spread) and
-draws loss, tokens/s, a per-layer MaxVio heatmap and the bias spread per layer over time.
+one entry per step with loss, tokens, step seconds, per-layer MaxVio and router bias spread, and
+the run's config) and writes one HTML page with PNG plots: loss, tokens/s, a per-layer MaxVio
+heatmap and the bias spread per layer over time; then the run's config, its checkpoints and the
+tail of the job's log (`<run>/job.log`, or `--log FILE`: e.g. `ray job logs ID > runs/x/job.log`).
+The page is static: no script, nothing fetched from the network.
 
     k3 report runs/my-run            # writes runs/my-run/report/index.html (+ PNGs), prints its path
 """
@@ -11,7 +14,15 @@ from __future__ import annotations
 import html
 import math
 import os
+import time
 from pathlib import Path
+
+ZERO_COLOUR = "#b0b0b0"  # heatmap cells exactly 0: grey, outside the colour map's range
+LOG_TAIL_LINES = 60
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    return sorted(c for c in run.glob("checkpoint_*") if (c / "k3" / "state.pt").is_file())
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
@@ -19,7 +30,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
     run = Path(run_dir)
     if not run.is_dir():
         raise ValueError(f"{run}: no such run directory")
-    ckpts = [c for c in run.glob("checkpoint_*") if (c / "k3" / "state.pt").is_file()]
+    ckpts = _checkpoints(run)
     if not ckpts:
         raise ValueError(f"{run}: no checkpoint with k3/state.pt (is this a `jobs/pretrain.py` run directory?)")
     import torch
@@ -53,73 +64,146 @@ def _matrix(history: list[dict], key: str) -> list[list[float]] | None:
     return [[r[i] for r in rows] for i in range(n)]
 
 
-def _plot(path: Path, draw) -> None:
+def _line(steps, ys, ylabel, title):
+    def draw(fig, ax):
+        ax.plot(steps, ys, lw=1, marker="." if len(steps) < 40 else None)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+    return draw
+
+
+def _heat(steps, m, title, label):
+    """One row per MoE layer; cells exactly 0 in ZERO_COLOUR (below the colour map's range), so
+    perfect balance is told apart from small values."""
+    def draw(fig, ax):
+        import matplotlib as mpl
+        import numpy as np
+
+        a = np.asarray(m, dtype=float)
+        positive = a[a > 0]
+        lo = float(positive.min()) if positive.size else 1.0
+        hi = max(float(a.max()), lo * (1 + 1e-9))
+        cmap = mpl.colormaps["viridis"].with_extremes(under=ZERO_COLOUR)
+        im = ax.imshow(a, aspect="auto", interpolation="nearest", cmap=cmap, vmin=lo, vmax=hi,
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(m) - 0.5, -0.5))
+        ax.set(xlabel="step", ylabel="MoE layer", title=title)
+        zeros = bool((a == 0).any())
+        bar = fig.colorbar(im, ax=ax, extend="min" if zeros else "neither")
+        bar.set_label(label + (" (grey: exactly 0)" if zeros else ""))
+    return draw
+
+
+def figures(history: list[dict]) -> dict[str, tuple[str, object]]:
+    """{file name: (caption, matplotlib Figure)} of the run's plots; steps on integer ticks."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a cluster or in CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
-    draw(fig, ax)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
-def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
-    """Write index.html and its PNGs (to `<run_dir>/report` by default); returns the HTML path."""
-    history, config = read_run(run_dir)
-    out = Path(out_dir) if out_dir else Path(run_dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
     steps = [h["step"] for h in history]
-    plots: list[tuple[str, str]] = []
-
-    def add(name: str, caption: str, draw) -> None:
-        _plot(out / name, draw)
-        plots.append((name, caption))
-
-    def loss(fig, ax):
-        ax.plot(steps, [h["loss"] for h in history], lw=1)
-        ax.set(xlabel="step", ylabel="loss", title="Training loss (mean over workers)")
-
-    add("loss.png", "Training loss per step.", loss)
-
-    def tps(fig, ax):
-        ax.plot(steps, [h["tokens"] / h["step_s"] if h.get("step_s") else math.nan for h in history], lw=1)
-        ax.set(xlabel="step", ylabel="tokens/s", title="Throughput (all workers)")
-
-    add("tokens_per_s.png", "Tokens per second of each step, all workers together.", tps)
-
-    for key, name, title, caption in (
-            ("maxvio", "maxvio.png", "MaxVio per MoE layer", "MaxVio (max expert load / mean load - 1) per MoE "
-             "layer and step: 0 is perfect balance."),
-            ("bias_spread", "bias_spread.png", "Router bias spread per MoE layer", "Router bias spread (max - min "
-             "over experts) per MoE layer and step: how far balancing has moved the bias.")):
+    plots = {"loss.png": ("Training loss per step (mean over workers).",
+                          _line(steps, [h["loss"] for h in history], "loss", "Training loss")),
+             "tokens_per_s.png": ("Tokens per second of each step, all workers together.",
+                                  _line(steps, [h["tokens"] / h["step_s"] if h.get("step_s") else math.nan
+                                                for h in history], "tokens/s", "Throughput (all workers)"))}
+    for key, name, title, label, caption in (
+            ("maxvio", "maxvio.png", "MaxVio per MoE layer", "MaxVio", "MaxVio (max expert load / mean load - 1) "
+             "per MoE layer and step: 0 is perfect balance."),
+            ("bias_spread", "bias_spread.png", "Router bias spread per MoE layer", "bias spread (max - min)",
+             "Router bias spread (max - min over experts) per MoE layer and step: how far balancing has moved "
+             "the bias.")):
         m = _matrix(history, key)
-        if m is None:
-            continue
+        if m is not None:
+            plots[name] = (caption, _heat(steps, m, title, label))
+    out = {}
+    for name, (caption, draw) in plots.items():
+        fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+        draw(fig, ax)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if name in ("maxvio.png", "bias_spread.png"):
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.tight_layout()
+        out[name] = (caption, fig)
+    return out
 
-        def heat(fig, ax, m=m, title=title):
-            im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis",
-                           extent=(steps[0] - 0.5, steps[-1] + 0.5, len(m) - 0.5, -0.5))
-            ax.set(xlabel="step", ylabel="MoE layer", title=title)
-            fig.colorbar(im, ax=ax)
 
-        add(name, caption, heat)
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
+
+def _checkpoint_rows(run: Path) -> list[tuple[str, str, str]]:
+    """(name, MB, written) per checkpoint directory, oldest first."""
+    rows = []
+    for c in _checkpoints(run):
+        files = [f for f in c.rglob("*") if f.is_file()]
+        mb = sum(f.stat().st_size for f in files) / 2**20
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(f.stat().st_mtime for f in files)))
+        rows.append((c.name, f"{mb:.1f}", written))
+    return rows
+
+
+def _table(rows, head: tuple[str, ...] | None = None) -> str:
+    esc = lambda v: html.escape(str(v))  # noqa: E731
+    top = "<tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>" if head else ""
+    return "<table>" + top + "".join("<tr>" + "".join(f"<td>{esc(v)}</td>" for v in r) + "</tr>" for r in rows) \
+        + "</table>"
+
+
+def _summary(run: Path, history: list[dict], config: dict) -> dict[str, object]:
     last = history[-1]
-    facts = {"run": str(Path(run_dir).resolve()), "steps": last["step"], "first loss": f"{history[0]['loss']:.4f}",
-             "final loss": f"{last['loss']:.4f}",
-             **{k: config[k] for k in ("preset", "num_workers", "ep_size", "micro_batch", "lr") if k in config}}
-    if "balance" in config:
-        facts["balance"] = config["balance"].get("method")
-    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts.items())
-    figs = "".join(f'<figure><img src="{n}" alt="{html.escape(c)}"><figcaption>{html.escape(c)}</figcaption></figure>'
-                   for n, c in plots)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>k3 run report</title>"
-            f"<style>body{{font-family:sans-serif;margin:2em}}th{{text-align:left;padding-right:1em}}"
-            f"figure{{margin:1em 0}}</style></head><body><h1>k3 run report</h1><table>{rows}</table>{figs}"
-            f"</body></html>\n")
+    tps = [h["tokens"] / h["step_s"] for h in history if h.get("step_s")]
+    worst = max(last["maxvio"]) if last.get("maxvio") else None
+    return {"run": str(run.resolve()), "steps": last["step"], "first loss": f"{history[0]['loss']:.4f}",
+            "final loss": f"{last['loss']:.4f}", "mean tokens/s": f"{sum(tps) / len(tps):,.0f}" if tps else "-",
+            "worst-layer MaxVio, last step": "-" if worst is None else f"{worst:.3f}",
+            **{k: config[k] for k in ("preset", "num_workers", "ep_size", "micro_batch", "lr") if k in config},
+            **({"balance": config["balance"].get("method")} if isinstance(config.get("balance"), dict) else {})}
+
+
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1500px}th{text-align:left;padding-right:1em}"
+         "td{padding-right:1em}.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(600px,1fr));"
+         "gap:1em}img{max-width:100%;height:auto}figure{margin:0}figcaption{font-size:90%;color:#444}"
+         "pre{background:#f4f4f4;padding:1em;overflow-x:auto;font-size:85%}details{margin:1em 0}"
+         "summary{font-weight:bold;cursor:pointer}")
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 log: str | os.PathLike | None = None) -> Path:
+    """Write index.html and its PNGs (to `<run_dir>/report` by default); returns the HTML path.
+    `log`: the job's log (default `<run_dir>/job.log` when it exists)."""
+    run = Path(run_dir)
+    history, config = read_run(run)
+    log_path = Path(log) if log is not None else run / "job.log"
+    if log is not None and not log_path.is_file():
+        raise ValueError(f"{log_path}: no such log file")
+    out = Path(out_dir) if out_dir else run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    import matplotlib.pyplot as plt
+
+    figs = []
+    for name, (caption, fig) in figures(history).items():
+        fig.savefig(out / name, format="png")
+        plt.close(fig)
+        figs.append(f'<figure><img src="{name}" alt="{html.escape(caption)}" width="700" height="360">'
+                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log_path.is_file() else None
+    sections = [f"<h1>k3 run report</h1>{_table(_summary(run, history, config).items())}",
+                f"<div class='plots'>{''.join(figs)}</div>",
+                f"<h2>Checkpoints</h2>{_table(_checkpoint_rows(run), ('checkpoint', 'MB', 'written'))}",
+                f"<h2>Job log</h2>" + (f"<p>last {len(tail)} lines of {html.escape(str(log_path))}</p>"
+                                       f"<pre>{html.escape(chr(10).join(tail))}</pre>" if tail is not None else
+                                       f"<p>no log: save the job's output as {html.escape(str(log_path))} "
+                                       f"(<code>ray job logs JOB_ID &gt; {html.escape(str(log_path))}</code>) or "
+                                       "pass <code>--log FILE</code></p>"),
+                f"<details open><summary>Run config</summary>{_table(sorted(_flat(config).items()))}</details>"]
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>k3 run report: {html.escape(run.name)}</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n")
     path = out / "index.html"
     path.write_text(page)
     return path

@@ -146,6 +146,9 @@ class StepLog:
         self.start_step, self.history, self.restored_at = start_step, history, restored_at
         self.metrics = TrainMetrics(enabled=self.rank == 0)
         self.tokenizer_json = read_tokenizer(self.cfg.data, read_manifest(self.cfg.data)) if self.rank == 0 else None
+        self.checkpoint_step = start_step  # a resumed run starts from its last checkpoint
+        if start_step > 0:
+            self.metrics.count_restart()
         self.t_start = self.t_last = time.perf_counter()
         self.tokens, self.compute_s, self.wait_s = 0, 0.0, 0.0  # since the last report
 
@@ -163,6 +166,13 @@ class StepLog:
         self.tokens += r.tokens
         self.compute_s += r.step_s - r.wait_s
         self.wait_s += r.wait_s
+        # every step (a gauge not set again within two export intervals disappears from Prometheus)
+        self.metrics.update({"step": step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                             "tokens_per_s": r.tokens / r.step_s if r.step_s > 0 else 0.0,
+                             "maxvio": r.maxvio, "maxvio_mean": sum(r.maxvio) / len(r.maxvio) if r.maxvio else 0.0,
+                             "bias_spread": r.extra.get("bias_spread", []), "compute_s": r.step_s - r.wait_s,
+                             "coordinator_wait_s": r.wait_s, "all_to_all_s": r.all_to_all_s,
+                             "checkpoint_step": self.checkpoint_step})
         last = step + 1 == cfg.steps
         save = (step + 1) % cfg.checkpoint_every == 0 or last
         if not ((step + 1) % cfg.log_every == 0 or last or save):
@@ -177,7 +187,9 @@ class StepLog:
             print(log_line(r, step + 1, cfg.steps, tps, now - self.t_start, step + 1 - self.start_step), flush=True)
         self.t_last, self.tokens, self.compute_s, self.wait_s = now, 0, 0.0, 0.0
         tmp = self.write_checkpoint(step, report) if save else None
-        self.metrics.update(report)
+        if tmp is not None:
+            self.checkpoint_step = step + 1
+            self.metrics.update({"checkpoint_s": report["checkpoint_s"], "checkpoint_step": self.checkpoint_step})
         ray.train.report(report, checkpoint=None if tmp is None else ray.train.Checkpoint.from_directory(str(tmp)))
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

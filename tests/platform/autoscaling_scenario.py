@@ -7,12 +7,14 @@
 environment: the head writes its token to DIR/head/ray_token.)
 
 On cluster/local-autoscaling.yaml (idle timeout shortened): start the autoscaling head and a
-Prometheus scraping it; submit the pretraining job with more workers than the head holds and watch
-worker nodes come; wait until they go; deploy a Serve app whose autoscaling asks for more replicas
-than the head holds (k3's disaggregated Serve app on k3-tiny, whose replicas export the
-k3_serve_* metrics of k3.platform.ops.metrics.SERVE_METRICS) and make requests over HTTP; evaluate every panel query of the
-shipped dashboards (cluster/grafana/*.json) through Prometheus's HTTP API; write `k3 report` for
-the run; stop everything it started. The observations go to --out as JSON; the test asserts.
+Prometheus scraping it with k3's alerting rules; submit the pretraining job with more workers
+than the head holds and watch worker nodes come, while every panel of the shipped k3 dashboards
+is queried at random moments; wait until the nodes go; deploy k3's disaggregated Serve app with
+its prefill replicas on worker nodes and the decode replica on the head, so each request's hybrid
+cache state moves between two object stores; check its tokens against one engine in this
+process, measure the handoff, then remove a prefill replica's node (its raylet and workers killed,
+as the fake provider removes a node) while requests are in flight; write `k3 report` for the run;
+stop everything it started. The observations go to --out as JSON; the test asserts.
 
 A process of its own because the driver here connects to a cluster of its own (a test session's
 `ray.init` is another one), and it touches no other Ray process on the machine.
@@ -20,22 +22,27 @@ A process of its own because the driver here connects to a cluster of its own (a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import math
 import os
 import signal
 import sys
-import threading
 import time
-import urllib.request
+import traceback
 from pathlib import Path
 
 import yaml
 
-from k3.platform.ops.local_ray import LocalRayHead, free_port
-from k3.platform.ops.dashboards import RATE, panel_queries
-from k3.platform.ops.prometheus import Prometheus
-from k3.platform.ops.report import write_report
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scenario_tools import (  # noqa: E402
+    NodeWatch, PanelSampler, Since, Traffic, alive_nodes, dashboard_get, kill_node, panels_over, sessions_seen)
+
+from k3.platform.ops import cluster  # noqa: E402
+from k3.platform.ops.cli import main  # noqa: E402
+from k3.platform.ops.local_ray import LocalRayHead, free_port  # noqa: E402
+from k3.platform.ops.prometheus import Prometheus  # noqa: E402
+from k3.platform.ops.report import write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 p = argparse.ArgumentParser()
@@ -43,70 +50,20 @@ p.add_argument("--data", required=True)
 p.add_argument("--work", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--idle-timeout-min", type=float, default=0.2)
-p.add_argument("--steps", type=int, default=8)
+# enough steps for 8 and more sampled moments (a step takes about 0.7 s on 2 idle cores)
+p.add_argument("--steps", type=int, default=48)
 args = p.parse_args()
 work = Path(args.work)
 work.mkdir(parents=True, exist_ok=True)
 if os.environ.get("RAY_AUTH_TOKEN_PATH") != str(work / "head" / "ray_token"):
     sys.exit(f"set RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={work / 'head' / 'ray_token'} (see the docstring)")
 result: dict = {"events": []}
+T0 = time.time()
 
 
 def event(msg: str) -> None:
     result["events"].append(f"{time.time() - T0:6.1f}s {msg}")
     print(result["events"][-1], flush=True)
-
-
-T0 = time.time()
-# SIGTERM (the test's timeout) ends the scenario through `finally`, which stops the head and Prometheus
-signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-cfg = yaml.safe_load((REPO / "cluster" / "local-autoscaling.yaml").read_text())
-cfg["idle_timeout_minutes"] = args.idle_timeout_min
-# two worker nodes at most: enough to show scale-up (training needs 2 CPUs, the head has 1) with
-# fewer raylets on a 2-core machine
-cfg["max_workers"] = cfg["available_node_types"]["cpu.worker"]["max_workers"] = 2
-(work / "cluster.yaml").write_text(yaml.safe_dump(cfg))
-head = LocalRayHead(autoscaling_config=work / "cluster.yaml", workdir=work / "head", autoscaler_update_s=1,
-                    env={"RAY_metrics_report_interval_ms": "2000", "DS_ACCELERATOR": "cpu",
-                         "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")})
-prom = Prometheus(head.session_dir, work / "prometheus", scrape_interval_s=2)
-
-
-def alive_nodes() -> int:
-    import ray
-
-    return sum(1 for n in ray.nodes() if n["Alive"])
-
-
-class NodeWatch:
-    """Largest number of live nodes seen while a phase runs (polled every second)."""
-
-    def __init__(self):
-        self.max, self._stop = 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.max = max(self.max, alive_nodes())
-            self._stop.wait(1.0)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-
-
-def check_panels(dashboard: str, start: float) -> dict:
-    """Series with at least one finite value, per (panel, query), over [start, now]."""
-    d = json.loads((REPO / "cluster" / "grafana" / f"{dashboard}.json").read_text())
-    out = {}
-    for title, expr in panel_queries(d):
-        series = prom.client.query_range(expr.replace(RATE, "30s"), start, time.time(), step=2)
-        out[f"{title} :: {expr}"] = sum(1 for s in series if any(math.isfinite(float(v)) for _, v in s["values"]))
-    return out
 
 
 def wait_for(cond, timeout_s: float, what: str) -> float:
@@ -118,81 +75,214 @@ def wait_for(cond, timeout_s: float, what: str) -> float:
     return time.time() - t
 
 
+# SIGTERM (the test's timeout) ends the scenario through `finally`, which stops the head and Prometheus
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+cfg = yaml.safe_load((REPO / "cluster" / "local-autoscaling.yaml").read_text())
+cfg["idle_timeout_minutes"] = args.idle_timeout_min
+# two worker nodes at most: enough to show scale-up (training needs 2 CPUs, the head has 1) and to
+# hold two prefill replicas, with fewer raylets on a 2-core machine
+cfg["max_workers"] = cfg["available_node_types"]["cpu.worker"]["max_workers"] = 2
+# where each Serve deployment goes: prefill on worker nodes only, ingress and decode on the head
+cfg["available_node_types"]["cpu.worker"]["resources"]["worker_node"] = 1
+cfg["available_node_types"]["ray.head.default"]["resources"]["head_node"] = 10
+(work / "cluster.yaml").write_text(yaml.safe_dump(cfg))
+# gauges live two export intervals (4 s here) unless set again: a panel that blanks between the
+# trainer's reports shows up in the samples
+# Serve's controller re-sets its replica-health gauge every RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S
+# (10 s): under 4 s here, or Ray drops it between two
+ENV = {"RAY_metrics_report_interval_ms": "2000", "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "1",
+       "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
+CLUSTER, MONITOR = work / "cluster-state.json", work / "monitor-state.json"
+
+
+def k3(*argv: str) -> tuple[int, str]:
+    """`k3 ARGV` in this process: (status, what it printed)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(list(argv))
+    return rc, out.getvalue()
+
+
+def start() -> tuple[LocalRayHead, Prometheus]:
+    """The way a user does it: `k3 cluster up` (the head told where Prometheus will be), then
+    `k3 monitor up` (Prometheus there, with k3's alerting rules)."""
+    cluster.up(work / "cluster.yaml", CLUSTER, env=ENV, autoscaler_update_s=1, workdir=work / "head")
+    rc, out = k3("monitor", "up", "--cluster-state", str(CLUSTER), "--state", str(MONITOR), "--scrape-interval", "1")
+    if rc != 0:
+        raise RuntimeError(f"k3 monitor up failed: {out}")
+    return cluster.recorded_head(CLUSTER), Prometheus.from_state(json.loads(MONITOR.read_text()))
+
+
+def train() -> None:
+    """2 workers of 1 CPU each on a head of 1 CPU; a report every 8 steps (longer than a gauge
+    lives unless set again)."""
+    run_name = "autoscale"
+    (work / "train.json").write_text(json.dumps({"warmup_steps": 2}))  # a short job whose loss falls early
+    entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data,
+             "--num-workers", "2", "--ep-size", "2", "--balance", "quantile_hist", "--steps", str(args.steps),
+             "--micro-batch", "4", "--log-every", "8", "--checkpoint-every", "16", "--lr", "3e-3",
+             "--storage-path", str(work / "runs"), "--name", run_name, "--sample", "0"]
+    t_train = time.time()
+    # moments from two scrapes after the first step (a rate needs two samples) to the last step
+    first_step = Since(lambda: bool(prom.client.query("ray_k3_train_step")))
+    sampler = PanelSampler(prom, ["k3-training", "k3-cluster"], started=lambda: first_step.for_s(2.0),
+                           finished=lambda: bool(prom.client.query(f"ray_k3_train_step >= {args.steps}")))
+    with NodeWatch() as w, sampler:
+        job = head.submit_job(entry, working_dir=REPO, echo=False)
+    logs = job.stdout
+    (work / "runs" / run_name / "job.log").write_text(logs)  # `k3 report` shows its tail
+    result["train"] = {"rc": job.returncode, "max_nodes": w.max, "nodes_at_end": alive_nodes(),
+                       "log_tail": logs[-3000:], "log_lines": logs.splitlines(),
+                       "losses": [float(line.split("loss")[1].split()[0]) for line in logs.splitlines()
+                                  if "step " in line and f"/{args.steps} " in line and " loss " in line]}
+    result["train_moments"] = sampler.moments
+    event(f"training done rc={job.returncode}, max nodes {w.max}, {len(sampler.moments)} moments sampled")
+    result["train_panels"] = panels_over(prom, ["k3-training", "k3-cluster"], t_train)
+    result["report"] = str(write_report(work / "runs" / run_name))
+
+
+def deploy():
+    """k3's disaggregated app: prefill replicas of 1 CPU (worker nodes only: the head's CPU is
+    taken by ingress and decode), decode on the head."""
+    from ray import serve
+
+    from k3.serve.builder import build_pd_app
+
+    config = {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "tokenizer_path": f"{args.data}/tokenizer.json"},
+              "engine": {"max_num_seqs": 4, "page_size": 16, "snapshot_interval": 1, "cache_memory_bytes": 16 * 2**20},
+              "ingress": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2, "resources": {"head_node": 1}}},
+              "decode": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5, "resources": {"head_node": 1}}},
+              "prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"worker_node": 1}},
+                          "autoscaling_config": {"min_replicas": 2, "max_replicas": 2}},
+              # room for Serve to notice the removed node and route around it
+              "handoff_attempts": 6, "handoff_timeout_s": 60}
+    http_port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
+    serve.run(build_pd_app(config), name="k3", route_prefix="/")
+    return config, f"http://127.0.0.1:{http_port}"
+
+
+def placement() -> dict:
+    """Node of each live replica of the k3 app, by deployment."""
+    from ray.util.state import list_actors
+
+    where: dict[str, list[str]] = {}
+    # this head's dashboard by name: without an address the state API asks the cluster named in
+    # /tmp/ray, another agent's on a shared machine
+    for a in list_actors(address=head.address, filters=[("state", "=", "ALIVE")], limit=1000, timeout=60):
+        if a.class_name.startswith("ServeReplica:k3:"):
+            where.setdefault(a.class_name.split(":")[-1], []).append(a.node_id)
+    return where
+
+
+def head_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()  # this driver runs on the head
+
+
+def handoff_stats() -> dict:
+    q = prom.client.query
+    out = {}
+    for name in ("bytes", "seconds"):
+        s, c = (f"sum(ray_k3_serve_handoff_{name}_{x})" for x in ("sum", "count"))
+        vals = q(f"{s} / {c}")
+        out[f"mean_{name}"] = float(vals[0]["value"][1]) if vals else None
+    count = q("sum(ray_k3_serve_handoff_bytes_count)")
+    out["count"] = float(count[0]["value"][1]) if count else 0.0
+    return out
+
+
+def serve_phase() -> None:
+    config, url = deploy()
+    where = placement()
+    result["placement"] = where
+    event(f"serve app running: {where}")
+    traffic = Traffic(url, config)  # reference tokens from one engine in this process
+    first_answer = Since(lambda: traffic.finished > 0)
+    sampler = PanelSampler(prom, ["k3-serving", "k3-cluster"], started=lambda: first_answer.for_s(2.0))
+    t_serve = time.time()
+    with NodeWatch() as w, sampler, traffic.running(clients=3):
+        wait_for(lambda: traffic.finished >= 40, 600, "40 requests through the handoff")
+        result["handoff"] = handoff_stats()
+        victim = where["PrefillServer"][0]
+        t_kill = time.time()
+        result["killed"] = {"node": victim, "pids": kill_node(head.pid, victim, head_node_id())}
+        event(f"prefill node {victim[-5:]} removed ({len(result['killed']['pids'])} processes)")
+        # recovered: Serve replaced the replica (on a node the autoscaler added) and it answers again
+        result["recovery_s"] = wait_for(lambda: len(set(placement().get("PrefillServer", [])) - {victim}) == 2,
+                                        600, "a second prefill replica again")
+        event(f"prefill replica replaced {result['recovery_s']:.0f} s after the removal")
+        time.sleep(15)  # traffic on the replaced replica, a metrics report and a scrape
+    result["serve"] = {"max_nodes": w.max, "requests": traffic.summary(t_kill),
+                       "retries": {s["metric"].get("error", "?"): float(s["value"][1])
+                                   for s in prom.client.query("ray_k3_serve_handoff_retries_total")}}
+    result["serve_moments"] = sampler.moments
+    result["placement_after"] = placement()
+    result["serve_panels"] = panels_over(prom, ["k3-serving", "k3-cluster"], t_serve)
+    result["rules"] = prom.client.rule_names()
+    result["alerts"] = [(a["labels"]["alertname"], a["state"]) for a in prom.client.alerts()]
+    result["k3_metric_names"] = prom.client.metric_names("ray_k3_")
+    event(f"serve done: {result['serve']}")
+
+
+def second_cluster(head: LocalRayHead, prom: Prometheus) -> None:
+    """Another Ray with its own Prometheus beside this one: each Prometheus sees only its own
+    SessionName (all ports of both heads their own, the metrics servers included)."""
+    other = LocalRayHead(num_cpus=1, workdir=work / "other")
+    other_prom = Prometheus(other.session_dir, work / "other-prometheus", scrape_interval_s=1)
+    try:
+        other.start()
+        other_prom.start()
+        result["sessions"] = {"mine": [head.session_dir.resolve().name, other.session_dir.resolve().name],
+                              "seen": [{k: sorted(v) for k, v in sessions_seen(p.client).items()}
+                                       for p in (prom, other_prom)]}
+    finally:
+        other_prom.stop()
+        other.stop()
+    event(f"second cluster: {result['sessions']}")
+
+
+def stop_twice() -> None:
+    """`k3 monitor down` and `k3 cluster down`, each twice: what the second call says."""
+    result["downs"] = [k3("monitor", "down", "--state", str(MONITOR)), k3("cluster", "down", "--state", str(CLUSTER)),
+                       k3("monitor", "down", "--state", str(MONITOR)), k3("cluster", "down", "--state", str(CLUSTER))]
+
+
+head = prom = None
 try:
-    head.start()
-    event(f"head up on {head.gcs_address}")
-    prom.start()
-    event(f"prometheus up on {prom.url}")
+    head, prom = start()
+    event(f"head up on {head.gcs_address}, prometheus {prom.url}")
+    result["prometheus_health"] = dashboard_get(head.address, "/api/prometheus_health", head.token_path)
     import ray
     import ray._private.ray_constants as ray_constants
-    from ray import serve
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 (see k3.platform.ops.local_ray.init_local_ray)
     ray.init(address=head.gcs_address, _node_ip_address="127.0.0.1", log_to_driver=False)
     result["nodes_at_start"] = alive_nodes()
-
-    # 1. Training: 2 workers of 1 CPU each on a head of 1 CPU.
-    t_train = time.time()
-    run_name = "autoscale"
-    (work / "train.json").write_text(json.dumps({"warmup_steps": 2}))  # a short job whose loss falls early
-    entry = ["python", "jobs/pretrain.py", "--config", str(work / "train.json"), "--data", args.data,
-             "--num-workers", "2", "--ep-size", "2",
-             "--balance", "quantile_hist", "--steps", str(args.steps), "--micro-batch", "4", "--log-every", "2",
-             "--checkpoint-every", "4", "--lr", "3e-3", "--storage-path", str(work / "runs"), "--name", run_name,
-             "--sample", "0"]
-    with NodeWatch() as w:
-        job = head.submit_job(entry, working_dir=REPO, echo=False)
-    t_job_end = time.time()
-    logs = job.stdout
-    result["train"] = {"rc": job.returncode, "max_nodes": w.max, "nodes_at_end": alive_nodes(),
-                       "log_tail": logs[-3000:],
-                       "losses": [float(line.split("loss")[1].split()[0]) for line in logs.splitlines()
-                                  if "step " in line and f"/{args.steps} " in line and " loss " in line]}
-    event(f"training done rc={job.returncode}, max nodes {w.max}")
-    time.sleep(5)  # one more metrics report and scrape
-    result["train_panels"] = check_panels("k3-training", t_train)
-    result["report"] = str(write_report(work / "runs" / run_name))
-
-    # 2. Scale-down after the idle timeout.
+    train()
+    t_end = time.time()
     wait_for(lambda: alive_nodes() == 1, 180, "worker nodes removed")
-    result["scale_down_s"] = time.time() - t_job_end
+    result["scale_down_s"] = time.time() - t_end
     event(f"scaled down to the head {result['scale_down_s']:.0f} s after the job ended")
+    serve_phase()
+    from ray import serve
 
-    # 3. Serve: the real disaggregated app (k3-tiny, random weights); the decode deployment's
-    # autoscaling asks for 2 replicas of 1 CPU, and the head has 1.
-    from k3.serve.builder import build_pd_app
-
-    small = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}}
-    app = build_pd_app({
-        "model_id": "k3-tiny", "model": {"preset": "k3-tiny"}, "prefill": small, "ingress": small,
-        "engine": {"max_num_seqs": 4, "page_size": 16, "snapshot_interval": 1, "cache_memory_bytes": 16 * 2**20},
-        "decode": {"ray_actor_options": {"num_cpus": 1},
-                   "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 2}}})
-    http_port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
-    t_serve = time.time()
-    with NodeWatch() as w:
-        serve.run(app, name="k3", route_prefix="/")
-        event("serve app running")
-        shared = list(range(100, 164))  # every request shares 4 pages: local prefix hits
-        for i in range(12):
-            body = {"model": "k3-tiny", "prompt": shared + [7 + i], "max_tokens": 8, "temperature": 0}
-            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", method="POST",
-                                         data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                assert json.loads(r.read())["usage"]["completion_tokens"] == 8
-            time.sleep(0.5)
-        time.sleep(8)  # metrics report + scrape
-    result["serve"] = {"max_nodes": w.max}
-    event(f"serve requests done, max nodes {w.max}")
-    result["serve_panels"] = check_panels("k3-serving", t_serve)
-    result["k3_metric_names"] = prom.client.metric_names("ray_k3_")
     serve.shutdown()
     ray.shutdown()
+    second_cluster(head, prom)
+    stop_twice()
+except BaseException:
+    result["error"] = traceback.format_exc()
+    raise
 finally:
-    prom.stop()
-    head.stop()
-    result["left_running"] = {"ray_head": head.alive(), "prometheus": prom.alive()}
+    import ray
+
+    ray.shutdown()  # before its cluster goes: a driver that loses its GCS for 60 s aborts this process
+    for thing in (prom, head):  # whatever the downs did not stop
+        if thing is not None:
+            thing.stop()
+    result["left_running"] = {"ray_head": bool(head and head.alive()), "prometheus": bool(prom and prom.alive())}
     event("stopped")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 sys.exit(0)

@@ -2,15 +2,19 @@
 start is proven by the job-submit test)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from k3.platform.ops.local_ray import LocalRayHead
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_port_is_chosen_and_distinct(tmp_path):
     head = LocalRayHead(num_cpus=1, workdir=tmp_path)
     ports = list(head.ports.values())
-    assert len(set(ports)) == len(ports) == 9
+    assert len(set(ports)) == len(ports) == 11  # nine `ray start` flags, two metrics servers
     assert head.env["RAY_AUTH_MODE"] == "token" and head.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert "RAY_ADDRESS" not in head.env
     assert head.address.startswith("http://127.0.0.1:") and head.gcs_address.startswith("127.0.0.1:")
@@ -25,8 +29,7 @@ def test_bad_cpu_count_is_refused(tmp_path):
 def test_autoscaling_head_points_the_provider_at_its_own_gcs(tmp_path):
     import yaml
 
-    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
-    head = LocalRayHead(autoscaling_config=repo / "cluster" / "local-autoscaling.yaml", workdir=tmp_path,
+    head = LocalRayHead(autoscaling_config=REPO / "cluster" / "local-autoscaling.yaml", workdir=tmp_path,
                         autoscaler_update_s=1)
     assert head.num_cpus == 1  # the YAML's head node type, not the default
     assert head.env["RAY_FAKE_CLUSTER"] == "1" and head.env["AUTOSCALER_UPDATE_INTERVAL_S"] == "1"

@@ -4,23 +4,24 @@ queries against a real Prometheus and cluster: test_autoscaling_monitoring.py.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import torch
+import yaml
 
 from helpers import run_killed_midway, tree_bytes
 from k3.platform.ops.cli import main
 from k3.platform.ops.local_ray import free_port
-from k3.platform.ops.metrics import SERVE_METRICS
+from k3.platform.ops.metrics import SERVE_METRICS, TRAIN_GAUGES, TRAIN_LAYER_GAUGES, TrainMetrics
 from k3.platform.ops.dashboards import (
-    PENDING_PANELS, GrafanaPushError, panel_queries, push_dashboards, serving_dashboard, training_dashboard,
-    write_dashboards)
+    RAY_DASHBOARDS, GrafanaPushError, cluster_dashboard, k3_dashboards, panel_queries, push_dashboards,
+    serving_dashboard, training_dashboard, write_dashboards)
+from k3.platform.ops.panels import CLUSTER_PANELS, SERVING_PANELS, TRAINING_PANELS
 from k3.platform.ops.prometheus import PrometheusClient, PrometheusError
-from k3.platform.ops.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "glsa_k3-test-token"
@@ -93,16 +94,21 @@ def grafana():
     srv.server_close()
 
 
-def test_push_creates_the_folder_and_posts_both_dashboards(grafana):
+def test_push_creates_the_folders_and_posts_every_dashboard(grafana):
     srv, url = grafana
     replies = push_dashboards(url, TOKEN)
-    assert [r["uid"] for r in replies] == ["k3-training", "k3-serving"]
-    assert [(m, p) for m, p, _ in srv.seen] == [("GET", "/api/folders/k3"), ("POST", "/api/folders"),
-                                               ("POST", "/api/dashboards/db"), ("POST", "/api/dashboards/db")]
-    assert srv.dashboards["k3-serving"]["folderUid"] == "k3"
+    ray_uids = [json.loads((REPO / "cluster" / "grafana" / "ray" / n).read_text())["uid"] for n in RAY_DASHBOARDS]
+    assert [r["uid"] for r in replies] == ["k3-training", "k3-serving", "k3-cluster", *ray_uids]
+    posts = ["/api/dashboards/db"]
+    assert [(m, p) for m, p, _ in srv.seen] == [
+        ("GET", "/api/folders/k3"), ("POST", "/api/folders"), *[("POST", p) for p in posts * 3],
+        ("GET", "/api/folders/ray"), ("POST", "/api/folders"), *[("POST", p) for p in posts * len(ray_uids)]]
+    assert srv.folders == {"k3": "k3", "ray": "Ray"}
+    assert srv.dashboards["k3-serving"]["folderUid"] == "k3" and srv.dashboards[ray_uids[0]]["folderUid"] == "ray"
     assert srv.dashboards["k3-training"]["dashboard"]["panels"] == training_dashboard()["panels"]
-    push_dashboards(url, TOKEN)  # again: the folder exists, the dashboards are overwritten
-    assert [p for _, p, _ in srv.seen[4:]] == ["/api/folders/k3", "/api/dashboards/db", "/api/dashboards/db"]
+    n = len(srv.seen)
+    push_dashboards(url, TOKEN)  # again: the folders exist, the dashboards are overwritten
+    assert [m for m, _, _ in srv.seen[n:]].count("GET") == 2 and ("POST", "/api/folders", None) not in srv.seen[n:]
 
 
 @pytest.mark.parametrize("token, err, match", [
@@ -128,9 +134,20 @@ def test_push_to_an_unreachable_grafana_is_one_clear_line():
 # -- the dashboards themselves ---------------------------------------------------------------------------
 def test_committed_dashboards_are_what_the_code_builds(tmp_path):
     written = write_dashboards(tmp_path)
+    assert len([p for p in written if p.parent.name == "ray"]) == len(RAY_DASHBOARDS) == 5
     for p in written:
         committed = REPO / "cluster" / "grafana" / p.relative_to(tmp_path)
         assert committed.read_text() == p.read_text(), f"{committed} is stale: run `k3 monitor dashboards`"
+
+
+def test_rays_own_dashboards_keep_rays_uids_for_the_ray_dashboards_metrics_tab():
+    from ray.dashboard.modules.metrics.grafana_dashboard_factory import generate_default_grafana_dashboard
+
+    default = json.loads((REPO / "cluster" / "grafana" / "ray" / "default_grafana_dashboard.json").read_text())
+    assert default["uid"] == generate_default_grafana_dashboard()[1] == "rayDefaultDashboard"
+    providers = {p["folderUid"]: p["options"]["path"] for p in
+                 yaml.safe_load((REPO / "cluster/grafana/provisioning/dashboards/k3.yaml").read_text())["providers"]}
+    assert providers == {"k3": "/etc/grafana/dashboards/k3", "ray": "/etc/grafana/dashboards/ray"}
 
 
 def test_dashboards_killed_midway_leave_the_previous_version_whole(tmp_path):
@@ -154,20 +171,52 @@ def test_serving_dashboard_reads_every_serve_metric_by_its_prometheus_name():
     suffix = {"counter": "_total", "histogram": "_bucket", "gauge": ""}
     for name, (kind, *_rest) in SERVE_METRICS.items():
         assert f"ray_{name}{suffix[kind]}" in exprs, f"no serving panel reads {name} ({kind})"
-    assert "ray_serve_deployment_replica_healthy" in exprs
+    for ray_metric in ("ray_serve_deployment_replica_healthy", "ray_serve_num_http_requests_total",
+                       "ray_serve_deployment_queued_queries"):
+        assert ray_metric in exprs
 
 
-def test_training_dashboard_has_the_panels_asked_for_or_says_why_not():
-    titles = {p["title"] for p in training_dashboard()["panels"]}
-    for want in ("Loss", "Tokens per second", "Learning rate", "Gradient norm", "MaxVio per MoE layer",
-                 "Quantile Balancing bias spread", "QB histogram bytes", "Coordinator wait", "Expert all-to-all time",
-                 "Checkpoint time"):
-        assert want in titles
-    assert "Worker restarts" in PENDING_PANELS and "Worker restarts" not in titles
+def exported_train_metrics() -> set[str]:
+    """Every k3_train_* metric name the code creates (rank 0's gauges, the coordinator's)."""
+    names = set()
+    for f in (REPO / "platform").rglob("*.py"):
+        names |= set(re.findall(r'"(k3_train_[a-z_]+)"', f.read_text()))
+    names |= {f"k3_train_{k}" for k in (*TRAIN_GAUGES, *TRAIN_LAYER_GAUGES)}
+    return names
+
+
+def test_every_exported_training_metric_is_drawn():
+    exprs = " ".join(e for _, e in panel_queries(training_dashboard()))
+    names = exported_train_metrics()
+    assert {"k3_train_step", "k3_train_maxvio_mean", "k3_train_qb_maxvio", "k3_train_restarts"} <= names
+    undrawn = sorted(n for n in names if not re.search(rf"\bray_{n}(_total)?\b", exprs))
+    assert not undrawn, f"exported but drawn nowhere: {undrawn}"
+
+
+def test_dashboards_have_what_an_operator_looks_at_first():
+    titles = {d["uid"]: {p["title"] for p in d["panels"]} for d in k3_dashboards()}
+    assert {"Loss", "Tokens per second", "MaxVio per MoE layer", "Router bias spread", "Worker restarts",
+            "Checkpoints", "Step"} <= titles["k3-training"]
+    assert {"HTTP requests by status code", "HTTP error ratio", "Queue lengths", "Handoff retries",
+            "Replicas per deployment"} <= titles["k3-serving"]
+    assert {"Nodes", "CPU utilisation per node", "GPU utilisation per node", "Memory per node",
+            "GPU memory per node", "Object store", "Worker failures"} <= titles["k3-cluster"]
     heat = next(p for p in training_dashboard()["panels"] if p["type"] == "heatmap")
     assert heat["options"]["calculate"] is False and heat["targets"][0]["expr"] == "ray_k3_train_maxvio"
-    for d in (training_dashboard(), serving_dashboard()):
+    for d in k3_dashboards():
         assert all(p["datasource"]["uid"] == "${datasource}" and p["targets"] for p in d["panels"])
+    assert {p.title for p in CLUSTER_PANELS if p.needs == "gpu"} == {"GPU utilisation per node",
+                                                                     "GPU memory per node"}
+    assert all(p.needs is None for p in (*TRAINING_PANELS, *SERVING_PANELS))
+
+
+def test_a_query_with_its_own_unit_goes_on_the_right_axis():
+    ckpt = next(p for p in training_dashboard()["panels"] if p["title"] == "Checkpoints")
+    (override,) = ckpt["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byFrameRefID", "options": "B"}
+    assert {"id": "unit", "value": "s"} in override["properties"]
+    assert ckpt["targets"][1]["expr"] == "ray_k3_train_checkpoint_s"
+    assert cluster_dashboard()["uid"] == "k3-cluster"
 
 
 # -- Prometheus and `k3 monitor` bad input ----------------------------------------------------------------
@@ -206,29 +255,56 @@ def test_monitor_up_bad_input_starts_nothing(tmp_path, capsys, monkeypatch):
         assert left == "", f"left running: {left}"
 
 
-# -- k3 report ----------------------------------------------------------------------------------------------
-def fake_run(root: Path, steps: int, layers: int, with_bias: bool = True) -> Path:
-    run = root / "run"
-    for n in (steps // 2, steps):  # two checkpoints: the report reads the later one
-        hist = [{"step": s, "loss": 8.0 / s, "maxvio": [0.5 / s + 0.1 * i for i in range(layers)], "tokens": 512,
-                 "step_s": 0.5, "wait_s": 0.01, "all_to_all_s": 0.02,
-                 **({"bias_spread": [0.01 * s] * layers} if with_bias else {})} for s in range(1, n + 1)]
-        d = run / f"checkpoint_{n:06d}" / "k3"
-        d.mkdir(parents=True)
-        torch.save({"step": n, "history": hist, "config": {"preset": "k3-tiny", "num_workers": 2,
-                                                           "balance": {"method": "quantile_hist"}}}, d / "state.pt")
-    return run
+# -- training gauges stay exported between steps -------------------------------------------------------
+def scrape(ray) -> str:
+    import urllib.request
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    with urllib.request.urlopen(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
-@pytest.mark.parametrize("with_bias, pngs", [(True, 4), (False, 3)])
-def test_report_draws_the_latest_history(tmp_path, with_bias, pngs):
-    page = write_report(fake_run(tmp_path, steps=12, layers=3, with_bias=with_bias))
-    text = page.read_text()
-    assert text.count("<img ") == pngs and "final loss</th><td>0.6667" in text and "quantile_hist" in text
-    for name in ["loss.png", "tokens_per_s.png", "maxvio.png"] + (["bias_spread.png"] if with_bias else []):
-        assert (page.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.mark.ray
+def test_training_gauges_outlive_ray_s_gauge_expiry_and_restarts_are_counted(ray_local):
+    """Ray drops a gauge not set again within two export intervals (20 s here): TrainMetrics keeps
+    the last step's values exported between steps, where a gauge set once is gone."""
+    import time
+
+    ray = ray_local
+
+    @ray.remote(num_cpus=0)
+    class Rank0:
+        def __init__(self):
+            from ray.util.metrics import Gauge
+
+            from k3.platform.ops.metrics import TrainMetrics
+
+            self.m = TrainMetrics()
+            self.once = Gauge("k3_test_set_once", "a gauge set once, as the trainer's were between reports")
+
+        def step(self):
+            self.m.update({"step": 7, "loss": 2.5, "maxvio": [0.0, 0.75], "not_a_metric": 1.0, "lr": "bad"})
+            self.m.count_restart()
+            self.once.set(1.0)
+
+    actor = Rank0.remote()
+    ray.get(actor.step.remote())
+    ttl_s = 2 * max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    deadline = time.time() + 60
+    while "ray_k3_train_restarts_total" not in (text := scrape(ray)) and time.time() < deadline:
+        time.sleep(2)
+    assert "ray_k3_test_set_once" in text  # exported at first: the control is live
+    time.sleep(ttl_s + 6)  # no step in between
+    text = scrape(ray)
+    ray.kill(actor)
+    assert "ray_k3_test_set_once{" not in text, "Ray kept a gauge set once: the expiry this guards against is gone"
+    assert re.search(r'ray_k3_train_loss\{[^}]*\} 2\.5', text)
+    assert re.search(r'ray_k3_train_step\{[^}]*\} 7\.0', text)
+    assert re.search(r'ray_k3_train_maxvio\{[^}]*layer="0"[^}]*\} 0\.0', text)  # exactly zero is a value
+    assert re.search(r'ray_k3_train_restarts_total\{[^}]*\} 1\.0', text)
+    assert "ray_k3_train_lr{" not in text and "not_a_metric" not in text
 
 
-def test_report_bad_run_dir_is_one_clear_line(tmp_path, capsys, monkeypatch):
-    rc, _, err = k3(capsys, monkeypatch, "report", str(tmp_path))
-    assert rc == 1 and err.count("\n") == 1 and "no checkpoint with k3/state.pt" in err
+def test_train_metrics_refresh_must_be_positive():
+    with pytest.raises(ValueError, match="refresh_s must be > 0"):
+        TrainMetrics(refresh_s=0)

@@ -1,0 +1,278 @@
+"""What autoscaling_scenario.py watches and drives: live nodes, dashboard panels sampled at random
+moments, Serve traffic checked against one engine, and the removal of a node."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WINDOW = "30s"  # stands for Grafana's $__rate_interval (4 scrape intervals and more)
+
+
+def alive_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+class NodeWatch:
+    """Largest number of live nodes seen while a phase runs (polled every second)."""
+
+    def __init__(self):
+        self.max, self._stop = 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.max = max(self.max, alive_nodes())
+            self._stop.wait(1.0)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def dashboard_panels(name: str) -> dict[str, list[str]]:
+    """{panel title: [PromQL, ...]} of a shipped dashboard, Grafana's rate window made concrete."""
+    from k3.platform.ops.dashboards import panel_queries
+    from k3.platform.ops.panels import RATE
+
+    d = json.loads((REPO / "cluster" / "grafana" / f"{name}.json").read_text())
+    panels: dict[str, list[str]] = {}
+    for title, expr in panel_queries(d):
+        panels.setdefault(title, []).append(expr.replace(RATE, WINDOW))
+    return panels
+
+
+def _needs() -> dict[str, str | None]:
+    from k3.platform.ops.panels import CLUSTER_PANELS, SERVING_PANELS, TRAINING_PANELS
+
+    return {p.title: p.needs for p in (*TRAINING_PANELS, *SERVING_PANELS, *CLUSTER_PANELS)}
+
+
+def _finite(series: list[dict]) -> bool:
+    return any(math.isfinite(float(s["value"][1])) for s in series)
+
+
+class PanelSampler:
+    """Evaluates every panel of the given dashboards at random moments (1 to 3 s apart) from the
+    time `started()` is true until `finished()` is or the block ends: `moments` is one record per
+    moment of the panels without data (panels that need a GPU are left out on a cluster without
+    one)."""
+
+    def __init__(self, prom, dashboards: list[str], started, finished=lambda: False, seed: int = 0):
+        self.prom, self.started, self.finished, self.rng = prom, started, finished, random.Random(seed)
+        needs = _needs()
+        self.panels = {f"{d}/{t}": q for d in dashboards for t, q in dashboard_panels(d).items() if needs[t] is None}
+        self.moments: list[dict] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> dict:
+        at = time.time()
+        seen = {key: any(_finite(self.prom.client.query(e)) for e in exprs) for key, exprs in self.panels.items()}
+        return {"t": at, "empty": sorted(k for k, v in seen.items() if not v), "panels": len(seen)}
+
+    def _run(self):
+        while not self._stop.is_set() and not self.started():
+            self._stop.wait(1.0)
+        while not self._stop.wait(self.rng.uniform(1.0, 3.0)) and not self.finished():
+            self.moments.append(self._sample())
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def panels_over(prom, dashboards: list[str], start: float) -> dict:
+    """Series with at least one finite value, per (panel, query), over [start, now]."""
+    needs, out = _needs(), {}
+    for d in dashboards:
+        for title, exprs in dashboard_panels(d).items():
+            if needs[title] is not None:
+                continue
+            for e in exprs:
+                series = prom.client.query_range(e, start, time.time(), step=2)
+                out[f"{d}/{title} :: {e}"] = sum(1 for s in series
+                                                if any(math.isfinite(float(v)) for _, v in s["values"]))
+    return out
+
+
+def kill_node(pgid: int, node_id: str, head_node_id: str) -> list[int]:
+    """Remove one fake worker node the way Ray's fake provider does: kill every process of it (its
+    raylet, agents and workers carry the node id the provider gave them in their environment).
+    Only processes of the head's process group are looked at; the head itself is refused (its
+    processes carry the fake head's id, and without its GCS the whole cluster goes)."""
+    if node_id == head_node_id:
+        raise ValueError(f"node {node_id} is the head: remove a worker node")
+    marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
+    ours: dict[int, int] = {}  # pid -> parent pid, every process of the head's group
+    marked = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            pid = int(d.name)
+            if os.getpgid(pid) != pgid:
+                continue
+            ours[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if marker in (d / "environ").read_bytes().split(b"\0"):
+                marked.add(pid)
+        except (OSError, ProcessLookupError, ValueError):
+            continue
+    # the raylet's workers (the replicas) do not carry the marker: they are its children
+    pids = set(marked)
+    while True:
+        more = {pid for pid, parent in ours.items() if parent in pids} - pids
+        if not more:
+            break
+        pids |= more
+    for pid in sorted(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(pids)
+
+
+class Traffic:
+    """Clients that send /v1/completions requests (distinct prompts of 400 tokens, greedy, 8 tokens)
+    in a loop, each answer checked against the same prompt run by one LLMEngine in this process."""
+
+    def __init__(self, url: str, config: dict, seed_prompts: int = 24, prompt_len: int = 400):
+        import torch
+        from tokenizers import Tokenizer
+
+        import k3.model
+        from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+
+        torch.set_num_threads(1)
+        self.url = f"{url}/v1/completions"
+        g = torch.Generator().manual_seed(1)
+        shared = torch.randint(3, 4000, (64,), generator=g).tolist()  # a common prefix: local and pool hits
+        self.prompts = [shared + torch.randint(3, 4000, (prompt_len - 64,), generator=g).tolist()
+                        for _ in range(seed_prompts)]
+        model = k3.model.build(k3.model.get_preset(config["model"]["preset"]), seed=0).eval()
+        tokenizer = Tokenizer.from_file(config["model"]["tokenizer_path"])
+        engine = LLMEngine(model, EngineConfig(**config["engine"]), tokenizer)
+        self.want = []
+        for prompt in self.prompts:
+            rid = engine.add_request(None, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                  logprobs=0))
+            outs = []
+            while engine.has_unfinished():
+                outs += [o for o in engine.step() if o.request_id == rid]
+            self.want.append((outs[-1].text, [e["logprob"] for o in outs for e in o.logprobs]))
+        self.results: list[dict] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    @property
+    def finished(self) -> int:
+        return len(self.results)
+
+    def _one(self, i: int) -> dict:
+        import httpx
+
+        body = {"model": "k3-tiny", "prompt": self.prompts[i], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}
+        t = time.time()
+        try:
+            r = httpx.post(self.url, json=body, timeout=300)
+        except httpx.HTTPError as e:  # a broken connection: neither an answer nor a clean error
+            return {"i": i, "t": t, "s": time.time() - t, "status": None, "broken": repr(e)}
+        out = {"i": i, "t": t, "s": time.time() - t, "status": r.status_code}
+        if r.status_code == 200:
+            choice = r.json()["choices"][0]
+            text, lp = self.want[i]
+            got = choice["logprobs"]["token_logprobs"]
+            out["identical"] = choice["text"] == text and len(got) == len(lp) and \
+                max(abs(a - b) for a, b in zip(got, lp)) < 1e-4
+        else:
+            try:
+                out["error"] = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                out["error"] = None  # not an OpenAI-style error body
+        return out
+
+    def _client(self):
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next % len(self.prompts), self._next + 1
+            res = self._one(i)
+            with self._lock:
+                self.results.append(res)
+
+    @contextlib.contextmanager
+    def running(self, clients: int):
+        threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            for t in threads:
+                t.join(timeout=320)
+            self.hung = sum(t.is_alive() for t in threads)
+
+    def summary(self, t0: float) -> dict:
+        """Outcomes; the timeline's times are seconds from t0."""
+        rs = self.results
+        return {"requests": len(rs), "ok": sum(r["status"] == 200 for r in rs),
+                "identical": sum(bool(r.get("identical")) for r in rs),
+                "clean_errors": [(r["status"], r["error"]) for r in rs if r["status"] not in (200, None)],
+                "broken": [r["broken"] for r in rs if r["status"] is None],
+                "max_s": max((r["s"] for r in rs), default=0.0), "hung_clients": getattr(self, "hung", None),
+                "timeline": [(round(r["t"] - t0, 1), r["status"], round(r["s"], 2)) for r in rs]}
+
+
+class Since:
+    """Remembers when `cond()` first held: `for_s(s)` is true once it has held for s seconds."""
+
+    def __init__(self, cond):
+        self.cond, self.at = cond, None
+
+    def for_s(self, s: float) -> bool:
+        if self.at is None and self.cond():
+            self.at = time.time()
+        return self.at is not None and time.time() - self.at >= s
+
+
+def sessions_seen(client, timeout_s: float = 120) -> dict[str, set[str]]:
+    """SessionName labels of every series a Prometheus holds, of the autoscaler's (autoscaler_*)
+    and of the dashboard's (ray_dashboard_*), once both of those have appeared."""
+    def names(metric_re: str) -> set[str]:
+        q = f'count by (SessionName) ({{__name__=~"{metric_re}", SessionName!=""}})'
+        return {s["metric"]["SessionName"] for s in client.query(q)}
+
+    deadline = time.time() + timeout_s
+    while True:
+        seen = {kind: names(rx) for kind, rx in (("any", ".+"), ("autoscaler", "autoscaler_.+"),
+                                                  ("dashboard", "ray_dashboard_.+"))}
+        if (seen["autoscaler"] and seen["dashboard"]) or time.time() > deadline:
+            return seen
+        time.sleep(2)
+
+
+def dashboard_get(address: str, path: str, token_path) -> dict:
+    """GET a JSON endpoint of a token-auth Ray dashboard (`Authorization: Bearer <token>`)."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {Path(token_path).read_text().strip()}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{address}{path}", headers=headers), timeout=30) as r:
+        return json.loads(r.read())
