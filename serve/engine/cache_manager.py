@@ -40,8 +40,8 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: S
                 first: int = 0) -> list[bytes]:
     """Chain hashes of the full pages of tokens (each covers every token before it), from page
     `first` on (`parent`: the hash of page first - 1). `media`: the prompt's MediaSpans
-    (serve/engine/media.py); each item's digest is mixed into every page its placeholders touch,
-    so same ids with another picture hash differently from there on."""
+    (serve/engine/prompt_media.py); each item's digest is mixed into every page its
+    placeholders touch, so same ids with another picture hash differently from there on."""
     out = []
     for i in range(first, len(tokens) // page_size):
         h = hashlib.blake2b(parent, digest_size=16)
