@@ -1,13 +1,14 @@
 """k3 against transformers on the same Kimi Linear weights, side by side in this process, as JSON.
 
-    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1]
+    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--compile-decode]
 
 Two Kimi-Linear-shaped models, built by transformers (random weights, seed 0), saved, and
 imported into k3 with `load_kimi_linear`:
 - `kimi8`: 8 layers (KDA KDA KDA MLA) x 2, hidden 256, 8 experts top-2, 1 shared, 11M parameters;
 - `kimi4`: 4 layers (KDA KDA KDA MLA), hidden 256, 16 experts top-4, 9M parameters.
 
-decode: the k3 engine (default `EngineConfig`, a fresh engine per repeat) against transformers'
+decode: the k3 engine (default `EngineConfig`, with `--compile-decode` its compiled decode step; a
+fresh engine per repeat, warmed up) against transformers'
 `generate`, 128-token prompts and 64 greedy tokens at 1 and 8 sequences, prefill included on both
 sides; the repeats interleave the two sides and the best of each is kept; tokens compared.
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
@@ -64,8 +65,9 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
-def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int, gen: torch.Generator) -> dict:
-    """Engine (default EngineConfig) vs generate: best of `repeats` interleaved runs per batch size."""
+def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int, gen: torch.Generator,
+           ec: EngineConfig) -> dict:
+    """Engine (config ec) vs generate: best of `repeats` interleaved runs per batch size."""
     hf.eval()
     ours = load_kimi_linear(path).eval()
     out: dict = {}
@@ -88,7 +90,7 @@ def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int,
         for _ in range(repeats):
             dt, want = timed(run_hf)
             hf_times.append(dt)
-            eng = LLMEngine(ours, EngineConfig())
+            eng = LLMEngine(ours, ec)
             eng.generate([p[:8] for p in prompts], SamplingParams(max_tokens=2, temperature=0))  # warm-up
             dt, got = timed(lambda: run_k3(eng))
             k3_times.append(dt)
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--train-seq", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    p.add_argument("--compile-decode", action="store_true", help="EngineConfig(compile_decode=True)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,7 +190,8 @@ def main() -> None:
             res[name] = {"params_million": round(sum(x.numel() for x in hf.parameters()) / 1e6, 2)}
             if "decode" in only:
                 res[name]["decode"] = decode(name, path, hf, [int(b) for b in args.batches.split(",")],
-                                             args.new_tokens, args.repeats, gen)
+                                             args.new_tokens, args.repeats, gen,
+                                             EngineConfig(compile_decode=True) if args.compile_decode else EngineConfig())
             if "train" in only and name == "kimi8":
                 res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen)
             print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)

@@ -6,11 +6,10 @@ import torch
 
 def naive_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] (rows sorted by group), w [G, K, N], offs [G] (the cumulative group sizes) ->
-    [M, N]: rows offs[g-1]:offs[g] of x times w[g]."""
-    out = x.new_zeros(x.shape[0], w.shape[-1])
-    start = 0
+    [M, N]: rows offs[g-1]:offs[g] of x times w[g]. Empty groups multiply too, so the result
+    stays differentiable in x and w when every group is empty."""
+    parts, start = [], 0
     for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[g]
+        parts.append(x[start:end] @ w[g])
         start = end
-    return out
+    return torch.cat(parts)

@@ -18,7 +18,8 @@ run the compiled code:
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
-(tests/serve/test_graphs.py). `EngineConfig.compile_decode=False` runs every step eagerly; a
+(tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: each
+new bucket compiles inside a step, 10-30 s on a 2-core CPU, docs/benchmarks.md); a
 graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
 engine with a warning, and that step runs eagerly.
 

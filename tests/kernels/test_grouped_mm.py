@@ -33,7 +33,10 @@ def test_equals_the_loop_forward_and_backward(sizes, transposed, K, N):
     x, w, offs = inputs(sizes, K, N, transposed=transposed)
     got, want = grads(grouped_mm, x, w, offs, transposed), grads(naive_grouped_mm, x, w, offs, transposed)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
-        assert_close(name, a, b, 1e-6)
+        if b.numel():
+            assert_close(name, a, b, 1e-6)
+        else:  # every group empty: an empty result that still took part in the backward
+            assert a.shape == b.shape
 
 
 def test_bf16():

@@ -61,7 +61,7 @@ def test_a_model_that_cannot_be_traced_runs_eagerly(caplog):
 
     m.forward = branching
     ps, sp = prompts([6, 4], seed=3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    eng = LLMEngine(m, EngineConfig(page_size=8))
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
     outs = eng.generate(ps, sp)
     assert eng.decode_graph.error is not None and eng.decode_graph.calls == 0
     assert "steps run eagerly" in caplog.text
