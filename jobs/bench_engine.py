@@ -20,7 +20,11 @@
    chunk boundaries), every 48 (off them), and with no snapshots.
 8. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
    decode tokens/s at 1, 8 and 32 sequences against transformers' `generate` with the same batch,
-   tokens compared.
+   tokens compared (jobs/bench_vs_transformers.py has the full comparison).
+9. multiturn: conversations that share system prompts, each turn resending the conversation so
+   far plus a new user message: prefix hit rate and TTFT per turn, with the default cache and
+   with 3 reserved snapshot slots. Uses only the engine's public API, so the same section runs on
+   an older tree for a before/after comparison.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers",
+p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn",
                help="comma-separated sections to run")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
@@ -309,6 +313,60 @@ def vs_transformers() -> dict:
     return res
 
 
+def one_turn(eng: LLMEngine, prompt: list[int], reply: int) -> tuple[float, int, list[int]]:
+    """(TTFT, cached prompt tokens, the reply) of one request run alone to the end."""
+    rid = eng.add_request(None, prompt, SamplingParams(max_tokens=reply, temperature=0, ignore_eos=True))
+    t, ttft = time.perf_counter(), None
+    while True:
+        for o in eng.step():
+            if o.request_id != rid:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t
+            if o.finished:
+                return ttft, o.cached_tokens, o.token_ids
+
+
+def multiturn() -> dict:
+    """Hit rate and TTFT per turn: 12 conversations over 3 shared 256-token system prompts, 4 turns
+    of 32 greedy tokens each, turns interleaved across conversations (turn t of every
+    conversation, then turn t + 1), every request run alone."""
+    convs, turns, reply, ps = (6, 3, 16, 16) if args.quick else (12, 4, 32, 16)
+    systems = [rand(256) for _ in range(3)]
+    budget = EngineConfig().cache_memory_bytes
+    probe = CacheManager(tiny.cfg, EngineConfig(max_num_seqs=4))
+    tight_rest = budget - 4 * probe.slot_bytes
+    configs = {"default": EngineConfig(page_size=ps),
+               "3_snapshot_slots": EngineConfig(page_size=ps, max_num_seqs=4,
+                                                snapshot_memory_fraction=3.5 * probe.slot_bytes / tight_rest)}
+    out: dict = {}
+    for name, ec in configs.items():
+        eng = LLMEngine(tiny, ec)
+        eng.generate([rand(16)], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        history = [systems[c % 3] + rand(40 + (13 * c) % 40) for c in range(convs)]
+        resumable = [0] * convs  # the previous conversation's full pages of computed tokens
+        per_turn = []
+        for t in range(turns):
+            ttfts, cached, prompt_tokens, whole = [], 0, 0, 0
+            for c in range(convs):
+                ttft, hit, got = one_turn(eng, history[c], reply)
+                ttfts.append(ttft)
+                cached, prompt_tokens = cached + hit, prompt_tokens + len(history[c])
+                whole += t > 0 and hit >= resumable[c]
+                resumable[c] = (len(history[c]) + len(got) - 1) // ps * ps  # the last token is never fed
+                history[c] = history[c] + got + rand(20 + (7 * c + t) % 20)
+            per_turn.append({"turn": t + 1, "hit_rate": round(cached / prompt_tokens, 3),
+                             "mean_prompt_tokens": round(prompt_tokens / convs, 1),
+                             "ttft_ms_mean": round(1000 * statistics.mean(ttfts), 2),
+                             "ttft_ms_median": round(1000 * statistics.median(ttfts), 2),
+                             "resumed_after_whole_previous_conversation": f"{whole}/{convs}" if t else None})
+        s = eng.stats()
+        out[name] = {"snapshot_slots_reserved": eng.cache.num_snapshot_slots, "per_turn": per_turn,
+                     "overall_hit_rate": round(s["prefix_hit_rate"], 3),
+                     "snapshots_taken": s["snapshots_taken"], "evicted_pages": s["evicted_pages"]}
+    return out
+
+
 if "throughput" in only:
     result["throughput"] = throughput()
 if "ttft" in only:
@@ -323,5 +381,7 @@ if "chunk" in only:
     result["chunk_over_cached_context"] = chunk()
 if "vs_transformers" in only:
     result["vs_transformers"] = vs_transformers()
+if "multiturn" in only:
+    result["multiturn"] = multiturn()
 result["machine"]["load_average_at_end"] = os.getloadavg()
 print(json.dumps(result, indent=2))

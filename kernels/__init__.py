@@ -1,1 +1,4 @@
 """k3 kernels."""
+from ._dispatch import eager
+
+__all__ = ["eager"]

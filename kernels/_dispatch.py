@@ -12,6 +12,17 @@ def fail(op: str, name: str, msg: str) -> NoReturn:
     raise ValueError(f"{op}: {name} {msg}")
 
 
+def eager() -> bool:
+    """False while a graph is being captured (torch.compile tracing, CUDA graph capture).
+
+    Value checks read tensors back to the host, which a captured graph cannot do (nor should a
+    replay pay for); they run in eager calls only. Shape, dtype and device checks always run:
+    for a graph, once at capture."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def use_triton(op: str, x: torch.Tensor, backend: str | None) -> bool:
     """True for CUDA tensors when triton is installed, or when `backend="triton"` forces it
     (then on CPU only under TRITON_INTERPRET=1); False for `backend="torch"` and CPU tensors.

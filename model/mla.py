@@ -110,7 +110,7 @@ class GatedMLA(nn.Module):
             pos = torch.arange(B * T, device=x.device) - cu[:-1][seq] + context[seq]
         ps = pages.shape[1]
         pages[cache.page_table[seq, pos // ps], pos % ps] = latt.detach().to(pages.dtype)
-        if cache.max_context == 0:  # fresh prefill: the naive form is cheaper
+        if not cache.decode and cache.max_context == 0:  # fresh prefill: the naive form is cheaper
             return self._naive(x, lat, cu if B == 1 else None)
         q_nope, q_rope = self.query(xt)  # [BT, H, *]
         W_uk, W_uv = self._w_kv()

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from k3.kernels import eager
+
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
 from .cache import CacheBatch
 from .config import K3Config
@@ -206,21 +208,24 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"input_ids out of range [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if cache is None and input_ids.shape[1] > self.cfg.max_position_embeddings:
             raise ValueError(f"input_ids has {input_ids.shape[1]} tokens > max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
         cu = cu_seqlens if cache is None else cache.cu_seqlens
-        if cu is not None:
-            if input_ids.shape[0] != 1 and cache is None:
-                raise ValueError(f"packed input (cu_seqlens given) must be [1, T], got input_ids {tuple(input_ids.shape)}")
-            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() \
-                    or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens must rise from 0 to {input_ids.numel()}, got {cu.tolist()[:8]}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if cu is not None and input_ids.shape[0] != 1 and cache is None:
+            raise ValueError(f"packed input (cu_seqlens given) must be [1, T], got input_ids {tuple(input_ids.shape)}")
+        if eager():  # values: a captured graph (the engine's decode step) cannot read them back
+            self._check_values(input_ids, cu)
+
+    def _check_values(self, input_ids: torch.Tensor, cu: torch.Tensor | None) -> None:
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"input_ids out of range [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
+        if cu is not None and (cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel()
+                               or bool((cu[1:] < cu[:-1]).any())):
+            raise ValueError(f"cu_seqlens must rise from 0 to {input_ids.numel()}, got {cu.tolist()[:8]}")
 
     def set_router_bias(self, biases: torch.Tensor) -> None:
         """biases [num_moe_layers, E]: selection biases for the next batch (no gradient)."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.kernels.grouped_mm import grouped_mm
 from k3.kernels.situ_glu import situ_glu, swiglu
 
 from .config import K3Config
@@ -101,10 +102,6 @@ class Router(nn.Module):
         return RouterOutput(idx, w * self.cfg.routed_scaling, scores, counts, margins)
 
 
-# Inference batches of at most this many (token, expert) rows may take the padded batched path.
-PADDED_MAX_ROWS = 1024
-
-
 class Experts(nn.Module):
     """Routed experts [first, first + count) of E, as stacked weights: gate/up [count, I, D_e],
     down [count, D_e, I]. A single device holds all E; under expert parallelism each rank builds
@@ -143,36 +140,22 @@ class Experts(nn.Module):
         return h @ self.w_down[e].T
 
     def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Each row of x [n, D_e] through its local expert local_ids [n]; rows sorted by expert,
-        one matmul per contiguous group, returned in the original order."""
+        """Each row of x [n, D_e] through its local expert local_ids [n]: rows sorted by expert,
+        every expert's rows in one grouped matmul per weight (k3.kernels.grouped_mm: no padding,
+        no host sync), returned in the original order. With no row for any local expert (routing
+        collapsed onto other ranks' experts) the result is empty but stays in the autograd graph
+        of x and the weights, so every rank runs the same backward collectives."""
         order = local_ids.argsort(stable=True)
-        counts = torch.bincount(local_ids, minlength=self.count).tolist()
+        # scatter_add, not bincount: a bincount's length depends on the values, which a traced
+        # graph cannot know
+        counts = torch.zeros(self.count, dtype=torch.long, device=x.device).scatter_add_(
+            0, local_ids, torch.ones_like(local_ids))
+        offs = counts.cumsum(0).to(torch.int32)
         xs = x[order]
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(self.expert(e, xs[start:start + n]))
-            start += n
-        # No row for any local expert (routing collapsed onto other ranks' experts): run one on the
-        # empty batch anyway, so the result stays in the autograd graph of x and the weights and
-        # every rank runs the same backward collectives (a fresh zero tensor cut that graph).
-        ys = torch.cat(outs) if outs else self.expert(0, xs)
+        g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
+        u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)
+        ys = grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
         return torch.empty_like(ys).index_copy(0, order, ys)
-
-    def padded(self, x: torch.Tensor, local_ids: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-        """grouped() for few rows (decode): every expert's rows in one zero-padded batch
-        [count, width, D_e] and three batched matmuls over the stacked weights, instead of a loop
-        of small matmuls per expert. Same contract as grouped()."""
-        order = local_ids.argsort(stable=True)
-        ids = local_ids[order]
-        start = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(ids.numel(), device=x.device) - start[ids]
-        xp = x.new_zeros(self.count, width, x.shape[-1])
-        xp[ids, rank] = x[order]
-        g = torch.bmm(xp, self.w_gate.transpose(1, 2))
-        u = torch.bmm(xp, self.w_up.transpose(1, 2))
-        y = torch.bmm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2))
-        return torch.empty_like(x).index_copy(0, order, y[ids, rank])
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [N, D_e]; idx (global expert ids), weight: [N, k] -> sum_k weight * expert(x): [N, D_e]."""
@@ -180,17 +163,7 @@ class Experts(nn.Module):
             return self.dispatch(self, x, idx, weight)
         N, top_k = idx.shape
         token = torch.arange(N, device=x.device).repeat_interleave(top_k)
-        local = idx.reshape(-1) - self.first
-        if not torch.is_grad_enabled() and N * top_k <= PADDED_MAX_ROWS:
-            counts = torch.bincount(local, minlength=self.count)
-            width = int(counts.max())
-            # Padding costs count x width rows of compute: take it while that stays within a few
-            # times the real rows (decode batches), where one batched call beats a loop of calls.
-            if self.count * width <= 4 * N * top_k:
-                ys = self.padded(x[token], local, counts, width)
-                ys = ys * weight.reshape(-1, 1).to(ys.dtype)
-                return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
-        ys = self.grouped(x[token], local)
+        ys = self.grouped(x[token], idx.reshape(-1) - self.first)
         ys = ys * weight.reshape(-1, 1).to(ys.dtype)
         return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
 

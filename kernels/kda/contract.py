@@ -10,7 +10,7 @@ from typing import NamedTuple, NoReturn
 
 import torch
 
-from .._dispatch import fail
+from .._dispatch import eager, fail
 
 
 class KDAOutput(NamedTuple):
@@ -160,7 +160,7 @@ def check_step_inputs(q, k, v, g, beta, state_pool, slot_idx) -> None:
     _check_tensors(named[:5], k.device)
     if H < 1 or K < 1 or v.shape[-1] < 1:
         kda_fail("k" if H < 1 or K < 1 else "v", f"needs H, K, V >= 1, got H={H}, K={K}, V={v.shape[-1]}")
-    if g.numel() and not bool((g <= 0).all()):  # also catches NaN
+    if eager() and g.numel() and not bool((g <= 0).all()):  # also catches NaN
         kda_fail("g", f"must be a log-decay <= 0 everywhere, got max {float(g.max())}")
     _check_pool(state_pool, slot_idx, N, (H, K, v.shape[-1]), k.device)
 
@@ -175,7 +175,7 @@ def _check_pool(state_pool, slot_idx, N: int, hkv: tuple[int, int, int], device)
     for name, x in (("state_pool", state_pool), ("slot_idx", slot_idx)):
         if x.device != device:
             kda_fail(name, f"is on {x.device} but k is on {device}")
-    if N:
+    if N and eager():
         lo, hi = (int(x) for x in torch.aminmax(slot_idx))
         if lo < 0 or hi >= state_pool.shape[0]:
             kda_fail("slot_idx", f"out of range [0, {state_pool.shape[0]}): min {lo}, max {hi}")

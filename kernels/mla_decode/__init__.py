@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from .._dispatch import fail, use_triton
+from .._dispatch import eager, fail, use_triton
 from .cpu import finish, mla_decode_torch
 from .reference import naive_mla_decode
 
@@ -67,7 +67,9 @@ def mla_decode(
     N, H, L = q_lat.shape
     if N == 0:
         return q_lat.new_zeros(N, H, L if w_uv is None else w_uv.shape[1])
-    hi = _check_pages(kv_cache, page_table, seq_lens)
+    # In a captured graph the longest sequence is not known on the host: attend over the page
+    # table's whole capacity (masked past each sequence's length).
+    hi = _check_pages(kv_cache, page_table, seq_lens) if eager() else page_table.shape[1] * kv_cache.shape[1]
     if _use_triton(q_lat, backend, L, q_rope.shape[2]):
         from .triton import mla_decode_triton
 

@@ -3,20 +3,25 @@ CacheManager is its only owner: the scheduler, the engine and the handoff connec
 handles (`SeqCache` per sequence, `PrefixHit` per prefix lookup) and go through its methods; its
 tables and pools are its own.
 
-- KDA: per layer a pool of slots, each the fp32 recurrent state [H, K, V] plus the conv state.
-  Slots [0, max_num_seqs) serve running sequences; the rest hold prefix-cache snapshots.
+- KDA: per layer a pool of max_num_seqs + reserved snapshot slots, each the fp32 recurrent
+  state [H, K, V] plus the conv state, holding running sequences' states and prefix-cache
+  snapshots.
 - MLA: per layer a pool of pages [num_pages, page_size, latent]; a sequence's page table lists
   its pages. Page ids are shared by all MLA layers.
-- Prefix cache: full prompt pages are hashed in a chain (each hash covers the previous one and
-  the page's tokens). A cached page keeps its latents; every `snapshot_interval` pages it also
-  keeps a KDA snapshot, the exact state of every KDA layer after that page. A hit resumes from
-  the longest prefix that has a snapshot. A page's latents and snapshot, once cached, are never
-  overwritten (by a later computation or an import) until the page is evicted.
+- Prefix cache: full pages of a sequence's computed tokens (prompt, then generated tokens) are
+  hashed in a chain (each hash covers the previous one and the page's tokens). A cached page
+  keeps its latents; some pages also keep a KDA snapshot, the exact state of every KDA layer
+  after that page (the scheduler says which: every `snapshot_interval` pages, the prompt's last
+  full page, the last full page generated so far). A hit resumes from the longest prefix that
+  has a snapshot. A page's latents and snapshot, once cached, are never overwritten (by a later
+  computation or an import) until the page is evicted.
+- Snapshots live in the same KDA slots as running sequences and go by worth, not arrival:
+  kda_slots.py says which slot holds what.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,18 +29,21 @@ import torch
 from k3.model.cache import CacheBatch, KDACacheSpec, KDAPool, MLACacheSpec, layer_cache_specs
 from k3.model.config import K3Config
 
+from .kda_slots import SlotTable
 from .params import EngineConfig
 
 KDAStates = dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer -> (conv [3HK, W-1], recurrent [H, K, V])
 Latents = dict[int, torch.Tensor]  # MLA layer -> [tokens, latent]
 
 
-def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = ()) -> list[bytes]:
-    """Chain hashes of the full pages of tokens (each covers every token before it). `media`:
-    the prompt's MediaSpans (serve/engine/prompt_media.py); each item's digest is mixed into every page
-    its placeholders touch, so same ids with another picture hash differently from there on."""
+def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = (),
+                first: int = 0) -> list[bytes]:
+    """Chain hashes of the full pages of tokens (each covers every token before it), from page
+    `first` on (`parent`: the hash of page first - 1). `media`: the prompt's MediaSpans
+    (serve/engine/prompt_media.py); each item's digest is mixed into every page its
+    placeholders touch, so same ids with another picture hash differently from there on."""
     out = []
-    for i in range(len(tokens) // page_size):
+    for i in range(first, len(tokens) // page_size):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(torch.tensor(tokens[i * page_size:(i + 1) * page_size], dtype=torch.int64).numpy().tobytes())
         for s in media:
@@ -55,6 +63,9 @@ class _CachedPage:
     ref: int = 0  # running sequences holding this page
     last_used: int = 0
     snapshot_slot: int | None = None  # the KDA state after this page, when kept
+    hits: int = 0  # later requests whose prompt matched this page (each could start after it)
+    inherited: int = 0  # hits of the snapshots its conversation continued from (a rolling one's)
+    worth: float = 0.0  # of the snapshot, when kept (kda_slots.py)
 
 
 @dataclass(eq=False)
@@ -64,8 +75,10 @@ class SeqCache:
 
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    shared: int = 0  # prompt pages in the prefix cache (held from a hit, or registered by this sequence)
+    shared: int = 0  # pages in the prefix cache (held from a hit, or registered by this sequence)
     added: list[bytes] = field(default_factory=list)  # hashes this sequence put in the prefix cache
+    rolling: bytes | None = None  # the page of its latest snapshot that a deeper one supersedes
+    reuse: int = 0  # requests its conversation has served so far: hits of the snapshot it started from
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,8 +109,7 @@ class CacheManager:
         self._mla = {s.layer_idx: torch.zeros(pages, self.page_size, s.latent_dim, dtype=self.dtype, device=self.device)
                      for s in self.mla_specs}
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
-        self._free_run_slots = list(range(ec.max_num_seqs - 1, -1, -1))
-        self._free_snapshot_slots = list(range(n_slots - 1, ec.max_num_seqs - 1, -1))
+        self._slots = SlotTable(n_slots, ec.max_num_seqs, self.page_size)
         self._entries: dict[bytes, _CachedPage] = {}  # chain hash -> cached page
         self._page_entry: dict[int, _CachedPage] = {}  # page -> its cache entry, when cached
         self._clock = 0
@@ -135,11 +147,11 @@ class CacheManager:
         return {
             "pages_total": self.num_pages, "pages_free": len(self._free_pages), "pages_cached_idle": cached_idle,
             "pages_in_use": self.num_pages - len(self._free_pages) - cached_idle,
-            "running_slots_total": self.ec.max_num_seqs, "running_slots_free": len(self._free_run_slots),
-            "snapshot_slots_total": self.num_snapshot_slots,
-            "snapshot_slots_used": self.num_snapshot_slots - len(self._free_snapshot_slots),
+            "running_slots_total": self.ec.max_num_seqs,
+            "running_slots_free": self.ec.max_num_seqs - self._slots.running,
+            "snapshot_slots_total": self.num_snapshot_slots, "snapshot_slots_used": self._slots.snapshots,
             "bytes_total": self.nbytes(), "slot_bytes": self.slot_bytes, "page_bytes": self.page_bytes,
-            **self.stats,
+            **self.stats, "snapshots_evicted": self._slots.evicted, "snapshots_declined": self._slots.declined,
         }
 
     def pages_for(self, num_tokens: int) -> int:
@@ -150,11 +162,14 @@ class CacheManager:
         self.stats["prefix_hit_tokens"] += hit_tokens
 
     # -- a sequence's memory ---------------------------------------------------------------------
-    def take_slot(self, mem: SeqCache) -> bool:
-        """Give mem a zeroed running slot; False when every slot is taken."""
-        if not self._free_run_slots:
+    def take_slot(self, mem: SeqCache, keep: PrefixHit | None = None) -> bool:
+        """Give mem a zeroed slot, taken back from the snapshot worth least if none is free
+        (`keep`'s, the hit mem is about to start from, only if no other can go); False when
+        max_num_seqs sequences hold slots already."""
+        slot = self._slots.take_running(keep.chain[-1] if keep is not None else None)
+        if slot is None:
             return False
-        mem.slot = self._free_run_slots.pop()
+        mem.slot = slot
         self._copy_slot(None, mem.slot)
         return True
 
@@ -177,8 +192,9 @@ class CacheManager:
         in a step that failed, or imported for a request that failed: not trusted)."""
         self._release_pages(mem)
         if mem.slot is not None:
-            self._free_run_slots.append(mem.slot)
+            self._slots.release_running(mem.slot)
             mem.slot = None
+        mem.rolling, mem.reuse = None, 0
         if failed:
             for h in mem.added:
                 blk = self._entries.get(h)
@@ -197,34 +213,48 @@ class CacheManager:
                 blk.ref -= 1
         mem.pages, mem.shared = [], 0
 
-    def share_prompt_pages(self, mem: SeqCache, prompt: list[int], hashes: list[bytes], num_computed: int) -> None:
-        """Make the full prompt pages computed so far shareable (pages whose content is cached
-        already stay private)."""
+    def share_pages(self, mem: SeqCache, tokens: list[int], hashes: list[bytes], num_computed: int) -> None:
+        """Make the full pages of tokens computed so far shareable (`hashes` covers them at least;
+        pages whose content is cached already stay private)."""
         ps = self.page_size
-        full = min(num_computed, len(prompt)) // ps
+        full = min(num_computed, len(tokens), len(hashes) * ps) // ps
         for j in range(mem.shared, full):
-            if self._register(hashes[j], tuple(prompt[j * ps:(j + 1) * ps]), j + 1, mem.pages[j], ref=1):
+            if self._register(hashes[j], tuple(tokens[j * ps:(j + 1) * ps]), j + 1, mem.pages[j], ref=1):
                 mem.added.append(hashes[j])
         mem.shared = max(mem.shared, full)
 
-    def store_snapshot(self, mem: SeqCache, h: bytes, depth: int, states: KDAStates | None = None) -> None:
-        """Keep the KDA state after mem's prompt page `depth` (chain hash h) with that page, when
-        mem's page is the cached one: `states` taken mid-chunk, or mem's slot as it is now."""
+    def store_snapshot(self, mem: SeqCache, h: bytes, depth: int, states: KDAStates | None = None,
+                       rolling: bool = False) -> None:
+        """Keep the KDA state after mem's page `depth` (chain hash h) with the cached page of that
+        hash (mem's own, or the same content cached before, kept without a snapshot): `states`
+        taken mid-chunk, or mem's slot as it is now. `rolling`: a snapshot at the end of what mem
+        has computed, which mem's next rolling one supersedes (given up then, unless a request
+        matched its page meanwhile)."""
         blk = self._entries.get(h)
-        if blk is None or blk.page != mem.pages[depth - 1]:
+        if blk is None or blk.depth != depth:
             return
         if states is None:
             states = self._read_slot(mem.slot)
-        self._store_snapshot(blk, states)
+        old = self._entries.get(mem.rolling) if rolling and mem.rolling is not None else None
+        if rolling:  # the conversation's reuse so far counts toward its newest snapshot's worth
+            blk.inherited = max(blk.inherited, mem.reuse)
+        if self._store_snapshot(blk, states) and rolling:
+            if old is not None and old is not blk and old.hits == 0:
+                self._slots.drop(old)
+            mem.rolling = h
 
     def cache_batch(self, lengths: list[int], mems: list[SeqCache], context: list[int],
-                    snapshot_offsets: dict[int, list[int]] | None = None) -> CacheBatch:
-        """The model's view of one forward over these sequences (model/cache.py)."""
+                    snapshot_offsets: dict[int, list[int]] | None = None,
+                    table_width: Callable[[int], int] | None = None) -> CacheBatch:
+        """The model's view of one forward over these sequences (model/cache.py). `table_width`
+        (a function of the most pages any sequence holds): the page table's width, padded with
+        page 0 past every sequence's end (a compiled graph serves one width)."""
         dev = self.device
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
         width = max(1, max(len(m.pages) for m in mems))
+        width = width if table_width is None else max(width, table_width(width))
         table = torch.tensor([m.pages + [0] * (width - len(m.pages)) for m in mems], dtype=torch.long, device=dev)
         return CacheBatch(cu_seqlens=torch.tensor(cu, dtype=torch.long, device=dev),
                           context_lens=torch.tensor(context, dtype=torch.long, device=dev),
@@ -252,15 +282,28 @@ class CacheManager:
     def reject(self, hit: PrefixHit) -> None:
         """The hit's snapshot was found wrong: drop it."""
         self.stats["snapshots_rejected"] += 1
-        self._drop_snapshot(hit.chain[-1])
+        self._slots.drop(hit.chain[-1])
 
-    def start_from(self, mem: SeqCache, hit: PrefixHit) -> None:
-        """mem (a slot, no pages) takes the hit's pages and its snapshot."""
+    def start_from(self, mem: SeqCache, hit: PrefixHit) -> bool:
+        """mem (a slot, no pages) takes the hit's pages and its snapshot; False (nothing taken)
+        when the snapshot is gone since the hit was found."""
+        last = hit.chain[-1]
+        if last.snapshot_slot is None:
+            return False
         for blk in hit.chain:
             blk.ref += 1
         mem.pages = [b.page for b in hit.chain]
         mem.shared = len(hit.chain)
-        self._copy_slot(hit.chain[-1].snapshot_slot, mem.slot)
+        self._copy_slot(last.snapshot_slot, mem.slot)
+        mem.reuse = last.hits + last.inherited
+        return True
+
+    def note_reuse(self, tokens: list[int], hashes: list[bytes]) -> None:
+        """A request starts whose tokens match these cached pages: each served one more request
+        (whether or not it resumes there; a snapshot's worth counts them)."""
+        for blk in self._walk(tokens, hashes):
+            blk.hits += 1
+            self._slots.renew(blk)
 
     def _walk(self, tokens: list[int], hashes: list[bytes]):
         """The cached pages of tokens' chain, from the first, while they are cached."""
@@ -369,29 +412,21 @@ class CacheManager:
         self._evict(victim)
         return victim.page
 
-    def _store_snapshot(self, blk: _CachedPage, states: KDAStates) -> None:
-        if blk.snapshot_slot is not None:  # a kept snapshot is never replaced
-            return
-        if not self._free_snapshot_slots:
-            victim = self._lru([b for b in self._entries.values() if b.snapshot_slot is not None])
-            if victim is None:
-                return
-            self._drop_snapshot(victim)
-        blk.snapshot_slot = self._free_snapshot_slots.pop()
+    def _store_snapshot(self, blk: _CachedPage, states: KDAStates) -> bool:
+        """Keep states as blk's snapshot; False when blk has one already (a kept snapshot is never
+        replaced) or no slot can be had for it (kda_slots.py)."""
+        if blk.snapshot_slot is not None or self._slots.keep(blk) is None:
+            return False
         self._write_slot(blk.snapshot_slot, states)
         self.stats["snapshots_taken"] += 1
+        return True
 
     def _lru(self, cands: list[_CachedPage]) -> _CachedPage | None:
         # Oldest first; among equals the deepest, so a chain is cut from its end.
         return min(cands, key=lambda b: (b.last_used, -b.depth), default=None)
 
-    def _drop_snapshot(self, blk: _CachedPage) -> None:
-        if blk.snapshot_slot is not None:
-            self._free_snapshot_slots.append(blk.snapshot_slot)
-        blk.snapshot_slot = None
-
     def _evict(self, blk: _CachedPage) -> None:
-        self._drop_snapshot(blk)
+        self._slots.drop(blk)
         del self._entries[blk.hash]
         del self._page_entry[blk.page]
         self.stats["evicted_pages"] += 1

@@ -35,6 +35,7 @@ from k3.model.vision_processor import MediaItem
 
 from .cache_manager import CacheManager, KDAStates, PrefixHit
 from .detokenizer import Detokenizer, StopMatcher
+from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage
 from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
 from .params import EngineConfig, SamplingParams
@@ -81,6 +82,9 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self.handoff = Handoff(self.cache, model, self.config.dtype, self.config.handoff_key.get_secret_value(),
                                self.multimodal)
+        # text models only: a vision model's decode carries media rows, and a wrapper may do anything
+        self.decode_graph = DecodeGraph(model, self.device) if self.config.compile_decode and \
+            type(model) is K3ForCausalLM else None
         self.seqs: dict[str, Sequence] = {}  # admitted to the scheduler (the step thread's view)
         self._live: dict[str, Sequence] = {}  # every accepted, unfinished, unaborted request (guarded by _lock)
         self._pending: deque = deque()
@@ -258,9 +262,12 @@ class LLMEngine:
         """One forward over the scheduled chunks, then sampling for the sequences it completes."""
         t0 = time.perf_counter()
         try:
-            batch, logits_at, sample_idx = self._build(sched)
-            extra = {"media_embeds": batch[2]} if self.multimodal else {}
-            logits = self.model(batch[0], cache=batch[1], logits_at=logits_at, **extra).logits
+            graph = self._graph_for(sched)
+            batch, logits_at, sample_idx = self._build(sched, graph)
+            logits = graph.logits(batch[0], batch[1]) if graph is not None else None
+            if logits is None:
+                extra = {"media_embeds": batch[2]} if self.multimodal else {}
+                logits = self.model(batch[0], cache=batch[1], logits_at=logits_at, **extra).logits
         except Exception as e:  # noqa: BLE001 - isolate whatever the forward raised
             self._forward_failed(sched, e)
             self.step_seconds.append(time.perf_counter() - t0)
@@ -297,7 +304,16 @@ class LLMEngine:
             keep.append(s)
         return keep
 
-    def _build(self, sched: list[Scheduled]):
+    def _graph_for(self, sched: list[Scheduled]) -> DecodeGraph | None:
+        """The compiled decode forward, for a batch of decode tokens only (every row sampled, no
+        snapshot asked mid-chunk); None: run eagerly."""
+        g = self.decode_graph
+        if g is None or g.error is not None:
+            return None
+        ok = all(s.num_tokens == 1 and not s.snapshot_offsets and s.seq.num_computed + 1 == s.seq.length for s in sched)
+        return g if ok else None
+
+    def _build(self, sched: list[Scheduled], graph: DecodeGraph | None = None):
         ids, lengths, context, rows, sample_idx, offsets = [], [], [], [], [], {}
         media: list[torch.Tensor] = []  # rows of the placeholders in the batch, in batch order
         row = 0
@@ -315,7 +331,8 @@ class LLMEngine:
                 sample_idx.append(i)
             if s.snapshot_offsets:
                 offsets[i] = s.snapshot_offsets
-        cb = self.cache.cache_batch(lengths, [s.seq.mem for s in sched], context, offsets)
+        cb = self.cache.cache_batch(lengths, [s.seq.mem for s in sched], context, offsets,
+                                    table_width=graph.table_width if graph is not None else None)
         logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
         embeds = torch.cat(media).to(self.device) if media else None
         return (torch.tensor([ids], device=self.device), cb, embeds), logits_at, sample_idx

@@ -241,7 +241,8 @@ class Handoff:
         state = HybridCacheState(
             version=STATE_VERSION, model_fingerprint=self.fingerprint, page_size=self.cache.page_size,
             cache_dtype=self.cache_dtype, prompt_token_ids=np.asarray(seq.prompt, dtype=np.int64),
-            page_hashes=list(seq.hashes) or page_hashes(seq.prompt, self.cache.page_size, media=spans),
+            page_hashes=list(seq.hashes[:n // self.cache.page_size]) or page_hashes(seq.prompt, self.cache.page_size,
+                                                                                 media=spans),
             kda_recurrent={l: to_numpy(r) for l, (_, r) in states.items()},
             kda_conv={l: to_numpy(c) for l, (c, _) in states.items()},
             mla_latents={l: to_numpy(t) for l, t in latents.items()},

@@ -46,7 +46,7 @@ class Sequence:
     mem: SeqCache = field(default_factory=SeqCache)  # its KDA slot and MLA pages (CacheManager's)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full pages: the prompt's, then computed ones
     generator: torch.Generator | None = None
     detok: DetokStream | None = None
     stopper: StopMatcher | None = None
@@ -131,13 +131,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _plan(self, seq: Sequence, n: int) -> Scheduled:
-        """The chunk, with the prompt page boundaries in it that are due a KDA snapshot."""
+        """The chunk, with the prompt page boundaries in it that are due a KDA snapshot: every
+        `snapshot_interval` pages (shared prefixes such as system prompts end somewhere among
+        them) and the prompt's last full page (the next turn of a conversation resends the
+        whole prompt)."""
         offsets, at_end = [], False
-        if self.prefix_caching and self.cache.num_snapshot_slots:
+        if self.prefix_caching:
             ps = self.cache.page_size
             step = ps * self.interval
-            lo, hi = seq.num_computed, min(seq.num_computed + n, (len(seq.prompt) // ps) * ps)
-            for b in range((lo // step + 1) * step, hi + 1, step):
+            last = (len(seq.prompt) // ps) * ps
+            lo, hi = seq.num_computed, min(seq.num_computed + n, last)
+            due = sorted(set(range((lo // step + 1) * step, hi + 1, step)) | ({last} if lo < last <= hi else set()))
+            for b in due:
                 if b - lo == n:
                     at_end = True
                 else:
@@ -146,19 +151,21 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence a slot and, on a prefix hit, its cached pages and KDA state."""
-        if not self.cache.take_slot(seq.mem):
+        hit = None
+        if self.prefix_caching and seq.hashes and seq.imported is None:
+            hit = self.cache.find_prefix(seq.tokens, seq.hashes, limit=seq.length)
+        if not self.cache.take_slot(seq.mem, keep=hit):
             return False
         seq.num_computed = 0
         if seq.imported is not None:
             return self._import(seq)
-        if self.prefix_caching and seq.hashes:
-            hit = self.cache.find_prefix(seq.tokens, seq.hashes, limit=seq.length)
-            if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
-                self.cache.reject(hit)
-                hit = None
-            if hit is not None:
-                self.cache.start_from(seq.mem, hit)
-                seq.num_computed = hit.num_tokens
+        if self.prefix_caching and seq.hashes and not seq.admitted:
+            self.cache.note_reuse(seq.tokens, seq.hashes)
+        if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
+            self.cache.reject(hit)
+            hit = None
+        if hit is not None and self.cache.start_from(seq.mem, hit):
+            seq.num_computed = hit.num_tokens
         if not seq.admitted:
             seq.num_cached_tokens = seq.num_computed
         return True
@@ -178,10 +185,10 @@ class Scheduler:
         if not seq.admitted:
             seq.num_cached_tokens = reused
         if self.prefix_caching:
-            self.cache.share_prompt_pages(seq.mem, seq.prompt, seq.hashes, n)
+            self.cache.share_pages(seq.mem, seq.prompt, seq.hashes, n)
             depth = n // ps
-            if n % ps == 0 and depth % self.interval == 0 and depth > 0 and self.cache.num_snapshot_slots:
-                self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth)
+            if n % ps == 0 and depth > 0:  # the prompt's last page is due one
+                self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth, rolling=depth % self.interval != 0)
         return True
 
     def schedule(self) -> list[Scheduled]:
@@ -245,11 +252,26 @@ class Scheduler:
         seq.num_computed += sch.num_tokens
         if not self.prefix_caching:
             return
-        self.cache.share_prompt_pages(seq.mem, seq.prompt, seq.hashes, seq.num_computed)
-        start = seq.num_computed - sch.num_tokens
+        ps, end = self.cache.page_size, seq.num_computed
+        self._extend_hashes(seq)
+        self.cache.share_pages(seq.mem, seq.tokens, seq.hashes, end)
+        start = end - sch.num_tokens
+        prompt_pages = len(seq.prompt) // ps
         due = [(off, snapshots.get(off)) for off in sch.snapshot_offsets]
-        if sch.snapshot_at_end:
+        # The slot is the state after `end`: a snapshot at the chunk's end if it is due, or if it
+        # ends a generated page (what the conversation's next turn resumes from)
+        if sch.snapshot_at_end or (end % ps == 0 and end // ps > prompt_pages):
             due.append((sch.num_tokens, None))
         for off, states in due:
-            depth = (start + off) // self.cache.page_size
-            self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth, states)
+            depth = (start + off) // ps
+            rolling = depth > prompt_pages or depth % self.interval != 0
+            self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth, states, rolling=rolling)
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        """seq.hashes covers every full page of its computed tokens (prompt, then output)."""
+        full = seq.num_computed // self.cache.page_size
+        if len(seq.hashes) < full:
+            spans = seq.media.spans if seq.media is not None else ()
+            parent = seq.hashes[-1] if seq.hashes else b""
+            seq.hashes += page_hashes(seq.tokens[:full * self.cache.page_size], self.cache.page_size, parent, spans,
+                                      first=len(seq.hashes))

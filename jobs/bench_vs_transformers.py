@@ -1,0 +1,203 @@
+"""k3 against transformers on the same Kimi Linear weights, side by side in this process, as JSON.
+
+    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--compile-decode]
+
+Two Kimi-Linear-shaped models, built by transformers (random weights, seed 0), saved, and
+imported into k3 with `load_kimi_linear`:
+- `kimi8`: 8 layers (KDA KDA KDA MLA) x 2, hidden 256, 8 experts top-2, 1 shared, 11M parameters;
+- `kimi4`: 4 layers (KDA KDA KDA MLA), hidden 256, 16 experts top-4, 9M parameters.
+
+decode: the k3 engine (default `EngineConfig`, with `--compile-decode` its compiled decode step; a
+fresh engine per repeat, warmed up) against transformers'
+`generate`, 128-token prompts and 64 greedy tokens at 1 and 8 sequences, prefill included on both
+sides; the repeats interleave the two sides and the best of each is kept; tokens compared.
+train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
+model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
+the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from helpers import kimi_linear_torch_only  # noqa: E402
+
+kimi_linear_torch_only()  # transformers' own torch path (never fla's GPU kernels)
+import transformers  # noqa: E402
+
+from k3.model.hf_kimi import load_kimi_linear  # noqa: E402
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+COMMON = dict(vocab_size=4096, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, linear_head_dim=64,
+              linear_num_heads=4, linear_conv_kernel_dim=4, n_shared_experts=1, routed_scaling_factor=2.446,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MODELS = {
+    "kimi8": dict(COMMON, num_hidden_layers=8, intermediate_size=512, moe_intermediate_size=128, kv_lora_rank=64,
+                  qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2),
+    "kimi4": dict(COMMON, num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=128, kv_lora_rank=128,
+                  qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_local_experts=16, num_experts_per_tok=4,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"]),
+}
+
+
+def build(name: str, d: str):
+    """(transformers model, its checkpoint directory) for MODELS[name], seed 0."""
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**MODELS[name]))
+    path = os.path.join(d, name)
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int, gen: torch.Generator,
+           ec: EngineConfig) -> dict:
+    """Engine (config ec) vs generate: best of `repeats` interleaved runs per batch size."""
+    hf.eval()
+    ours = load_kimi_linear(path).eval()
+    out: dict = {}
+    for batch in batches:
+        prompts = [torch.randint(3, 4096, (128,), generator=gen).tolist() for _ in range(batch)]
+        ids = torch.tensor(prompts)
+        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+
+        def run_hf():
+            with torch.no_grad():
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[:, 128:].tolist()
+
+        def run_k3(eng):
+            return [o.token_ids for o in eng.generate(prompts, sp)]
+
+        with torch.no_grad():
+            hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        hf_times, k3_times, same = [], [], []
+        for _ in range(repeats):
+            dt, want = timed(run_hf)
+            hf_times.append(dt)
+            eng = LLMEngine(ours, ec)
+            eng.generate([p[:8] for p in prompts], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+            dt, got = timed(lambda: run_k3(eng))
+            k3_times.append(dt)
+            same.append(sum(g == w for g, w in zip(got, want)))
+        hf_s, k3_s = min(hf_times), min(k3_times)
+        out[str(batch)] = {"transformers_s": round(hf_s, 3), "k3_s": round(k3_s, 3),
+                           "transformers_tokens_per_s": round(batch * new / hf_s, 1),
+                           "k3_tokens_per_s": round(batch * new / k3_s, 1), "speedup": round(hf_s / k3_s, 2),
+                           "sequences_identical": f"{min(same)}/{batch}"}
+    return out
+
+
+def hf_step(hf, opt, ids) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = hf(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def k3_step(model, opt, ids) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def trainer(path: str, batch: int):
+    """k3's Trainer on this process alone (gloo, world 1), starting from the checkpoint."""
+    import torch.distributed as dist
+
+    from k3.platform.ops.local_ray import free_port
+    from k3.platform.train.config import TrainConfig
+    from k3.platform.train.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    if not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(free_port())
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    cfg = TrainConfig(init_from=path, num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
+                      balance={"method": "none"}, seed=0)
+    t = Trainer(cfg, 0, 1).build()
+    t.start()
+    return t
+
+
+def train(name: str, path: str, hf, batch: int, seq: int, repeats: int, gen: torch.Generator) -> dict:
+    """One training step, transformers vs k3 (model + AdamW) vs k3's Trainer; first losses compared."""
+    hf.train()
+    ours = load_kimi_linear(path, dtype=torch.float32).train()
+    ids = torch.randint(3, 4096, (batch, seq), generator=gen)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    k3_opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    tr = trainer(path, batch)
+    first = {"transformers": hf_step(hf, hf_opt, ids), "k3_model": k3_step(ours, k3_opt, ids),
+             "k3_trainer": tr.train_step(tr.make_batch({"tokens": ids}), 0).loss}
+    times: dict[str, list[float]] = {k: [] for k in first}
+    for r in range(repeats):  # interleaved, after the first (warm-up) step of each
+        times["transformers"].append(timed(lambda: hf_step(hf, hf_opt, ids))[0])
+        times["k3_model"].append(timed(lambda: k3_step(ours, k3_opt, ids))[0])
+        times["k3_trainer"].append(timed(lambda: tr.train_step(tr.make_batch({"tokens": ids}), r + 1))[0])
+    best = {k: min(v) for k, v in times.items()}
+    return {"batch": batch, "seq_len": seq, "first_step_loss": {k: round(v, 6) for k, v in first.items()},
+            "loss_abs_diff_k3_model": abs(first["k3_model"] - first["transformers"]),
+            "loss_abs_diff_k3_trainer": abs(first["k3_trainer"] - first["transformers"]),
+            "step_s": {k: round(v, 4) for k, v in best.items()},
+            "speedup_k3_model": round(best["transformers"] / best["k3_model"], 2),
+            "speedup_k3_trainer": round(best["transformers"] / best["k3_trainer"], 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="decode,train", help="comma-separated sections: decode, train")
+    p.add_argument("--models", default="kimi8,kimi4", help="comma-separated: kimi8, kimi4")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best of each side is kept")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,8", help="decode: sequences per run")
+    p.add_argument("--train-batch", type=int, default=4)
+    p.add_argument("--train-seq", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    p.add_argument("--compile-decode", action="store_true", help="EngineConfig(compile_decode=True)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only = set(args.only.split(","))
+    res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                             "torch": torch.__version__, "transformers": transformers.__version__,
+                             "load_average_at_start": os.getloadavg()}}
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        for name in args.models.split(","):
+            hf, path = build(name, d)
+            res[name] = {"params_million": round(sum(x.numel() for x in hf.parameters()) / 1e6, 2)}
+            if "decode" in only:
+                res[name]["decode"] = decode(name, path, hf, [int(b) for b in args.batches.split(",")],
+                                             args.new_tokens, args.repeats, gen,
+                                             EngineConfig(compile_decode=True) if args.compile_decode else EngineConfig())
+            if "train" in only and name == "kimi8":
+                res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen)
+            print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)
+    res["machine"]["load_average_at_end"] = os.getloadavg()
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Grouped matmul: the rows of x, sorted by group, each group times its own matrix (MoE experts).
+
+`grouped_mm(x, w, offs)` runs every group in one call, with no host sync and no padding:
+`torch._grouped_mm` where this build has it for the dtype and device (CPU: every float dtype;
+CUDA: bf16) and the layout suits it (strides of 16 bytes), otherwise the per-group loop of the
+readable reference `naive_grouped_mm` (same signature). It is registered as the custom op `k3::grouped_mm`, so `torch.compile` keeps it as
+one opaque call (the fake-tensor rule of `torch._grouped_mm` accepts only bf16), with its own
+backward: dx = dy w^T per group, dw = x^T dy per group.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._dispatch import fail
+from .reference import naive_grouped_mm
+
+__all__ = ["grouped_mm", "naive_grouped_mm"]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule: one of the last two dims unit-strided, the other's stride
+    a multiple of 16 bytes (and, on CUDA, a 16-byte aligned start)."""
+    a, b = t.stride()[-2:]
+    step = 16 // t.element_size()
+    lead = b if a == 1 else a if b == 1 else None
+    return lead is not None and lead % step == 0 and (not t.is_cuda or t.data_ptr() % 16 == 0)
+
+
+def _native(*ts: torch.Tensor) -> bool:
+    x = ts[0]
+    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or (x.is_cuda and x.dtype == torch.bfloat16)) \
+        and all(_aligned(t) for t in ts)
+
+
+@torch.library.custom_op("k3::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _native(x, w):
+        # its output rows are padded to 16 bytes: contiguous, as the fake rule says
+        return torch._grouped_mm(x, w, offs=offs).contiguous()
+    return naive_grouped_mm(x, w, offs)
+
+
+@_grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[G, K, N]: x_g^T dy_g per group (zero for an empty group)."""
+    if _native(x.t(), dy):
+        return torch._grouped_mm(x.t(), dy, offs=offs)
+    out = x.new_zeros(offs.numel(), x.shape[1], dy.shape[1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = x[start:end].t() @ dy[start:end]
+        start = end
+    return out
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx, dy):
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = _grouped_mm(dy, w.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    dw = _weight_grad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rows sorted by group; w [G, K, N] (any strides); offs [G] int32, the cumulative
+    group sizes (offs[-1] == M; group g is rows offs[g-1]:offs[g]) -> [M, N] in x's dtype.
+
+    offs is trusted as built by its callers (a cumsum of counts): reading it back to check would
+    cost a host sync per call. Differentiable in x and w.
+    """
+    for name, t in (("x", x), ("w", w), ("offs", offs)):
+        if not isinstance(t, torch.Tensor):
+            fail("grouped_mm", name, f"must be a tensor, got {type(t).__name__}")
+    if x.dim() != 2 or not x.is_floating_point():
+        fail("grouped_mm", "x", f"must be a floating [M, K] tensor, got {tuple(x.shape)} {x.dtype}")
+    if w.dim() != 3 or w.shape[1] != x.shape[1] or w.dtype != x.dtype:
+        fail("grouped_mm", "w", f"must be [G, K={x.shape[1]}, N] in {x.dtype}, got {tuple(w.shape)} {w.dtype}")
+    if offs.shape != (w.shape[0],) or offs.dtype != torch.int32:
+        fail("grouped_mm", "offs", f"must be int32 [G={w.shape[0]}], got {tuple(offs.shape)} {offs.dtype}")
+    for name, t in (("w", w), ("offs", offs)):
+        if t.device != x.device:
+            fail("grouped_mm", name, f"is on {t.device} but x is on {x.device}")
+    return _grouped_mm(x.contiguous(), w, offs)

@@ -1,0 +1,82 @@
+"""Decode steps through a compiled graph: the model's forward over a decode batch, traced once per
+shape bucket and replayed every step after.
+
+Eagerly, a decode step dispatches a few hundred small ops from Python (thousands of
+interpreter-level calls for an 8-layer model), so it costs many times its arithmetic. Here
+`torch.compile` traces the forward of a decode batch once (with no host sync inside: the kernels
+skip their value checks while a graph is traced, `k3.kernels.eager`), inductor fuses the
+pointwise work into a few C++ loops (Triton kernels on a GPU), and later steps of the same shape
+run the compiled code:
+
+- batch: the number of sequences is a dynamic dimension, so one graph serves every batch of 2 to
+  max_num_seqs sequences (torch specialises a batch of 1 into its own graph);
+- page table: padded to a power of two of pages, at least `MIN_TABLE_PAGES` (the padding holds
+  page 0, never read: it lies past every sequence's length), so a graph serves every context up
+  to its bucket and a new one is traced once per doubling;
+- mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
+  these shapes in torch 2.13 and tune for minutes); "reduce-overhead" (CUDA graphs) on a GPU.
+
+Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
+eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
+(tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: each
+new bucket compiles inside a step, 10-30 s on a 2-core CPU, docs/benchmarks.md); a
+graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
+engine with a warning, and that step runs eagerly.
+
+The traced code keeps the model's weights as inputs (not constants): a change to them is seen.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from k3.model.cache import CacheBatch
+
+log = logging.getLogger(__name__)
+
+MIN_TABLE_PAGES = 8
+# Graphs one engine may trace for the decode forward: (batch of 1, batch of 2+) x page buckets.
+MAX_GRAPHS = 64
+
+
+def _decode_logits(model, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
+    return model(input_ids, cache=cache).logits[0]
+
+
+class DecodeGraph:
+    """The compiled decode forward of one engine's model."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        self._fn = torch.compile(_decode_logits, fullgraph=True, mode=mode)
+        self.error: str | None = None  # why graphs are off, once they are
+        self.calls = 0
+
+    @staticmethod
+    def table_width(pages: int) -> int:
+        """The page-table width of the bucket that holds `pages` pages."""
+        return max(MIN_TABLE_PAGES, 1 << max(0, pages - 1).bit_length())
+
+    def logits(self, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor | None:
+        """Logits [N, vocab] of a decode batch (input_ids [1, N], one new token per sequence;
+        its page table one of `table_width`'s buckets), or None when graphs are off (the caller
+        then runs the eager forward)."""
+        if self.error is not None:
+            return None
+        if input_ids.is_cuda:  # CUDA graphs replay fixed addresses: the pools stay where they are
+            for t in [*(x for p in cache.kda.values() for x in (p.recurrent, p.conv)), *cache.mla_pages.values()]:
+                torch._dynamo.mark_static_address(t)
+        for t, dim in ((input_ids, 1), (cache.cu_seqlens, 0), (cache.context_lens, 0), (cache.kda_slots, 0),
+                       (cache.page_table, 0)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+                out = self._fn(self.model, input_ids, cache)
+        except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing or compiling: nothing ran
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("decode graphs are off for this engine, steps run eagerly: %s", self.error)
+            return None
+        self.calls += 1
+        return out

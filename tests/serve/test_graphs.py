@@ -1,0 +1,74 @@
+"""The compiled decode forward (serve/engine/graphs.py) against the eager one, on a 2-layer model
+(one KDA and one MLA layer, MoE, Block AttnRes) so the compiles stay short: the same greedy
+tokens and logprobs within float rounding, across batch sizes and a page-table bucket change;
+the eager switch; a model that cannot be traced falls back to eager steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.model import K3ForCausalLM, get_preset
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph
+
+
+def two_layer_model():
+    torch.manual_seed(0)
+    cfg = get_preset("k3-tiny", num_layers=2, layer_types=["kda", "mla"], mlp_types=["moe", "moe"],
+                     attn_res_block_size=1)
+    m = K3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.attn_res.queries.normal_(0, 0.05)
+    return m
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(model, ps, compile_decode: bool, max_tokens: int):
+    eng = LLMEngine(model, EngineConfig(compile_decode=compile_decode, page_size=8))
+    outs = eng.generate(ps, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True))
+    return eng, outs
+
+
+@pytest.fixture(scope="module")
+def model():
+    return two_layer_model()
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 17, 9]])
+def test_compiled_decode_gives_the_eager_tokens(model, lengths):
+    # 60 tokens from prompts of up to 17 cross the first page-table bucket (8 pages of 8 tokens)
+    ps = prompts(lengths, seed=len(lengths))
+    eager_eng, eager = run(model, ps, False, 60)
+    eng, compiled = run(model, ps, True, 60)
+    assert eager_eng.decode_graph is None
+    assert eng.decode_graph.error is None and eng.decode_graph.calls >= 59
+    for a, b in zip(compiled, eager):
+        assert a.token_ids == b.token_ids
+        worst = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs))
+        assert worst < 1e-4, f"logprob differs by {worst}"
+
+
+def test_a_model_that_cannot_be_traced_runs_eagerly(caplog):
+    m = two_layer_model()
+    inner = m.forward
+
+    def branching(input_ids, **kw):  # a branch on a tensor's value: fullgraph tracing refuses it
+        return inner(input_ids if bool((input_ids >= 0).all()) else input_ids.clamp_min(0), **kw)
+
+    m.forward = branching
+    ps, sp = prompts([6, 4], seed=3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
+    outs = eng.generate(ps, sp)
+    assert eng.decode_graph.error is not None and eng.decode_graph.calls == 0
+    assert "steps run eagerly" in caplog.text
+    want = LLMEngine(m, EngineConfig(page_size=8, compile_decode=False)).generate(ps, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("pages,width", [(1, MIN_TABLE_PAGES), (8, 8), (9, 16), (16, 16), (17, 32)])
+def test_page_table_buckets(pages, width):
+    assert DecodeGraph.table_width(pages) == width

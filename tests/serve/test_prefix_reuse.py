@@ -1,0 +1,94 @@
+"""What the prefix cache keeps: a conversation's next turn resumes after the whole previous
+conversation (its generated pages are cached, with a KDA snapshot at the last full page), a
+much-used shared prefix outlives a stream of one-off prompts, and snapshots borrow the KDA slots
+no running sequence needs. Hits are exact: a resumed request gives the tokens of a cold run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from k3.serve.engine.cache_manager import CacheManager
+
+PS = 16
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def budget(model, max_num_seqs: int, snapshots: int, pages: int) -> dict:
+    """EngineConfig fields for exactly this many running slots, reserved snapshot slots and pages."""
+    probe = CacheManager(model.cfg, EngineConfig(max_num_seqs=1, page_size=PS))
+    rest = snapshots * probe.slot_bytes + pages * probe.page_bytes
+    return dict(max_num_seqs=max_num_seqs, page_size=PS, snapshot_memory_fraction=(snapshots + 0.5) * probe.slot_bytes / rest,
+                cache_memory_bytes=max_num_seqs * probe.slot_bytes + rest)
+
+
+def converse(eng, conversations: int, turns: int, reply: int) -> list[list[tuple[int, int]]]:
+    """Interleaved conversations, each turn resending the conversation so far plus a new user
+    message. Per conversation and turn: (tokens served from the cache, the previous
+    conversation's tokens that a resumed turn can skip: its full pages of computed tokens)."""
+    history = [tokens(40 + 7 * c, seed=c) for c in range(conversations)]
+    seen = [[] for _ in range(conversations)]
+    for t in range(turns):
+        for c in range(conversations):
+            prev = len(history[c])
+            out = eng.generate([history[c]], greedy(reply))[0]
+            # computed: everything but the last output token (never fed back)
+            seen[c].append((out.cached_tokens, (prev + reply - 1) // PS * PS))
+            history[c] = history[c] + out.token_ids + tokens(11 + t, seed=100 * c + t)
+    return seen
+
+
+@pytest.mark.parametrize("conversations,reply", [(1, 20), (3, 37)])
+def test_each_turn_resumes_after_the_whole_previous_conversation(tiny_model, conversations, reply):
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=PS, snapshot_interval=4))
+    for turns in converse(eng, conversations, 4, reply):
+        assert turns[0][0] == 0
+        for t in range(1, len(turns)):
+            assert turns[t][0] == turns[t - 1][1], f"turn {t + 1}: {turns}"
+
+
+def test_resumed_turns_give_the_cold_tokens(tiny_model):
+    first = tokens(45, seed=7)
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=PS))
+    reply = eng.generate([first], greedy(23))[0].token_ids
+    second = first + reply + tokens(9, seed=8)
+    warm = eng.generate([second], greedy(12))[0]
+    cold = LLMEngine(tiny_model, EngineConfig(page_size=PS, enable_prefix_caching=False)).generate([second],
+                                                                                                  greedy(12))[0]
+    assert warm.cached_tokens == (45 + 23 - 1) // PS * PS and warm.token_ids == cold.token_ids
+
+
+def test_a_shared_prefix_outlives_one_off_prompts(tiny_model):
+    # 1 running slot, 3 reserved snapshot slots: every one-off prompt (100 tokens) brings two
+    # snapshots (64 tokens, and its last full page at 96). By arrival order (LRU) the system
+    # prompt's snapshot is gone two one-offs later; by worth it stays.
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 1, 3, 64), snapshot_interval=4))
+    system = tokens(128, seed=1)
+    hits = []
+    for i in range(8):
+        hits.append(eng.generate([system + tokens(20, seed=10 + i)], greedy(4))[0].cached_tokens)
+        for j in range(2):
+            eng.generate([tokens(100, seed=100 + 10 * i + j)], greedy(4))
+    assert hits[0] == 0 and hits[2:] == [128] * 6, hits  # the second request may find it gone
+    assert eng.stats()["snapshots_evicted"] > 0
+
+
+def test_snapshots_borrow_idle_running_slots(tiny_model):
+    # No reserved snapshot slot; 4 running slots, one request at a time: 3 slots hold snapshots,
+    # and a request that arrives takes one back.
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 4, 0, 64)))
+    assert eng.cache.num_snapshot_slots == 0
+    a = tokens(64, seed=3)
+    eng.generate([a], greedy(2))
+    assert eng.stats()["snapshot_slots_used"] >= 1
+    assert eng.generate([a + tokens(5, seed=4)], greedy(2))[0].cached_tokens == 64
+    outs = eng.generate([tokens(70, seed=5 + i) for i in range(4)], greedy(3))  # all 4 slots run at once
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert eng.stats()["running_slots_free"] == 4
