@@ -11,15 +11,16 @@ KDA snapshot slots), a random prompt of the length, greedy, 16 new tokens. Measu
 median decode step, the process's peak RSS (VmHWM) over the cold request. Predicted peak: the RSS of the model alone, plus
 the engine's cache (its byte budget, what the formula asks for), plus the prefill working set of one
 chunk, which does not grow with the context (model/mla.py slices the keys); the working set is
-measured once, at the shortest length, and carried to the longer ones. At the longest length the
-same prompt is sent again: a prefix hit that resumes from a KDA snapshot and the cached MLA pages,
+measured once, at the shortest length whose prompt fills two chunks (the second one attends over
+a cached context in slices, as every later chunk does), and carried to the longer ones. The same
+prompt is then sent again: a prefix hit that resumes from a KDA snapshot and the cached MLA pages,
 whose tokens must equal the cold run's; a third time with torch's profiler on, for the working set
 (peak live tensor bytes) of a prefill chunk over the whole context and of a decode step.
 
 App (`--only app`): the aggregated app (Ingress -> LLMServer) and the disaggregated one (Ingress ->
 DecodeServer -> PrefillServer: the prompt's hybrid cache state handed over through the object
-store) on a private local Ray, the same model and engine settings; one streamed request of the
-longest length to each; TTFT and total time as the client saw them, and the text compared with the
+store) on a private local Ray, the same model and engine settings; one streamed request of
+`--app-length` tokens to each; TTFT and total time as the client saw them, and the text compared with the
 engine run's tokens detokenized.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ import time
 from pathlib import Path
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--lengths", default="1024,32768,131072", help="prompt lengths, shortest first")
+p.add_argument("--lengths", default="1024,4096,32768,131072", help="prompt lengths, shortest first")
+p.add_argument("--app-length", type=int, help="prompt length sent to the apps (default: the longest of --lengths)")
 p.add_argument("--only", default="engine,app", help="sections to run: engine, app")
 p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
 p.add_argument("--new-tokens", type=int, default=16)
@@ -154,7 +156,8 @@ def engine_section(lengths: list[int]) -> list[dict]:
         runs.append(json.loads(p.stdout.splitlines()[-1]))
         print(f"engine {n}: {json.dumps({k: v for k, v in runs[-1].items() if k not in ('cold', 'hit')})} "
               f"ttft {runs[-1]['cold']['ttft_s']} s, hit {runs[-1]['hit']['ttft_s']} s", flush=True)
-    base = runs[0]  # the working set of one chunk, measured at the shortest length
+    # the working set of one chunk over a cached context: the first prompt of two chunks or more
+    base = next((r for r in runs if r["length"] >= 2 * args.chunk), runs[0])
     work = base["peak_rss_mib"] - base["rss_model_mib"] - base["cache_bytes_allocated"] / 2**20
     for r in runs:
         r["predicted_peak_rss_mib"] = round(r["rss_model_mib"] + r["cache_bytes_allocated"] / 2**20 + work, 1)
@@ -167,7 +170,6 @@ def engine_section(lengths: list[int]) -> list[dict]:
 def app_section(length: int, engine_tokens: list[int] | None) -> dict:
     """One request of `length` tokens to the aggregated and to the disaggregated app."""
     import asyncio
-    import tempfile
 
     import httpx
     import ray
@@ -175,50 +177,46 @@ def app_section(length: int, engine_tokens: list[int] | None) -> dict:
     from ray import serve
 
     import k3.model
-    from k3.model.tokenizer import train_bpe
+    from k3.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
     from k3.platform.ops.local_ray import free_port, init_local_ray
-    from k3.platform.train.corpus import stdlib_corpus
     from k3.serve.bench import stream_request
     from k3.serve.builder import build_app, build_pd_app
 
     cfg = k3.model.get_preset("k3-tiny")
     ec = engine_config(cfg, length).model_dump(mode="json") | {"handoff_key": "bench-long-serve-key"}
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        tok = Path(d) / "tokenizer.json"
-        tokenizer = train_bpe(stdlib_corpus(3_000_000).texts(), vocab_size=cfg.vocab_size)
-        tokenizer.save(str(tok))
-        one = {"num_replicas": 1, "max_ongoing_requests": 4, "ray_actor_options": {"num_cpus": 0.1}}
-        app = {"model_id": "k3", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": str(tok)},
-               "engine": ec, "prefill": one, "decode": one, "llm": one, "ingress": one, "prefix_pool_bytes": 0,
-               "handoff_timeout_s": 3600}
-        init_local_ray(num_cpus=2, log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            g = torch.Generator().manual_seed(length)
-            prompt = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
-            body = {"model": "k3", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            for name, build in (("aggregated", build_app), ("disaggregated", build_pd_app)):
-                serve.run(build(app | {"disaggregated": name == "disaggregated"}), name=name, route_prefix=f"/{name}")
-                t0 = time.perf_counter()
+    tokenizer = load_tokenizer(BUNDLED_TOKENIZER)  # what a preset is served with
+    one = {"num_replicas": 1, "max_ongoing_requests": 4, "ray_actor_options": {"num_cpus": 0.1}}
+    app = {"model_id": "k3", "model": {"preset": "k3-tiny", "seed": 0},
+           "engine": ec, "prefill": one, "decode": one, "llm": one, "ingress": one, "prefix_pool_bytes": 0,
+           "handoff_timeout_s": 3600}
+    init_local_ray(num_cpus=2, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        g = torch.Generator().manual_seed(length)
+        prompt = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
+        body = {"model": "k3", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        for name, build in (("aggregated", build_app), ("disaggregated", build_pd_app)):
+            serve.run(build(app | {"disaggregated": name == "disaggregated"}), name=name, route_prefix=f"/{name}")
+            t0 = time.perf_counter()
 
-                async def go():
-                    async with httpx.AsyncClient(timeout=7200) as client:
-                        return await stream_request(client, f"http://127.0.0.1:{port}/{name}/v1/completions", body, {})
+            async def go():
+                async with httpx.AsyncClient(timeout=7200) as client:
+                    return await stream_request(client, f"http://127.0.0.1:{port}/{name}/v1/completions", body, {})
 
-                r = asyncio.run(go())
-                if not r.ok:
-                    raise SystemExit(f"{name} app: the {length}-token request failed: {r.error}")
-                out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2),
-                             "text_equals_engine": (r.text == tokenizer.decode(engine_tokens)
-                                                    if engine_tokens is not None else None)}
-                print(f"app {name}: {out[name]}", flush=True)
-                serve.delete(name)
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+            r = asyncio.run(go())
+            if not r.ok:
+                raise SystemExit(f"{name} app: the {length}-token request failed: {r.error}")
+            out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2),
+                         "text_equals_engine": (r.text == tokenizer.decode(engine_tokens)
+                                                if engine_tokens is not None else None)}
+            print(f"app {name}: {out[name]}", flush=True)
+            serve.delete(name)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
     return out | {"length": length, "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -259,8 +257,9 @@ summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), 
 if "engine" in only:
     summary["engine"] = engine_section(lengths)
 if "app" in only:
-    tokens = summary["engine"][-1]["cold"]["tokens"] if "engine" in summary else None
-    summary["app"] = app_section(lengths[-1], tokens)
+    app_length = args.app_length or lengths[-1]
+    same = [r for r in summary.get("engine", []) if r["length"] == app_length]
+    summary["app"] = app_section(app_length, same[0]["cold"]["tokens"] if same else None)
 summary["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 if args.plot and "engine" in summary:
     plot(summary["engine"], args.plot)
