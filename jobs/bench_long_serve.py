@@ -37,6 +37,8 @@ from pathlib import Path
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--lengths", default="1024,4096,32768,131072", help="prompt lengths, shortest first")
 p.add_argument("--app-length", type=int, help="prompt length sent to the apps (default: the longest of --lengths)")
+p.add_argument("--engine-json", type=Path, help="with --only app: an earlier run's JSON whose engine tokens the apps' "
+                                                "text is compared with")
 p.add_argument("--only", default="engine,app", help="sections to run: engine, app")
 p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
 p.add_argument("--new-tokens", type=int, default=16)
@@ -167,8 +169,9 @@ def engine_section(lengths: list[int]) -> list[dict]:
     return runs
 
 
-def app_section(length: int, engine_tokens: list[int] | None) -> dict:
-    """One request of `length` tokens to the aggregated and to the disaggregated app."""
+def app_section(length: int) -> dict:
+    """One request of `length` tokens to the aggregated and to the disaggregated app: the
+    client's TTFT, total time and the streamed text of each."""
     import asyncio
 
     import httpx
@@ -177,7 +180,6 @@ def app_section(length: int, engine_tokens: list[int] | None) -> dict:
     from ray import serve
 
     import k3.model
-    from k3.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
     from k3.platform.ops.local_ray import free_port, init_local_ray
     from k3.serve.bench import stream_request
     from k3.serve.builder import build_app, build_pd_app
@@ -185,7 +187,6 @@ def app_section(length: int, engine_tokens: list[int] | None) -> dict:
     cfg = k3.model.get_preset("k3-tiny")
     ec = engine_config(cfg, length).model_dump(mode="json") | {"handoff_key": "bench-long-serve-key"}
     out = {}
-    tokenizer = load_tokenizer(BUNDLED_TOKENIZER)  # what a preset is served with
     one = {"num_replicas": 1, "max_ongoing_requests": 4, "ray_actor_options": {"num_cpus": 0.1}}
     app = {"model_id": "k3", "model": {"preset": "k3-tiny", "seed": 0},
            "engine": ec, "prefill": one, "decode": one, "llm": one, "ingress": one, "prefix_pool_bytes": 0,
@@ -209,10 +210,8 @@ def app_section(length: int, engine_tokens: list[int] | None) -> dict:
             r = asyncio.run(go())
             if not r.ok:
                 raise SystemExit(f"{name} app: the {length}-token request failed: {r.error}")
-            out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2),
-                         "text_equals_engine": (r.text == tokenizer.decode(engine_tokens)
-                                                if engine_tokens is not None else None)}
-            print(f"app {name}: {out[name]}", flush=True)
+            out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2), "text": r.text}
+            print(f"app {name}: ttft {out[name]['ttft_s']} s, total {out[name]['total_s']} s", flush=True)
             serve.delete(name)
         serve.shutdown()
     finally:
@@ -252,14 +251,22 @@ if args.one is not None:
     sys.exit(0)
 lengths = [int(x) for x in args.lengths.split(",")]
 only = set(args.only.split(","))
-summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "args": vars(args) | {
-    "out": str(args.out), "plot": str(args.plot)}, "load_avg_1m_start": round(os.getloadavg()[0], 2)}
+summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "args": {
+    k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "load_avg_1m_start": round(os.getloadavg()[0], 2)}
 if "engine" in only:
     summary["engine"] = engine_section(lengths)
 if "app" in only:
     app_length = args.app_length or lengths[-1]
-    same = [r for r in summary.get("engine", []) if r["length"] == app_length]
-    summary["app"] = app_section(app_length, same[0]["cold"]["tokens"] if same else None)
+    summary["app"] = app_section(app_length)
+    # read after the apps ran: --engine-json may be an engine run still going when this one starts
+    engine = summary.get("engine") or (json.loads(args.engine_json.read_text())["engine"] if args.engine_json else [])
+    same = [r for r in engine if r["length"] == app_length]
+    if same:
+        from k3.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # what a preset is served with
+
+        text = load_tokenizer(BUNDLED_TOKENIZER).decode(same[0]["cold"]["tokens"])
+        for name in ("aggregated", "disaggregated"):
+            summary["app"][name]["text_equals_engine"] = summary["app"][name]["text"] == text
 summary["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 if args.plot and "engine" in summary:
     plot(summary["engine"], args.plot)
