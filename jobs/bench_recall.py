@@ -158,6 +158,7 @@ def report(paths: list[Path]) -> None:
             xs = [r["eval"][str(m)]["length"] for m in mults]
             ax.plot(xs, [100 * r["eval"][str(m)]["accuracy"] for m in mults], marker="o", label=r["variant"])
         ax.axvline(runs[0]["args"]["train_len"], color="grey", linestyle=":", label="training length")
+        ax.axhline(100 / runs[0]["args"]["values"], color="red", linestyle="--", label="chance (1 / values)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("recall accuracy (%)")
