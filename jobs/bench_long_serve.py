@@ -20,8 +20,8 @@ whose tokens must equal the cold run's; a third time with torch's profiler on, f
 App (`--only app`): the aggregated app (Ingress -> LLMServer) and the disaggregated one (Ingress ->
 DecodeServer -> PrefillServer: the prompt's hybrid cache state handed over through the object
 store) on a private local Ray, the same model and engine settings; one streamed request of
-`--app-length` tokens to each; TTFT and total time as the client saw them, and the text compared with the
-engine run's tokens detokenized.
+`--app-length` tokens to each; TTFT, total time, token counts and the median inter-token time as
+the client saw them.
 """
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ from pathlib import Path
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--lengths", default="1024,4096,32768,131072", help="prompt lengths, shortest first")
 p.add_argument("--app-length", type=int, help="prompt length sent to the apps (default: the longest of --lengths)")
-p.add_argument("--engine-json", type=Path, help="with --only app: an earlier run's JSON whose engine tokens the apps' "
-                                                "text is compared with")
 p.add_argument("--only", default="engine,app", help="sections to run: engine, app")
 p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
 p.add_argument("--new-tokens", type=int, default=16)
@@ -170,8 +168,8 @@ def engine_section(lengths: list[int]) -> list[dict]:
 
 
 def app_section(length: int) -> dict:
-    """One request of `length` tokens to the aggregated and to the disaggregated app: the
-    client's TTFT, total time and the streamed text of each."""
+    """One streamed request of `length` tokens to the aggregated and to the disaggregated app, timed
+    by the client."""
     import asyncio
 
     import httpx
@@ -210,8 +208,10 @@ def app_section(length: int) -> dict:
             r = asyncio.run(go())
             if not r.ok:
                 raise SystemExit(f"{name} app: the {length}-token request failed: {r.error}")
-            out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2), "text": r.text}
-            print(f"app {name}: ttft {out[name]['ttft_s']} s, total {out[name]['total_s']} s", flush=True)
+            out[name] = {"ttft_s": round(r.ttft_s, 2), "total_s": round(time.perf_counter() - t0, 2),
+                         "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                         "median_inter_token_ms": round(1e3 * statistics.median(r.itl_s), 1) if r.itl_s else None}
+            print(f"app {name}: {json.dumps(out[name])}", flush=True)
             serve.delete(name)
         serve.shutdown()
     finally:
@@ -258,15 +258,6 @@ if "engine" in only:
 if "app" in only:
     app_length = args.app_length or lengths[-1]
     summary["app"] = app_section(app_length)
-    # read after the apps ran: --engine-json may be an engine run still going when this one starts
-    engine = summary.get("engine") or (json.loads(args.engine_json.read_text())["engine"] if args.engine_json else [])
-    same = [r for r in engine if r["length"] == app_length]
-    if same:
-        from k3.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # what a preset is served with
-
-        text = load_tokenizer(BUNDLED_TOKENIZER).decode(same[0]["cold"]["tokens"])
-        for name in ("aggregated", "disaggregated"):
-            summary["app"][name]["text_equals_engine"] = summary["app"][name]["text"] == text
 summary["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 if args.plot and "engine" in summary:
     plot(summary["engine"], args.plot)
