@@ -232,13 +232,14 @@ def _k3_small() -> K3Config:
 
 
 def _k3_tiny() -> K3Config:
-    # Every K3 feature on, a few million parameters: trains in minutes on a 2-core CPU.
+    # Every K3 feature on, a few million parameters: trains in minutes on a 2-core CPU. The release's
+    # 1M positions: nothing in the model uses a position (NoPE MLA, KDA), so only memory bounds a prompt.
     return K3Config(
         vocab_size=4096, hidden_size=128, num_layers=8, layer_types=hybrid_schedule(8, 4),
         mlp_types=moe_schedule(8, 1), intermediate_size=384, kda_num_heads=4, kda_head_dim=32,
         num_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=64,
-        moe_latent_size=64, attn_res_block_size=2, max_position_embeddings=65536,
+        moe_latent_size=64, attn_res_block_size=2, max_position_embeddings=1_048_576,
     )
 
 

@@ -9,7 +9,9 @@ all the cache holds. Two forms:
 - absorbed: fold W_uk into the query and W_uv after the softmax, attending over the latents
   themselves (`k3.kernels.mla_decode`): decode and short chunks over a cache;
 - expanded over a cache: a prefill chunk over cached context expands the context's latents
-  per chunk and runs one SDPA call (cheaper than absorbed once the chunk has a few dozen tokens).
+  per chunk (cheaper than absorbed once the chunk has a few dozen tokens): one SDPA call while
+  the keys fit one slice, else slice by slice with an online softmax, so a chunk's working
+  memory does not grow with the context.
 
 The K3 output gate multiplies each head's output by sigmoid(g_proj x) before o_proj.
 """
@@ -24,10 +26,17 @@ from k3.kernels.mla_decode import mla_decode
 
 from .cache import CacheBatch
 from .config import K3Config
+from .norm import RMSNorm
 
 # A chunk of at least this many new tokens over a cached context runs in the expanded form.
 EXPAND_MIN_TOKENS = 16
-from .norm import RMSNorm
+# The expanded form over a long context runs in slices of whole pages with an online softmax, so a
+# chunk's working memory stays bounded whatever the context: fp32 scores [H, n, slice] of at most
+# SCORE_BUDGET values, and at most SLICE_MAX_TOKENS context rows expanded at once. (One SDPA call
+# over 128K tokens of context would materialise its lower-right causal mask, [n, S] as bool and
+# as float: 1.3 GB for a 2,048-token chunk on CPU, 16x the k3-tiny cache it attends over.)
+SCORE_BUDGET = 2**22
+SLICE_MAX_TOKENS = 4096
 
 
 class GatedMLA(nn.Module):
@@ -92,8 +101,8 @@ class GatedMLA(nn.Module):
         - a decode batch: the absorbed form over the pages (`mla_decode`, one call);
         - otherwise per sequence: one-token rows in one `mla_decode` call, chunks of at least
           EXPAND_MIN_TOKENS over a context in the expanded form (the cached latents expanded
-          through kv_b_proj once for the chunk, one SDPA call with lower-right causal masking),
-          shorter chunks in the absorbed form.
+          through kv_b_proj once for the chunk; one SDPA call with lower-right causal masking, or
+          slices with an online softmax over a long context), shorter chunks in the absorbed form.
         """
         B, T, _ = x.shape
         pages = cache.mla_pages[self.layer_idx]
@@ -139,12 +148,6 @@ class GatedMLA(nn.Module):
                 out[a:b] = torch.einsum("nhl,hvl->nhv", ctx, W_uv).to(x.dtype)
         return self._finish(out, xt).reshape(B, T, -1)
 
-    def _gather(self, pages: torch.Tensor, table: torch.Tensor, total: int) -> torch.Tensor:
-        """The first `total` latents [total, L + R] of a sequence, from its pages in table order."""
-        ps = pages.shape[1]
-        n_pages = -(-total // ps)
-        return pages[table[:n_pages].long()].reshape(n_pages * ps, -1)[:total]
-
     def _expanded_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
                         table: torch.Tensor, context: int) -> torch.Tensor:
         """n new tokens of one sequence over context + n cached latents, in the expanded form.
@@ -152,15 +155,16 @@ class GatedMLA(nn.Module):
         Expanding the context through kv_b_proj costs context x L x H(nope + v) once per chunk, and
         the attention then runs at the per-head widths (qk nope + rope, v) instead of the latent
         width (L + R): for a chunk of more than a few dozen tokens that is far cheaper than the
-        absorbed form (K3: 192 + 128 per head against 576 + 512). Returns [n, H, v]."""
+        absorbed form (K3: 192 + 128 per head against 576 + 512). One SDPA call when the keys fit
+        one slice, else slices with an online softmax (`_sliced_chunk`). Returns [n, H, v]."""
         n = q_nope.shape[0]
-        H, S = self.num_heads, context + n
-        rows = self._gather(pages, table, S).to(q_nope.dtype)  # [S, L + R]
-        c, r = rows.split([self.lora, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(c).unflatten(-1, (H, self.nope + self.vdim)).split([self.nope, self.vdim], -1)
+        S = context + n
+        slice_len = self.slice_tokens(n, pages.shape[1])
+        if S > slice_len:
+            return self._sliced_chunk(q_nope, q_rope, pages, table, context, slice_len)
+        k, v = self._expand(self._gather(pages, table, 0, S).to(q_nope.dtype))
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, n, dqk]
-        k = torch.cat([k_nope, r[:, None, :].expand(S, H, self.rope)], dim=-1).transpose(0, 1)[None]
-        v = v.transpose(0, 1)[None]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         dqk = q.shape[-1]
         if self.vdim < dqk:  # equal head dims keep SDPA on its fused kernel (see _naive)
             v = F.pad(v, (0, dqk - self.vdim))
@@ -168,19 +172,61 @@ class GatedMLA(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=self.scale)
         return o[0, :, :, : self.vdim].transpose(0, 1)
 
+    def slice_tokens(self, n: int, page_size: int) -> int:
+        """Keys per slice of the sliced expanded form: whole pages, within the score budget."""
+        keys = min(SLICE_MAX_TOKENS, SCORE_BUDGET // (self.num_heads * n))
+        return max(page_size, keys // page_size * page_size)
+
+    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [S, L + R] -> per-head keys [S, H, nope + rope] and values [S, H, v]."""
+        c, r = rows.split([self.lora, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope + self.vdim)).split(
+            [self.nope, self.vdim], -1)
+        return torch.cat([k_nope, r[:, None, :].expand(-1, self.num_heads, self.rope)], dim=-1), v
+
+    def _sliced_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, table: torch.Tensor,
+                      context: int, slice_len: int) -> torch.Tensor:
+        """The expanded form over the keys in slices of slice_len (whole pages): each slice's
+        latents expanded on their own, scores in fp32, an online softmax across slices (the
+        running max and sum rescale what came before). Only the slices that reach past the
+        context need a mask. Returns [n, H, v] in q's dtype."""
+        n = q_nope.shape[0]
+        S = context + n
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1).float()  # [H, n, dqk]
+        m = q.new_full((self.num_heads, n, 1), float("-inf"))
+        total = q.new_zeros(self.num_heads, n, 1)
+        acc = q.new_zeros(self.num_heads, n, self.vdim)
+        for s0 in range(0, S, slice_len):
+            s1 = min(S, s0 + slice_len)
+            k, v = self._expand(self._gather(pages, table, s0, s1).to(q_nope.dtype))
+            score = torch.matmul(q, k.float().permute(1, 2, 0)).mul_(self.scale)  # [H, n, s1 - s0]
+            if s1 - 1 > context:  # query i sees keys up to context + i
+                key = torch.arange(s0, s1, device=q.device)
+                hidden = key[None, :] > context + torch.arange(n, device=q.device)[:, None]
+                score.masked_fill_(hidden[None], float("-inf"))
+            m_new = torch.maximum(m, score.amax(-1, keepdim=True))  # finite: every query sees key 0
+            p = score.sub_(m_new).exp_()  # in place: one [H, n, slice] buffer per slice
+            alpha = torch.exp(m - m_new)
+            total = total * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, v.float().transpose(0, 1))
+            m = m_new
+        return (acc / total).transpose(0, 1).to(q_nope.dtype)
+
+    def _gather(self, pages: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Latents [end - start, L + R] of positions start .. end - 1 of a sequence (start on a
+        page boundary), from its pages in table order."""
+        ps = pages.shape[1]
+        p0, p1 = start // ps, -(-end // ps)
+        return pages[table[p0:p1].long()].reshape((p1 - p0) * ps, -1)[: end - start]
+
     def _absorbed_chunk(self, q_lat: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
                         table: torch.Tensor, context: int) -> torch.Tensor:
         """A few new tokens of one sequence over its cached latents (context tokens before them),
-        in the absorbed form: scores [n, H, context + n] at the latent width. Returns [n, H, L]."""
+        in the absorbed form: each new token is a decode query over its own prefix (`mla_decode`,
+        which reads the pages in slices). Returns [n, H, L]."""
         n = q_lat.shape[0]
-        total = context + n
-        pos = torch.arange(total, device=q_lat.device)
-        rows = self._gather(pages, table, total).float()  # [S, L + R]
-        c, r = rows[:, : self.lora], rows[:, self.lora:]
-        score = (torch.einsum("nhl,sl->nhs", q_lat.float(), c) + torch.einsum("nhr,sr->nhs", q_rope.float(), r)) * self.scale
-        visible = pos[None, :] <= (context + torch.arange(n, device=q_lat.device))[:, None]  # [n, S]
-        score = score.masked_fill(~visible[:, None, :], float("-inf"))
-        return torch.einsum("nhs,sl->nhl", torch.softmax(score, dim=-1), c).to(q_lat.dtype)
+        lens = context + 1 + torch.arange(n, device=q_lat.device)
+        return mla_decode(q_lat, q_rope, pages, table[None].expand(n, -1), lens, self.scale)
 
     def _naive(self, x: torch.Tensor, lat: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape

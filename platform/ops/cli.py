@@ -12,6 +12,8 @@
     k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
     k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
     k3 report RUN_DIR                   an HTML page with PNG plots of a pretraining run
+    k3 plan --preset k3 --context 1048576 --gpus 64 --gpu h200 [--json]
+                                        training and serving capacity on a cluster (platform/ops/plan/)
 
 Operational commands print one line `k3: error: ...` and exit 1 on bad input or an unreachable
 service, leaving nothing they started running. Only the commands that need torch, Ray or the
@@ -197,6 +199,40 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from k3.platform.ops.plan.hardware import get_gpu
+
+    get_gpu(args.gpu)  # an unknown GPU is refused before torch loads
+    from k3.platform.ops.plan.planner import make_plan
+    from k3.platform.ops.plan.render import as_json, render
+
+    plan = make_plan(get_preset(args.preset), args.preset, args.context, args.gpus, args.gpu,
+                     micro_batch=args.micro_batch, zero_stage=args.zero, checkpointing=not args.no_checkpointing,
+                     utilisation=args.utilisation, expert_format=args.expert_format, dp=args.dp, cp=args.cp,
+                     ep=args.ep)
+    print(json.dumps(as_json(plan), indent=2) if args.json else render(plan))
+    return 0
+
+
+def _add_plan(sub) -> None:
+    sp = sub.add_parser("plan", help="training and serving capacity of a preset on a GPU cluster")
+    sp.add_argument("--preset", required=True, choices=sorted(PRESETS), help="preset name")
+    sp.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    sp.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    sp.add_argument("--gpu", required=True, help="GPU type: a100, h100 or h200")
+    sp.add_argument("--micro-batch", type=int, default=1, help="training: sequences per data-parallel rank")
+    sp.add_argument("--zero", type=int, choices=[1, 2], help="training: ZeRO stage (default: the better of 1 and 2)")
+    sp.add_argument("--no-checkpointing", action="store_true", help="training: without activation checkpointing")
+    sp.add_argument("--dp", type=int, help="training: pin the data-parallel size")
+    sp.add_argument("--cp", type=int, help="training: pin the context-parallel size")
+    sp.add_argument("--ep", type=int, help="training: pin the expert-parallel size")
+    sp.add_argument("--utilisation", type=float, default=0.4, help="share of the bf16 peak the FLOPs run at")
+    sp.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"],
+                    help="serving: routed expert weights as released (MXFP4) or bf16")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="k3: train and serve Kimi K3-architecture models on Ray")
     sub = p.add_subparsers(dest="command", required=True)
@@ -252,12 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="output directory (default RUN_DIR/report)")
     sp.add_argument("--log", help="the job's log, whose tail the page shows (default RUN_DIR/job.log if present)")
     sp.set_defaults(func=cmd_report)
+    _add_plan(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("cluster", "monitor", "report"):
+    if args.command in ("cluster", "monitor", "report", "plan"):
         from k3.platform.ops.dashboards import GrafanaPushError
         from k3.platform.ops.prometheus import PrometheusError
 

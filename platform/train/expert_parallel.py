@@ -54,12 +54,26 @@ def ep_groups(rank: int, world: int, ep_size: int) -> tuple[dist.ProcessGroup | 
 
 
 class AllToAllDispatch:
-    """Callable installed as `Experts.dispatch`; see the module docstring."""
+    """Callable installed as `Experts.dispatch`; see the module docstring. Counts what it moves:
+    the seconds spent exchanging, and the bytes this rank sends to the other ranks of its group
+    (expert counts, expert ids and rows in each forward, recompute included; the rows' gradients
+    in the backward)."""
 
     def __init__(self, group: dist.ProcessGroup | None, ep_size: int, num_experts: int) -> None:
         self.group, self.ep, self.E = group, ep_size, num_experts
         self.per_rank = num_experts // ep_size
-        self.last_a2a_seconds = 0.0
+        self.seconds = 0.0
+        self.sent_bytes = 0
+
+    def reset(self) -> None:
+        self.seconds, self.sent_bytes = 0.0, 0
+
+    def _count_grad(self, rows: int):
+        """A hook that counts the gradient of `rows` off-rank rows, sent back by the reverse
+        all-to-all in the backward."""
+        def hook(grad: torch.Tensor) -> None:
+            self.sent_bytes += rows * grad.shape[-1] * grad.element_size()
+        return hook
 
     def __call__(self, experts: Experts, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape
@@ -72,6 +86,8 @@ class AllToAllDispatch:
         t0 = time.perf_counter()
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
+        me = dist.get_rank(self.group)
+        out_rows, in_rows = sum(send) - send[me], sum(recv) - recv[me]  # rows that cross to or from other ranks
         recv_ids = flat.new_empty(sum(recv))
         dist.all_to_all_single(recv_ids, flat[order].contiguous(), recv, send, group=self.group)
         # Differentiable all-to-all (its backward is the reverse exchange); waited on here so the
@@ -81,7 +97,13 @@ class AllToAllDispatch:
         y = experts.grouped(recv_x, recv_ids - experts.first)
         t2 = time.perf_counter()
         back = wait_tensor(all_to_all_single_autograd(y.contiguous(), send, recv, self.group))
-        self.last_a2a_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self.seconds += (t1 - t0) + (time.perf_counter() - t2)
+        width = x.shape[-1]
+        self.sent_bytes += (self.ep - 1) * send_counts.element_size() + out_rows * flat.element_size() \
+            + (out_rows * x.element_size() + in_rows * y.element_size()) * width
+        if recv_x.requires_grad:
+            recv_x.register_hook(self._count_grad(in_rows))
+            back.register_hook(self._count_grad(out_rows))
         back = back * weight.reshape(-1)[order, None].to(back.dtype)
         return x.new_zeros(N, x.shape[-1]).index_add(0, token, back.to(x.dtype))
 
@@ -112,12 +134,16 @@ class ExpertParallel:
             ex = self.owner(p)
             p.copy_(weights[n][ex.first:ex.first + ex.count])
 
-    def reset_timers(self) -> None:
+    def reset_counters(self) -> None:
         for d in self.dispatchers:
-            d.last_a2a_seconds = 0.0
+            d.reset()
 
     def all_to_all_seconds(self) -> float:
-        return sum(d.last_a2a_seconds for d in self.dispatchers)
+        return sum(d.seconds for d in self.dispatchers)
+
+    def all_to_all_bytes(self) -> int:
+        """Bytes this rank sent to other ranks through the all-to-alls since reset_counters."""
+        return sum(d.sent_bytes for d in self.dispatchers)
 
     def reduce_grads(self) -> float:
         """Sum expert gradients over the ranks holding the same experts, divide by the world

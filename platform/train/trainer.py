@@ -157,7 +157,7 @@ class Trainer:
         self.ds.set_lr(lr)
         t0 = time.perf_counter()
         wait_s = self.balance.begin_step(self.model)
-        self.ep.reset_timers()
+        self.ep.reset_counters()
         out = self.forward(batch)
         routers = out.router or []
         loss = out.loss

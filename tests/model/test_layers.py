@@ -106,6 +106,25 @@ def test_mla_absorbed_equals_naive(q_lora, gate):
     assert_close("expanded chunk", chunk.reshape(B, 12, -1), naive[:, 9:], 1e-5)
 
 
+@pytest.mark.parametrize("slice_tokens,context,n", [(8, 9, 12), (16, 37, 20), (8, 3, 16), (24, 50, 31)])
+def test_mla_sliced_chunk_equals_naive(monkeypatch, slice_tokens, context, n):
+    # a chunk over a context longer than one slice runs slice by slice with an online softmax
+    import k3.model.mla as mla
+
+    cfg = tiny()
+    layer = build(GatedMLA, cfg)
+    monkeypatch.setattr(mla, "SCORE_BUDGET", cfg.num_heads * n * slice_tokens)
+    x = torch.randn(1, context + n, cfg.hidden_size)
+    pages = torch.zeros(16, 8, cfg.mla_latent_dim)
+    table = torch.randperm(16)[None]  # pages out of order
+    with torch.no_grad():
+        naive = layer(x)
+        layer.forward_cached(x[:, :context], mla_batch(layer, [context], [0], pages, table))
+        chunk = layer.forward_cached(x[:, context:], mla_batch(layer, [n], [context], pages, table))
+    assert layer.slice_tokens(n, 8) == slice_tokens < context + n
+    assert_close("sliced chunk", chunk, naive[:, context:], 1e-5)
+
+
 def test_mla_packed_matches_separate():
     cfg = tiny()
     layer = build(GatedMLA, cfg)

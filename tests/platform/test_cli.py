@@ -26,6 +26,7 @@ def run_k3(cwd, *args: str) -> tuple[int, str, str, set[str]]:
     (["cluster", "--help"], 0, "rayservice"),
     (["monitor", "--help"], 0, "--scrape-interval"),
     (["report", "--help"], 0, "run_dir"),
+    (["plan", "--help"], 0, "--context"),
     (["presets"], 0, "k3-tiny"),
     (["config", "--preset", "k3-tiny"], 0, '"num_layers"'),
 ])
@@ -48,6 +49,10 @@ def test_answers_without_torch(tmp_path, args, rc, expected):
     (["monitor", "up", "--session-dir", "nowhere", "--state", "monitor.json"], 1,
      "k3: error: Ray session directory nowhere does not exist"),
     (["report", "no-run"], 1, "k3: error: no-run: no such run directory"),
+    (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64", "--gpu", "x100"], 1,
+     "k3: error: unknown GPU 'x100'; choose from ['a100', 'h100', 'h200']"),
+    (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64"], 2,
+     "k3 plan: error: the following arguments are required: --gpu"),
 ])
 def test_bad_input_is_refused_without_torch(tmp_path, args, rc, message):
     code, out, err, imported = run_k3(tmp_path, *args)
@@ -64,3 +69,30 @@ def test_params_imports_torch_where_it_counts(tmp_path):
     assert code == 0, err
     assert json.loads(out)["preset"] == "k3-tiny"
     assert "torch" in imported
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "1", "--cp", "64", "--ep", "64"], "k3: error: the layout DP 1, CP 64, EP 64 does not fit: "),
+    (["--gpus", "0"], "k3: error: --gpus must be >= 1, got 0"),
+])
+def test_plan_refuses_what_cannot_be_planned_in_one_line(tmp_path, args, message):
+    base = {"--preset": "k3", "--context": "1048576", "--gpus": "64", "--gpu": "h200"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    code, out, err, _ = run_k3(tmp_path, "plan", *[x for kv in base.items() for x in kv])
+    assert code == 1 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def test_plan_prints_training_and_serving_for_k3_at_1m(tmp_path):
+    code, out, err, _ = run_k3(tmp_path, "plan", "--preset", "k3", "--context", "1048576", "--gpus", "512",
+                               "--gpu", "h200")
+    assert code == 0, err
+    for line in ("Training: DP", "weights", "activations", "all-to-all", "CP exchange", "QB histograms",
+                 "Serving:", "bytes/sequence", "sequences/GPU", "prefill time"):
+        assert line in out, line
+    code, out, err, _ = run_k3(tmp_path, "plan", "--preset", "k3", "--context", "1048576", "--gpus", "512",
+                               "--gpu", "h200", "--json")
+    plan = json.loads(out)
+    assert plan["serving"]["mla_latents_per_sequence"] == 24 * 576 * 2 * 1048576
+    assert plan["training"]["fits"] is False

@@ -1,0 +1,147 @@
+"""`k3 plan` against measurement: k3-tiny training runs on this CPU, each number beside the
+planner's prediction of it; JSON out.
+
+    python jobs/bench_plan.py --out plan.json
+
+Each case runs k3's Trainer (DeepSpeed ZeRO-1 on CPU, fp32, gloo; balancing off) in fresh worker
+processes, one torch thread each, for two steps on random tokens:
+
+- memory: the peak of live torch tensor bytes on a rank, from before its model is built to the end of
+  the second step (the allocation events of torch's profiler: every parameter, gradient, optimizer
+  state, ZeRO buffer and activation, nothing of the allocator's slack), against the planner's
+  weights + gradients + optimizer + activations for the same layout, tokens and precision (fp32, the
+  CPU KDA kernel's saved tensors);
+- traffic (two ranks, EP 2): the bytes the expert all-to-all sent in the second step (the
+  dispatchers' own count, `ExpertParallel.all_to_all_bytes`, forward and backward) and the
+  payloads DeepSpeed and the expert gradient reduction hand to torch.distributed (counted by
+  wrapping its collectives), against the planner's all-to-all bytes and gradient payloads.
+
+Context parallelism is not in this tree's trainer yet, so its exchange is not measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--cases", default="1x1x4096:ckpt,1x1x4096:full,1x4x4096:ckpt,2x2x2048:ckpt,2x2x2048:full",
+               help="world x micro_batch x sequence length : ckpt (activation checkpointing) or full")
+p.add_argument("--out", type=Path)
+args = p.parse_args()
+
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+               "broadcast", "reduce")
+
+
+def count_collectives(dist, tally: dict) -> None:
+    """Wrap torch.distributed's collectives to add each call's payload bytes to tally[name]."""
+    def wrap(name, fn):
+        def counted(*a, **kw):
+            t = a[0] if a else next(iter(kw.values()))
+            tensors = t if isinstance(t, (list, tuple)) else [t]
+            tally[name] = tally.get(name, 0) + sum(x.numel() * x.element_size() for x in tensors)
+            return fn(*a, **kw)
+        return counted
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def peak_live_bytes(prof) -> int:
+    live = peak = 0
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from k3.platform.train.config import TrainConfig
+    from k3.platform.train.trainer import Trainer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    tally: dict = {}
+    cfg = TrainConfig(num_workers=world, ep_size=world, micro_batch=case["micro_batch"], steps=2, lr=1e-3,
+                      warmup_steps=0, balance={"method": "none"}, seed=3,
+                      activation_checkpointing=case["checkpointing"])
+    g = torch.Generator().manual_seed(rank)
+    vocab = cfg.model_cfg().vocab_size
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t = Trainer(cfg, rank, world).build()
+        t.start()
+        count_collectives(dist, tally)  # from here: the steps' collectives only
+        steps = [t.train_step(t.make_batch({"tokens": torch.randint(0, vocab, (case["micro_batch"], case["seq"]),
+                                                                     generator=g)}), s) for s in range(2)]
+    result = {"peak_tensor_bytes": peak_live_bytes(prof), "all_to_all_bytes": t.ep.all_to_all_bytes(),
+              "collective_payload_bytes_2_steps": tally, "step_s": [round(s.step_s, 2) for s in steps]}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def predicted(case: dict) -> dict:
+    from k3.model import get_preset
+    from k3.platform.ops.plan.hardware import get_gpu
+    from k3.platform.ops.plan.planner import count
+    from k3.platform.ops.plan.training import PRECISIONS, Layout, TrainSetup, grad_payloads, plan_layout
+
+    cfg = get_preset("k3-tiny")
+    s = TrainSetup(cfg, count(cfg), get_gpu("h100"), context=case["seq"], micro_batch=case["micro_batch"],
+                   zero_stage=1, checkpointing=case["checkpointing"], precision=PRECISIONS["fp32"], backend="cpu")
+    layout = Layout(case["world"], 1, case["world"])
+    plan = plan_layout(s, layout, utilisation=1.0)
+    return {"memory": plan.memory, "total_bytes": plan.total_bytes, "all_to_all_bytes": plan.traffic["all_to_all"],
+            "grad_payloads": grad_payloads(s, layout)}
+
+
+def run_case(text: str) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from k3.platform.ops.local_ray import free_port
+
+    shape, mode = text.split(":")
+    world, mb, seq = (int(x) for x in shape.split("x"))
+    case = {"world": world, "micro_batch": mb, "seq": seq, "checkpointing": mode == "ckpt"}
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(world, free_port(), case, d), nprocs=world, join=True)
+        ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+    pred = predicted(case)
+    measured_peak = max(r["peak_tensor_bytes"] for r in ranks)
+    out = case | {"ranks": ranks, "predicted": pred, "measured_peak_tensor_bytes": measured_peak,
+                  "peak_error": round(pred["total_bytes"] / measured_peak - 1, 4)}
+    if world > 1:
+        a2a = sum(r["all_to_all_bytes"] for r in ranks) / world
+        out["all_to_all_error"] = round(pred["all_to_all_bytes"] / a2a - 1, 4)
+    print(json.dumps({k: v for k, v in out.items() if k != "ranks"}), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "load_avg_1m_start": round(os.getloadavg()[0], 2),
+               "cases": [run_case(c) for c in args.cases.split(",")]}
+    summary |= {"wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m_end": round(os.getloadavg()[0], 2)}
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    sys.exit(0)

@@ -1,0 +1,96 @@
+"""`k3 plan`'s formulas against measurement, and its answers to bad input.
+
+The activation formula is checked against what autograd actually saves in a k3-tiny forward
+(counted with saved_tensors_hooks, each storage once, parameters left out) for several configs,
+both dtypes, with and without activation checkpointing; the all-to-all formula against the
+dispatcher's own count in tests/platform/test_ep_dispatch.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.model import K3ForCausalLM, get_preset
+from k3.model.cache import cache_bytes
+from k3.platform.ops.plan import activations as act
+from k3.platform.ops.plan.planner import count, make_plan
+from k3.platform.ops.plan.serving import plan_serving, sequence_bytes
+from k3.platform.ops.plan.hardware import get_gpu
+
+CONFIGS = {
+    "k3-tiny": {},
+    "standard residuals": {"attn_res_block_size": None},
+    "Kimi Linear switches": {"q_lora_rank": None, "mla_output_gate": False, "kda_output_gate": "low_rank",
+                             "moe_latent_size": None, "kda_gate": "unbounded", "activation": "swiglu"},
+    "other widths": {"hidden_size": 96, "kda_num_heads": 3, "num_heads": 6, "vocab_size": 1000,
+                     "attn_res_block_size": 3},
+}
+
+
+def saved_bytes_per_token(cfg, dtype: torch.dtype, checkpointing: bool, tokens: int = 128) -> float:
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to(dtype).train()
+    model.model.gradient_checkpointing = checkpointing
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    return total / tokens
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_activation_formula_is_what_autograd_saves(name, dtype, checkpointing):
+    cfg = get_preset("k3-tiny", **CONFIGS[name])
+    b = dtype.itemsize
+    predicted = act.residuals(cfg, b, checkpointing) + act.loss(cfg, b)
+    if not checkpointing:
+        predicted += sum(act.sublayers(cfg, b, "cpu"))
+    measured = saved_bytes_per_token(cfg, dtype, checkpointing)
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
+
+
+def test_serving_bytes_per_sequence_are_the_cache_declaration():
+    cfg = get_preset("k3")
+    fixed, latents = sequence_bytes(cfg, 1_048_576)
+    assert fixed + latents == cache_bytes(cfg, 1_048_576, torch.bfloat16)
+    assert latents == 24 * 576 * 2 * 1_048_576  # 24 MLA layers x (512 + 64) bf16 values per token
+    plan = plan_serving(cfg, count(cfg), get_gpu("h200"), 64, 1_048_576)
+    assert plan.weights_per_gpu + plan.workspace_per_gpu + plan.sequences_per_tp_group * \
+        plan.cache_per_sequence_per_gpu <= get_gpu("h200").usable_bytes
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gpu": "x100"}, "unknown GPU 'x100'"),
+    ({"gpus": 0}, "--gpus must be >= 1"),
+    ({"context": 2**21}, "--context must be in"),
+    ({"dp": 1, "cp": 64, "ep": 64}, "does not fit"),
+    ({"cp": 3}, "no DP x CP x EP layout of 64 GPUs matches CP 3"),
+    ({"utilisation": 0}, "--utilisation"),
+])
+def test_bad_input_is_named(kwargs, message):
+    given = {"gpus": 64, "gpu": "h200", "context": 1_048_576} | kwargs
+    with pytest.raises(ValueError, match=message):
+        make_plan(get_preset("k3"), "k3", given.pop("context"), given.pop("gpus"), given.pop("gpu"), **given)
+
+
+def test_k3_training_does_not_fit_and_says_why():
+    # every rank holds the 57B dense parameters under ZeRO-1/2: 106 GiB of bf16 weights alone
+    plan = make_plan(get_preset("k3"), "k3", 1_048_576, 512, "h200")
+    assert plan.train is None and plan.considered[0].memory["weights"] > 100 * 2**30
+    assert plan.serve is not None and plan.serve.sequences_per_gpu >= 1
+
+
+def test_k3_tiny_fits_and_prefers_data_parallel():
+    plan = make_plan(get_preset("k3-tiny"), "k3-tiny", 4096, 8, "h100")
+    assert plan.train is not None and plan.train.layout.dp == 8 and plan.train.fits
