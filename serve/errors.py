@@ -9,8 +9,9 @@ Every error leaves the server as OpenAI's body with the matching status:
     app.get("/v1/models", dependencies=[Depends(api_key_dependency("sk-..."))])(...)
 
 FastAPI's own answers change with it: a body that fails validation is a 400 (not 422) naming
-the field in `param`, malformed JSON a 400, an unknown route a 404, and an unexpected exception a
-500 with a generic message (the traceback goes to the log, never to the client).
+the field in `param` (an unknown field: "not supported"), malformed JSON a 400, an unknown route
+a 404, and an unexpected exception a 500 `server_error` with a generic message and a request id
+(the traceback goes to the log under that id, never to the client).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class ErrorInfo(BaseModel):
 
     message: str = Field(description="What went wrong, for a person to read.")
     type: str = Field(description="Error class: invalid_request_error, authentication_error, "
-                                  "not_found_error, internal_error, ...")
+                                  "not_found_error, server_error.")
     param: str | None = Field(None, description="The request field at fault, when one is.")
     code: str | None = Field(None, description="Machine-readable code, e.g. model_not_found.")
 
@@ -100,9 +101,18 @@ class OpenAIError(Exception):
                    code="context_length_exceeded")
 
     @classmethod
-    def internal(cls) -> OpenAIError:
-        return cls("The server had an error while processing your request.", status=500,
-                   type="internal_error", code="internal_error")
+    def internal(cls, request_id: str) -> OpenAIError:
+        """A server fault: what a client may see of it is that it happened, and under which id the
+        log holds it (log it under `request_id`)."""
+        return cls(f"The server had an error while processing your request (request id {request_id}); "
+                   "the details are in the server's log.", status=500, type="server_error", code="internal_error")
+
+
+def log_fault(exc: BaseException, what: str) -> OpenAIError:
+    """Log an unexpected exception with its traceback under a new request id; the 500 to send."""
+    request_id = f"req-{secrets.token_hex(8)}"
+    logger.error("%s failed (request id %s)", what, request_id, exc_info=exc)
+    return OpenAIError.internal(request_id)
 
 
 def require_model(model: str, served: Sequence[str]) -> None:
@@ -142,6 +152,8 @@ def _validation_error(errors: Sequence[dict]) -> OpenAIError:
         return OpenAIError("The request has no JSON body.", status=400)
     param = param_from_loc(loc)
     msg = first["msg"].removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "this field is not supported by this server"
     more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return OpenAIError(f"{param}: {msg}{more}" if param else msg + more, status=400, param=param)
 
@@ -162,7 +174,7 @@ async def _on_pydantic_validation(request: Request, exc: ValidationError) -> JSO
 
 async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-        exc.status_code, "invalid_request_error" if exc.status_code < 500 else "internal_error")
+        exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
     err = OpenAIError(str(exc.detail), status=exc.status_code, type=kind)
     resp = err.response()
     for k, v in (exc.headers or {}).items():
@@ -171,8 +183,7 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    return OpenAIError.internal().response()
+    return log_fault(exc, f"{request.method} {request.url.path}").response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

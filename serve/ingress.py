@@ -2,59 +2,81 @@
 
 The ingress owns text: it authenticates, renders chat templates, tokenizes, processes images and
 video (serve/chat_media.py: data URLs only, into patches it `ray.put`s for the replica that runs the
-prompt), checks the context limit and turns OpenAI fields into SamplingParams, then streams
-`RequestOutput`s from the server deployment (DecodeServer when disaggregated, LLMServer
-otherwise) and shapes them into OpenAI responses or server-sent events. It measures what a client sees: time to first token,
-inter-token latency, end-to-end latency, token counts and finish reasons (k3_serve_*).
+prompt), checks the context limit and the token ids against the model's vocabulary, and turns
+OpenAI fields into SamplingParams, then streams `RequestOutput`s from the server deployment
+(DecodeServer when disaggregated, LLMServer otherwise) and shapes them into OpenAI responses or
+server-sent events. A batch prompt is one engine request per prompt and choice, answered
+prompt-major (choice j of prompt i has index i * n + j). It measures what a client sees: time to
+first token, inter-token latency, end-to-end latency, token counts and finish reasons (k3_serve_*).
 
-Bad input is a 4xx with OpenAI's error body (serve/errors.py) and touches no engine. A client
-that disconnects cancels its stream, and the cancellation reaches the replica that holds the
-request, which aborts it in its engine.
+Each replica builds its own FastAPI app after its constructor (`__serve_build_asgi_app__`), so
+routes, handlers and the API key are the deployment's own, not module state.
+
+Bad input is a 4xx with OpenAI's error body (serve/errors.py) and touches no engine. What a server
+deployment refuses or fails reaches the client as the OpenAIError it raised; anything else is a
+500 `server_error` with a request id, its traceback logged under that id (`client_error`). A
+client that disconnects cancels its stream, and the cancellation reaches the replica that holds
+the request, which aborts it in its engine.
 """
 # No `from __future__ import annotations` here: FastAPI must see the real classes of the route
-# parameters (a string annotation on a @serve.ingress method is read as a body field).
+# parameters (a string annotation is read as a body field).
 
 import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 
 from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.chat import ChatTemplate
 from k3.serve.config import LLMServingConfig
-from k3.serve.engine import RequestFailed, RequestOutput
+from k3.serve.convert import chat_logprobs, check_token_ids, completion_logprobs, sampling_kwargs
+from k3.serve.engine import RequestOutput
 from k3.serve.engine.detokenizer import Detokenizer
-from k3.serve.errors import OpenAIError, install_error_handlers, require_model
+from k3.serve.errors import (ErrorResponse, OpenAIError, api_key_dependency, install_error_handlers, log_fault,
+                             require_model)
 from k3.serve.chat_media import ChatMedia
 from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatDelta,
                                ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
-                               CompletionStreamResponse, ModelCard, ModelList, UsageInfo, chat_logprobs,
-                               completion_logprobs, new_id, sampling_kwargs, sse_error, sse_event)
-from k3.serve.servers import GenerateRequest, HandoffFailed
+                               CompletionStreamResponse, ModelCard, ModelList, UsageInfo, new_id, sse_error,
+                               sse_event)
+from k3.serve.servers import GenerateRequest
 import k3.model
 
-api = FastAPI(title="k3", description="OpenAI-compatible API of a k3 model served on Ray Serve.")
-install_error_handlers(api)
+
+def client_error(e: BaseException) -> OpenAIError:
+    """What a client gets for an exception from a server deployment: the OpenAIError the replica
+    raised (Ray wraps it in a RayTaskError, once per deployment it crossed, whose text holds the
+    replica's pid, address and traceback: none of that goes out), or a 500 with a request id."""
+    from ray.exceptions import RayTaskError
+
+    cause = e
+    while isinstance(cause, RayTaskError) and cause.cause is not None and cause.cause is not cause:
+        cause = cause.cause
+    if isinstance(cause, OpenAIError):
+        return cause
+    return log_fault(e, "a request to the model's servers")
 
 
-def _engine_error(e: BaseException) -> OpenAIError:
-    """A server-side exception as the OpenAI error a client gets."""
-    if isinstance(e, ValueError):  # the engine's validation (token ids, cache size, ...)
-        return OpenAIError(str(e).split("\n")[0][:500], param=None)
-    if isinstance(e, HandoffFailed):
-        return OpenAIError(str(e)[:500], status=503, type="service_unavailable", code="handoff_failed")
-    if isinstance(e, RequestFailed):
-        return OpenAIError(str(e)[:500], status=500, type="server_error", code="request_failed")
-    return OpenAIError.internal()
+def _documented(answer: type[BaseModel]) -> dict:
+    """The OpenAPI `responses` of a generation route: the answer or its event stream, and errors."""
+    errors = {400: "bad input (param names the field)", 401: "missing or wrong API key",
+              404: "unknown model", 500: "server fault (the message has a request id)",
+              503: "no prefill replica answered in time"}
+    return {200: {"model": answer, "description": "The answer; with stream=true server-sent events of its chunks.",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **{status: {"model": ErrorResponse, "description": why} for status, why in errors.items()}}
 
 
-@serve.ingress(api)
+@serve.ingress()
 class Ingress:
+    """The OpenAI API of one served model, in front of its server deployment (`server`)."""
+
     def __init__(self, config: LLMServingConfig | dict, server) -> None:
         self.config = LLMServingConfig.model_validate(config)
         self.server = server.options(stream=True)
@@ -65,6 +87,7 @@ class Ingress:
         self.token_bytes = Detokenizer(self.tokenizer).table.__getitem__ if self.tokenizer is not None else None
         model_cfg = self._model_config()
         self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings
+        self.vocab_size = model_cfg.vocab_size
         self.media = ChatMedia(model_cfg, self.config.media, self.config.model_id)
         self.api_key = None
         if self.config.api_key_env:
@@ -73,6 +96,20 @@ class Ingress:
                 raise ValueError(f"api_key_env={self.config.api_key_env!r}, but that environment variable is "
                                  f"not set in the ingress replica (pass it in ray_actor_options.runtime_env)")
         self.metrics = ServeMetrics(self.config.model_id, "ingress")
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """This replica's app, its routes bound to this instance (Serve calls it after __init__)."""
+        api = FastAPI(title="k3", description="OpenAI-compatible API of a k3 model served on Ray Serve.")
+        install_error_handlers(api)
+        auth = [Depends(api_key_dependency(self.api_key))]
+        api.add_api_route("/health", self.health, methods=["GET"])
+        api.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth,
+                          responses={401: {"model": ErrorResponse, "description": "missing or wrong API key"}})
+        api.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth,
+                          responses=_documented(CompletionResponse))
+        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth,
+                          responses=_documented(ChatCompletionResponse))
+        return api
 
     def _model_config(self):
         from k3.model import get_preset
@@ -83,27 +120,28 @@ class Ingress:
         return k3.model.load_config(src.path)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not got:
-            raise OpenAIError.invalid_api_key(missing=True)
-        if got != f"Bearer {self.api_key}":
-            raise OpenAIError.invalid_api_key()
-
     def _encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError("this model was deployed without a tokenizer: send token ids", param=param)
         return self.tokenizer.encode(text).ids
 
-    def _requests(self, body, ids: list[int], media: list | None = None) -> list[GenerateRequest]:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        check_token_ids(ids, self.vocab_size, "prompt")
+        return ids
+
+    def _requests(self, body, prompts: list[list[int]], media: list | None = None) -> list[GenerateRequest]:
+        """One engine request per prompt and choice, prompt-major: choice j of prompt i is i * n + j."""
         reqs = []
-        for i in range(body.n):
-            kw = sampling_kwargs(body, max_model_len=self.max_len, prompt_len=len(ids), choice_index=i)
-            if isinstance(body, ChatCompletionRequest):
-                kw["stop"] = list(dict.fromkeys(kw["stop"] + self.chat.stop))
-            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media))
+        for i, ids in enumerate(prompts):
+            for j in range(body.n):
+                kw = sampling_kwargs(body, max_model_len=self.max_len, prompt_len=len(ids),
+                                     vocab_size=self.vocab_size, choice_index=i * body.n + j)
+                if isinstance(body, ChatCompletionRequest):
+                    kw["stop"] = list(dict.fromkeys(kw["stop"] + self.chat.stop))
+                reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media))
         return reqs
 
     async def _choices(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -130,14 +168,16 @@ class Ingress:
         except BaseException as e:  # noqa: BLE001
             for g in gens:
                 g.cancel()
-            raise _engine_error(e) from e
+            if isinstance(e, asyncio.CancelledError):  # the client left: nothing to answer or log
+                raise
+            raise client_error(e) from e
         tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         done = 0
         try:
             while done < len(reqs):
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise _engine_error(item) from item
+                    raise client_error(item) from item
                 if item.finished:
                     done += 1
                 yield i, item
@@ -158,64 +198,44 @@ class Ingress:
         self.metrics.inc("k3_serve_generation_tokens", len(outs[-1].token_ids))
         self.metrics.inc("k3_serve_requests_finished", finish_reason=outs[-1].finish_reason or "abort")
 
-    # -- routes -------------------------------------------------------------------------------
-    @api.get("/health")
+    # -- routes (bound in __serve_build_asgi_app__) ------------------------------------------------
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> ModelList:
-        self._auth(request)
+    async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.config.model_id, max_model_len=self.max_len)])
 
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        self._auth(request)
+    async def completions(self, body: CompletionRequest):
         require_model(body.model, [self.config.model_id])
-        ids = self._encode(body.prompt, "prompt") if isinstance(body.prompt, str) else list(body.prompt)
-        if not ids:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        return await self._respond(body, ids, chat=False)
+        return await self._respond(body, [self._prompt_ids(p) for p in body.prompts()], chat=False)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self._auth(request)
+    async def chat_completions(self, body: ChatCompletionRequest):
         require_model(body.model, [self.config.model_id])
         if body.media():
             import ray
 
             # decoding and resizing is CPU work: off the event loop, which serves every other request
             ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.tokenizer)
-            return await self._respond(body, ids, chat=True, media=[ray.put(items)])
+            return await self._respond(body, [ids], chat=True, media=[ray.put(items)])
         ids = self._encode(self.chat.render(body.messages), "messages")
-        return await self._respond(body, ids, chat=True)
+        return await self._respond(body, [ids], chat=True)
 
-    async def _respond(self, body, ids: list[int], chat: bool, media: list | None = None):
-        reqs = self._requests(body, ids, media)
+    async def _respond(self, body, prompts: list[list[int]], chat: bool, media: list | None = None):
+        reqs = self._requests(body, prompts, media)
+        prompt_tokens = sum(len(ids) for ids in prompts)
         t0 = time.perf_counter()
         stream = self._choices(reqs)
         try:
             first = await stream.__anext__()  # refusals surface here, before any byte is sent
         except StopAsyncIteration:
-            raise OpenAIError.internal() from None
+            raise log_fault(RuntimeError("the servers' streams ended without an output"), "a request") from None
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, body.model, chat, first, stream, len(reqs), len(ids),
+            return StreamingResponse(self._sse(rid, body.model, chat, first, stream, len(reqs), prompt_tokens,
                                                include_usage, t0), media_type="text/event-stream")
-        per: dict[int, list[RequestOutput]] = {i: [] for i in range(len(reqs))}
-        times: dict[int, list[float]] = {i: [] for i in range(len(reqs))}
-        item = first
-        while True:
-            per[item[0]].append(item[1])
-            times[item[0]].append(time.perf_counter())
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                break
-        for i in per:
-            self._observe(t0, per[i], times[i])
-        usage = UsageInfo.of(len(ids), sum(len(per[i][-1].token_ids) for i in per))
+        per = await self._collect(first, stream, len(reqs), t0)
+        usage = UsageInfo.of(prompt_tokens, sum(len(per[i][-1].token_ids) for i in per))
         if chat:
             choices = [ChatCompletionChoice(
                 index=i, message=ChatResponseMessage(content="".join(o.text_delta for o in per[i])),
@@ -227,6 +247,22 @@ class Ingress:
             logprobs=completion_logprobs([e for o in per[i] for e in o.logprobs], self._bytes())
             if body.logprobs is not None else None, finish_reason=per[i][-1].finish_reason) for i in per]
         return CompletionResponse(id=rid, model=body.model, choices=choices, usage=usage)
+
+    async def _collect(self, first, stream, n: int, t0: float) -> dict[int, list[RequestOutput]]:
+        """Every choice's outputs, in order, once all have finished (and their latencies observed)."""
+        per: dict[int, list[RequestOutput]] = {i: [] for i in range(n)}
+        times: dict[int, list[float]] = {i: [] for i in range(n)}
+        item = first
+        while True:
+            per[item[0]].append(item[1])
+            times[item[0]].append(time.perf_counter())
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+        for i in per:
+            self._observe(t0, per[i], times[i])
+        return per
 
     def _bytes(self):
         if self.token_bytes is None:

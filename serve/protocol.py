@@ -3,8 +3,10 @@
 Requests are checked here, at the HTTP boundary: a bad value is a validation error naming the
 field (the handlers in `k3.serve.errors` make it a 400 with `param`). Unknown fields are refused
 like OpenAI refuses them; vLLM's sampling extensions (`top_k`, `min_tokens`, `stop_token_ids`,
-`ignore_eos`) are accepted. `sampling_kwargs` turns a request into the engine's SamplingParams
-arguments with OpenAI's defaults; `sse_event`/`SSE_DONE` frame a stream.
+`ignore_eos`) are accepted. OpenAI fields k3 cannot honour (`response_format` other than text,
+`tools`, `tool_choice` other than none, `echo`) are declared, so the answer says they are not
+supported rather than unknown. `k3.serve.convert` turns a request into the engine's
+SamplingParams arguments; `sse_event`/`SSE_DONE` frame a stream.
 
 Shapes follow OpenAI's reference exactly where the two endpoints differ: completions return
 `choices[i].text` and logprobs as parallel lists (`tokens`, `token_logprobs`, `top_logprobs`,
@@ -16,16 +18,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .engine.params import Bias, Penalty
 from .errors import OpenAIError
 
 MAX_LOGPROBS = 20  # the engine's SamplingParams.logprobs bound
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 2**63 - 1  # torch's generator takes a 64-bit seed; the engine keeps it signed-positive
+MAX_CHOICES = 128  # n, and n times the prompts of a batch: the choices one request may ask for
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; k3 matches each one every step)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries per request
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
 
 
 def new_id(prefix: str) -> str:
@@ -65,18 +71,25 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, ge=0, le=MAX_SEED,
                              description="Sampling seed in [0, 2**63 - 1]: the same seed and request give the "
                                          "same tokens.")
-    stop: str | list[str] | None = Field(None, description="Up to any number of strings that end generation; "
-                                                           "the stop string is not returned.")
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"A string or up to {MAX_STOP} strings that end generation; the stop string is not "
+                          f"returned.")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
                                                               description="Extension (vLLM): token ids that end "
                                                                           "generation.")
     ignore_eos: bool = Field(False, description="Extension (vLLM): keep generating past EOS (benchmarks).")
-    n: int = Field(1, ge=1, le=128, description="How many choices to generate for the prompt.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="How many choices to generate for each prompt.")
     stream: bool = Field(False, description="Send the answer as server-sent events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream=true.")
-    presence_penalty: float = Field(0.0, description="Accepted only at 0: the engine has no penalties.")
-    frequency_penalty: float = Field(0.0, description="Accepted only at 0: the engine has no penalties.")
-    user: str | None = Field(None, description="An end-user id, for logs.")
+    presence_penalty: Penalty = Field(0.0, description="In [-2, 2]: subtracted once from the logit of every token "
+                                                       "generated so far.")
+    frequency_penalty: Penalty = Field(0.0, description="In [-2, 2]: subtracted from a token's logit once per time "
+                                                        "it was generated so far.")
+    logit_bias: dict[str, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}},
+        description=f"Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling; "
+                    f"at most {MAX_LOGIT_BIAS_ENTRIES} entries.")
+    user: str | None = Field(None, description="An end-user id; accepted and not used.")
 
     @field_validator("stop")
     @classmethod
@@ -85,11 +98,12 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("only 0 is supported: this server applies no presence or frequency penalty")
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [k for k in (v or {}) if not (k.isascii() and k.isdecimal())]
+        if bad:
+            raise ValueError(f"keys must be token ids written as decimal strings (\"50256\"), got {bad[:3]}")
         return v
 
     @model_validator(mode="after")
@@ -104,11 +118,21 @@ class _SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+Prompt = str | list[int]  # one prompt: text, or token ids
+
+
+def _batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] = Field(
-        description="The prompt: text, or token ids.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description=f"The prompt: text or token ids, or a batch of either (each gets n choices; at most "
+                    f"{MAX_CHOICES} choices in all). Choice j of prompt i has index i * n + j.")
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
                                    description="Most tokens to generate; null: up to the context length.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -117,9 +141,16 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _token_ids_non_negative(cls, v: str | list[int]) -> str | list[int]:
-        if isinstance(v, list) and min(v) < 0:
+    def _prompts_non_empty(cls, v, info: ValidationInfo):
+        batch = _batch(v)
+        if not batch or any(len(p) == 0 for p in batch):
+            raise ValueError("a prompt must not be empty")
+        if any(isinstance(p, list) and min(p) < 0 for p in batch):
             raise ValueError("token ids must be >= 0")
+        n = info.data.get("n", 1)
+        if len(batch) * n > MAX_CHOICES:
+            raise ValueError(f"{len(batch)} prompts with n={n} ask for {len(batch) * n} choices; at most "
+                             f"{MAX_CHOICES}")
         return v
 
     @field_validator("echo")
@@ -128,6 +159,10 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise ValueError("echo=true is not supported")
         return v
+
+    def prompts(self) -> list[Prompt]:
+        """The prompt as a batch: each text or token-id list, in order."""
+        return _batch(self.prompt)
 
 
 class TextPart(_Request):
@@ -165,9 +200,15 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 class ChatMessage(_Request):
     """One message of a conversation."""
 
-    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who speaks; 'developer' (OpenAI's newer name for system instructions) is read as 'system'.")
     content: str | list[ContentPart] = Field(description="Text, or a list of text / image_url / video_url parts.")
     name: str | None = Field(None, description="The speaker's name; accepted and not used.")
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, v: str) -> str:
+        return "system" if v == "developer" else v
 
     def text(self) -> str:
         """The message's text: the content string, or its text parts joined with newlines."""
@@ -182,6 +223,13 @@ class ChatMessage(_Request):
         return [p for p in self.content if not isinstance(p, TextPart)]
 
 
+class ResponseFormat(_Request):
+    """The form of the answer: k3 produces plain text only (it has no constrained decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="Only 'text' is supported.")
+    json_schema: dict[str, Any] | None = Field(None, description="With type json_schema (not supported).")
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -192,6 +240,44 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = Field(False, description="Return each chosen token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="How many alternatives per token; needs logprobs=true.")
+    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}: JSON modes are not "
+                                                                     "supported.")
+    store: bool | None = Field(None, description="Accepted; k3 stores no completions.")
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = Field(
+        None, max_length=MAX_METADATA, json_schema_extra={"propertyNames": {"maxLength": MAX_METADATA_KEY}},
+        description=f"Up to {MAX_METADATA} string pairs (keys up to {MAX_METADATA_KEY} characters, values up to "
+                    f"{MAX_METADATA_VALUE}); validated, then not used.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Only empty: k3 has no tool calling.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none': k3 has no tool calling.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are ever called).")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"type {v.type!r} is not supported: k3 has no constrained decoding; use 'text'")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _short_keys(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v and max(len(k) for k in v) > MAX_METADATA_KEY:
+            raise ValueError(f"keys may have at most {MAX_METADATA_KEY} characters")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("tools are not supported: k3 has no tool calling")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: str | dict | None) -> str | dict | None:
+        if v not in (None, "none"):
+            raise ValueError("only 'none' is supported: k3 has no tool calling")
+        return v
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -200,54 +286,8 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def media(self) -> list[ImageURLPart | VideoURLPart]:
-        """Every picture and video of the conversation, in order (the app refuses them until
-        the vision path lands)."""
+        """Every picture and video of the conversation, in order."""
         return [p for m in self.messages for p in m.media()]
-
-
-def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, prompt_len: int,
-                    choice_index: int = 0) -> dict[str, Any]:
-    """Keyword arguments of `k3.serve.engine.SamplingParams` for one choice of `req`.
-
-    OpenAI's semantics: chat's `max_completion_tokens` wins over `max_tokens`, and without either
-    a chat answer may run to the context length; completions default to 16 tokens. A prompt that
-    leaves no room, or a max_tokens that does not fit beside the prompt, is a 400
-    `context_length_exceeded`. With n > 1 and a seed, choice i samples with seed + i (mod 2**63),
-    so the choices differ and each stays reproducible.
-    """
-    if max_model_len < 1 or prompt_len < 0:
-        raise ValueError(f"max_model_len must be >= 1 and prompt_len >= 0, got {max_model_len}, {prompt_len}")
-    if not 0 <= choice_index < req.n:
-        raise ValueError(f"choice_index must be in [0, n={req.n}), got {choice_index}")
-    chat = isinstance(req, ChatCompletionRequest)
-    param = "messages" if chat else "prompt"
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise OpenAIError.context_length_exceeded(max_model_len, prompt_len, param=param)
-    asked = (req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens) if chat \
-        else req.max_tokens
-    if asked is not None and asked > room:
-        raise OpenAIError.context_length_exceeded(max_model_len, prompt_len, asked, param=param)
-    max_tokens = room if asked is None else asked
-    if req.min_tokens > max_tokens:
-        raise OpenAIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
-    if chat:
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    return {
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": max(req.top_k, 0),
-        "seed": None if req.seed is None else (req.seed + choice_index) % (MAX_SEED + 1),
-        "stop": req.stop_list(),
-        "stop_token_ids": list(req.stop_token_ids),
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-        "include_stop_str_in_output": False,
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,26 +340,31 @@ class CompletionChoice(_Response):
                                                                  "null while streaming.")
 
 
-class CompletionResponse(_Response):
+class _Answer(_Response):
+    """What every answer and streamed chunk carries; subclasses narrow `object` and `choices`."""
+
+    id: str = Field(description="The answer's id, the same in every chunk of a stream.")
+    object: str = Field(description="The kind of answer.")
+    created: int = Field(default_factory=_now, description="Unix time of creation, seconds.")
+    model: str = Field(description="The model that answered.")
+    choices: list = Field(description="One per choice; in a stream, the choices that advanced in this chunk.")
+    usage: UsageInfo | None = Field(None, description="Token counts; in a stream only the last chunk has them "
+                                                      "(with include_usage), and that chunk has no choices.")
+
+
+class CompletionResponse(_Answer):
     """The answer of POST /v1/completions."""
 
     id: str = Field(default_factory=lambda: new_id("cmpl"), description="The completion's id.")
     object: Literal["text_completion"] = Field("text_completion", description="Always 'text_completion'.")
-    created: int = Field(default_factory=_now, description="Unix time of creation, seconds.")
-    model: str = Field(description="The model that answered.")
-    choices: list[CompletionChoice] = Field(description="One per choice (n).")
-    usage: UsageInfo | None = Field(None, description="Token counts.")
+    choices: list[CompletionChoice] = Field(description="n per prompt, prompt-major.")
 
 
-class CompletionStreamResponse(_Response):
-    """One server-sent event of a streamed completion. The usage chunk has no choices."""
+class CompletionStreamResponse(_Answer):
+    """One server-sent event of a streamed completion."""
 
-    id: str = Field(description="The completion's id, the same in every chunk.")
     object: Literal["text_completion"] = Field("text_completion", description="Always 'text_completion'.")
-    created: int = Field(default_factory=_now, description="Unix time of creation, seconds.")
-    model: str = Field(description="The model that answers.")
     choices: list[CompletionChoice] = Field(description="The choices that advanced in this chunk.")
-    usage: UsageInfo | None = Field(None, description="Only in the last chunk, with include_usage.")
 
 
 class TopLogprob(_Response):
@@ -358,15 +403,12 @@ class ChatCompletionChoice(_Response):
     finish_reason: FinishReason | None = Field(description="Why it ended: stop, length, abort.")
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_Answer):
     """The answer of POST /v1/chat/completions."""
 
     id: str = Field(default_factory=lambda: new_id("chatcmpl"), description="The answer's id.")
     object: Literal["chat.completion"] = Field("chat.completion", description="Always 'chat.completion'.")
-    created: int = Field(default_factory=_now, description="Unix time of creation, seconds.")
-    model: str = Field(description="The model that answered.")
     choices: list[ChatCompletionChoice] = Field(description="One per choice (n).")
-    usage: UsageInfo | None = Field(None, description="Token counts.")
 
 
 class ChatDelta(_Response):
@@ -385,16 +427,12 @@ class ChatCompletionStreamChoice(_Response):
     finish_reason: FinishReason | None = Field(None, description="Set in the choice's last chunk.")
 
 
-class ChatCompletionStreamResponse(_Response):
-    """One server-sent event of a streamed chat answer. The usage chunk has no choices."""
+class ChatCompletionStreamResponse(_Answer):
+    """One server-sent event of a streamed chat answer."""
 
-    id: str = Field(description="The answer's id, the same in every chunk.")
     object: Literal["chat.completion.chunk"] = Field("chat.completion.chunk",
                                                      description="Always 'chat.completion.chunk'.")
-    created: int = Field(default_factory=_now, description="Unix time of creation, seconds.")
-    model: str = Field(description="The model that answers.")
     choices: list[ChatCompletionStreamChoice] = Field(description="The choices that advanced in this chunk.")
-    usage: UsageInfo | None = Field(None, description="Only in the last chunk, with include_usage.")
 
 
 class ModelCard(_Response):
@@ -412,50 +450,6 @@ class ModelList(_Response):
 
     object: Literal["list"] = Field("list", description="Always 'list'.")
     data: list[ModelCard] = Field(description="The served models.")
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine's logprobs in OpenAI's shapes
-
-TokenBytes = Callable[[int], bytes]  # token id -> its bytes (k3: Detokenizer(tok).table[id])
-
-
-def _token_text(token_bytes: TokenBytes, token_id: int) -> tuple[str, list[int]]:
-    # a byte-level token may hold part of a UTF-8 character: its text has U+FFFD, its bytes are exact
-    b = token_bytes(token_id)
-    return b.decode("utf-8", errors="replace"), list(b)
-
-
-def chat_logprobs(entries: Sequence[dict], token_bytes: TokenBytes) -> ChatLogprobs:
-    """The engine's per-token logprobs (RequestOutput.logprobs: {"token": id, "logprob": x,
-    "top": {id: x}}) in chat's shape: one entry per token, its alternatives in `top_logprobs`."""
-    content = []
-    for e in entries:
-        text, raw = _token_text(token_bytes, e["token"])
-        top = []
-        for tid, lp in (e.get("top") or {}).items():
-            t, b = _token_text(token_bytes, tid)
-            top.append(TopLogprob(token=t, logprob=lp, bytes=b))
-        content.append(ChatTokenLogprob(token=text, logprob=e["logprob"], bytes=raw, top_logprobs=top))
-    return ChatLogprobs(content=content)
-
-
-def completion_logprobs(entries: Sequence[dict], token_bytes: TokenBytes, text_offset: int = 0) -> CompletionLogprobs:
-    """The engine's per-token logprobs in completions' shape (parallel lists). Each token's
-    `top_logprobs` holds its alternatives and the chosen token (as vLLM and OpenAI do); `text_offset`
-    is where the first token starts in the choice's text (in a stream: the length sent before)."""
-    out = CompletionLogprobs()
-    offset = text_offset
-    for e in entries:
-        text, _ = _token_text(token_bytes, e["token"])
-        top = {_token_text(token_bytes, tid)[0]: lp for tid, lp in (e.get("top") or {}).items()}
-        top.setdefault(text, e["logprob"])
-        out.tokens.append(text)
-        out.token_logprobs.append(e["logprob"])
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,11 +11,15 @@ engine; configs are pydantic; builder.py binds them).
   `handoff_attempts`, then the request fails cleanly; it never hangs (a timeout bounds the wait).
 
 Every server streams `RequestOutput`s (async generators: call with `handle.options(stream=True)`);
-a caller that goes away cancels the generator, which aborts the request in the engine.
+a caller that goes away cancels the generator, which aborts the request in the engine. What a
+server raises for a request is an `OpenAIError` carrying the reason a client may read and its
+HTTP status (`engine_stream`); Ray delivers it wrapped in its RayTaskError, which the ingress
+unwraps (serve/ingress.py: `client_error`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,8 +32,9 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
 from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
-from k3.serve.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from k3.serve.engine import AsyncEngine, LLMEngine, RequestFailed, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
+from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool
 from k3.serve.router import prefix_route_key
 import k3.model
@@ -52,8 +57,23 @@ class GenerateRequest:
     arrival: float = field(default_factory=time.time)
 
 
-class HandoffFailed(RuntimeError):
-    """No prefill replica delivered the request's cache state within handoff_attempts."""
+async def engine_stream(outputs: AsyncIterator[RequestOutput], input_checked: bool = False
+                        ) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from the engine, its exceptions turned into the errors a client gets.
+    A ValueError is the engine refusing the request's input (400, its message says why), unless
+    that input was checked already: then it is a server fault (500, logged). A RequestFailed ends
+    the request for a reason the engine wrote for its owner (500 `server_error`)."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for out in outputs:
+                yield out
+        except RequestFailed as e:
+            logger.warning("request failed in the engine: %s", e)
+            raise OpenAIError(str(e), status=500, type="server_error", code="request_failed") from None
+        except ValueError as e:
+            if input_checked:
+                raise log_fault(e, "a request the prefill accepted") from None
+            raise OpenAIError(str(e)) from None
 
 
 def load_model(src: ModelSource) -> K3ForCausalLM | K3ForConditionalGeneration:
@@ -120,8 +140,8 @@ class EngineHost:
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
-        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
-                                              media=await fetch_media(req)):
+        async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
+                                                            media=await fetch_media(req))):
             yield out
 
 
@@ -219,8 +239,8 @@ class PrefillServer(EngineHost):
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
         final = None
-        async for out in self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
-                                              prefill_only=True, media=media):
+        async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
+                                                            prefill_only=True, media=media)):
             final = out
         state, final.cache_state = final.cache_state, None
         if self.pool is not None:  # after the reply is on its way; a failed publish loses only sharing
@@ -275,8 +295,10 @@ class DecodeServer(EngineHost):
                 await asyncio.sleep(min(0.5 * 2 ** attempt, 4.0))  # let Serve notice and replace the replica
             except asyncio.TimeoutError as e:
                 last = e
-        raise HandoffFailed(f"no prefill replica delivered the cache state in {self.config.handoff_attempts} "
-                            f"attempts ({time.perf_counter() - t0:.1f} s); last error: {type(last).__name__}: {last}")
+        logger.error("handoff failed after %d attempts (%.1f s); last error: %s: %s", self.config.handoff_attempts,
+                     time.perf_counter() - t0, type(last).__name__, last)
+        raise OpenAIError(f"no prefill replica delivered the prompt's cache state in {self.config.handoff_attempts} "
+                          f"attempts; retry the request", status=503, type="server_error", code="handoff_failed")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
@@ -291,7 +313,8 @@ class DecodeServer(EngineHost):
         yield dataclasses.replace(first, finished=False, cache_state=None)
         params = SamplingParams(**req.sampling)
         first_out = True
-        async for out in self.engine.import_request(req.prompt_token_ids, state, params):
+        async for out in engine_stream(self.engine.import_request(req.prompt_token_ids, state, params),
+                                       input_checked=True):
             if first_out:  # the state has been checked and loaded: the whole handoff is known
                 first_out = False
                 t = state.timings

@@ -39,7 +39,7 @@ from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage
 from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
 from .params import EngineConfig, SamplingParams
-from .sampler import sample
+from .sampler import SampleRow, sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
 
 
@@ -108,9 +108,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+            bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_len} (prompt + at least 1 new)")
         if params.stop and self.detok is None:
@@ -276,8 +277,8 @@ class LLMEngine:
         for i, s in enumerate(sched):
             self.scheduler.after_step(s, snaps.get(i, {}))
         seqs = [sched[i].seq for i in sample_idx]
-        draws = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                       [self._banned(s) for s in seqs], self.generator) if seqs else []
+        rows = [SampleRow(s.params, s.generator, self._banned(s), s.output) for s in seqs]
+        draws = sample(logits, rows, self.generator) if seqs else []
         for seq, d in zip(seqs, draws):
             if d.error is not None:
                 self._fail(seq, d.error)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 # to inf and the softmax becomes NaN (vLLM draws the same line).
 GREEDY_BELOW = 1e-5
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
@@ -31,6 +36,12 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20,
                                  description="Return the chosen token's logprob and this many top alternatives.")
     include_stop_str_in_output: bool = Field(False, description="Keep a matched stop string in the text.")
+    presence_penalty: Penalty = Field(0.0, description="Subtracted once from the logit of every token generated so "
+                                                       "far (OpenAI's definition), in [-2, 2].")
+    frequency_penalty: Penalty = Field(0.0, description="Subtracted from a token's logit once per time it was "
+                                                        "generated so far (OpenAI's definition), in [-2, 2].")
+    logit_bias: dict[Annotated[int, Field(ge=0)], Bias] = Field(
+        default_factory=dict, description="Token id -> value in [-100, 100] added to its logit before sampling.")
 
     @field_validator("max_tokens", "min_tokens", "top_k", "seed", "logprobs", mode="before")
     @classmethod

@@ -1,5 +1,11 @@
 """Batched sampling for one step: every row's token from one set of tensor ops.
 
+First each row's logits are adjusted as its request asks, in OpenAI's order and definitions:
+`logit_bias` added, then the penalties over the tokens the request generated so far
+(logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)), then the banned
+tokens set to -inf; a row that asks for none of it is not touched, so its draw is bit for bit
+what it was before these existed. Logprobs are those of the adjusted logits (before temperature).
+
 Greedy rows (temperature below GREEDY_BELOW) take the argmax; sampled rows are divided by their
 own temperature, cut to their own top-k and top-p in one sort, and drawn: rows without a seed
 in one `multinomial` call on the engine's generator, seeded rows each from their own generator
@@ -8,6 +14,7 @@ or +inf gets an error instead of a token; the other rows are unaffected.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,16 +29,42 @@ class Draw:
     error: str | None = None
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int]], shared: torch.Generator) -> list[Draw]:
-    """logits [M, V] (any float dtype) -> one Draw per row.
+@dataclass
+class SampleRow:
+    """What the sampler needs of one row's request."""
 
-    banned[i]: token ids row i may not produce now (stop tokens and EOS before min_tokens)."""
-    logits = logits.float().clone()
-    M, V = logits.shape
-    for i, ban in enumerate(banned):
-        if ban:
-            logits[i, ban] = float("-inf")
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own, when it has a seed
+    banned: list[int]  # token ids it may not produce now (stop tokens and EOS before min_tokens)
+    output: Sequence[int]  # the tokens it generated so far (the penalties count them)
+
+
+def adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """logits [M, V] float32, changed in place: each row's bias, penalties and bans (module doc)."""
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
+    pen = [i for i, r in enumerate(rows) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if pen:
+        V = logits.shape[-1]
+        counts = torch.stack([torch.bincount(torch.tensor(list(rows[i].output), device=logits.device), minlength=V)
+                              for i in pen]).float()  # [m, V]
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=logits.device)
+        presence = torch.tensor([rows[i].params.presence_penalty for i in pen], device=logits.device)
+        logits[pen] -= freq[:, None] * counts + presence[:, None] * (counts > 0).float()
+    for i, r in enumerate(rows):
+        if r.banned:
+            logits[i, r.banned] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator) -> list[Draw]:
+    """logits [M, V] (any float dtype) -> one Draw per row; `shared` draws for rows without a seed."""
+    logits = adjust(logits.float().clone(), rows)
+    M = logits.shape[0]
+    params = [r.params for r in rows]
+    generators = [r.generator for r in rows]
     # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token.
     bad = ((torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)).tolist()
     tokens = [None] * M
@@ -39,15 +72,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if greedy:
         for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
             tokens[i] = t
-    rows = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
-    if rows:
-        probs = _probs(logits[rows], [params[i] for i in rows])
-        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+    sampled = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
+    if sampled:
+        probs = _probs(logits[sampled], [params[i] for i in sampled])
+        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
         if unseeded:
             drawn = torch.multinomial(probs[unseeded], 1, generator=shared)[:, 0].tolist()
             for j, t in zip(unseeded, drawn):
-                tokens[rows[j]] = t
-        for j, i in enumerate(rows):
+                tokens[sampled[j]] = t
+        for j, i in enumerate(sampled):
             if generators[i] is not None:
                 tokens[i] = int(torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0])
     want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]

@@ -36,3 +36,30 @@ def serve_session(ray_local):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def apps(serve_session, tokenizer, tmp_path_factory):
+    """{"pd": base URL, "agg": base URL}: the disaggregated and the aggregated app of
+    tests/serve_apps.py, deployed once for the modules that test them."""
+    from ray import serve
+
+    from k3.serve.builder import build_app, build_pd_app
+    from serve_apps import app_config
+
+    d = tmp_path_factory.mktemp("tok")
+    tokenizer.save(str(d / "tokenizer.json"))
+    serve.run(build_pd_app(app_config(str(d / "tokenizer.json"), True)), name="pd", route_prefix="/pd")
+    serve.run(build_app(app_config(str(d / "tokenizer.json"), False)), name="agg", route_prefix="/agg")
+    try:
+        yield {"pd": f"{serve_session}/pd", "agg": f"{serve_session}/agg"}
+    finally:
+        serve.delete("pd")
+        serve.delete("agg")
+
+
+@pytest.fixture(scope="session")
+def engine_model():
+    from k3.model import build
+
+    return build(get_preset("k3-tiny"), seed=0).eval()  # the replicas' random weights

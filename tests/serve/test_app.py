@@ -8,63 +8,13 @@ import json
 
 import httpx
 import pytest
-import torch
 
-import k3.model
-from k3.model import SamplingConfig, generate, get_preset
+from k3.model import SamplingConfig, generate
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from serve_apps import ENGINE, KEY, app_config, client, rand
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.ray
-
-KEY = "sk-test-k3"
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512, page_size=8, snapshot_interval=2,
-              cache_memory_bytes=32 * 2**20)
-
-
-def app_config(tok_path, disaggregated):
-    small = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
-    # the key reaches the ingress replica as users pass secrets to Serve: its runtime_env
-    ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1,
-                                                        "runtime_env": {"env_vars": {"K3_TEST_API_KEY": KEY}}}}
-    # decode autoscales from 1 replica: a burst of requests beyond 2 in flight adds one
-    decode = {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 8, "autoscaling_config": {
-        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-        "downscale_delay_s": 4, "look_back_period_s": 1}}
-    return {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok_path},
-            "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": decode, "llm": small,
-            "ingress": ingress, "api_key_env": "K3_TEST_API_KEY"}
-
-
-@pytest.fixture(scope="module")
-def apps(serve_session, tokenizer, tmp_path_factory):
-    """{"pd": base URL, "agg": base URL}; both apps share one Serve instance."""
-    from ray import serve
-
-    from k3.serve.builder import build_app, build_pd_app
-
-    d = tmp_path_factory.mktemp("tok")
-    tokenizer.save(str(d / "tokenizer.json"))
-    serve.run(build_pd_app(app_config(str(d / "tokenizer.json"), True)), name="pd", route_prefix="/pd")
-    serve.run(build_app(app_config(str(d / "tokenizer.json"), False)), name="agg", route_prefix="/agg")
-    try:
-        yield {"pd": f"{serve_session}/pd", "agg": f"{serve_session}/agg"}
-    finally:
-        serve.delete("pd")
-        serve.delete("agg")
-
-
-@pytest.fixture(scope="module")
-def engine_model():
-    return k3.model.build(get_preset("k3-tiny"), seed=0).eval()  # the replicas' random weights
-
-
-def client(base):
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def rand(n, seed):
-    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
@@ -399,36 +349,6 @@ def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, token
         assert ok.status_code == 200, ok.text  # the surviving replica serves on
     finally:
         serve.delete("pdkill")
-
-
-def test_schemathesis_finds_no_server_error(apps):
-    """Requests generated from the app's own OpenAPI document: none may get a 5xx."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-
-    schema = schemathesis.openapi.from_url(f"{apps['agg']}/openapi.json")
-    failures = []
-    for result in schema.get_all_operations():
-        op = result.ok()
-        if op.method.upper() != "POST":
-            continue
-
-        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(case=op.as_strategy())
-        def run(case):
-            if isinstance(case.body, dict):  # keep valid generations short on a CPU
-                for k in ("max_tokens", "max_completion_tokens"):
-                    if isinstance(case.body.get(k), int) and not isinstance(case.body[k], bool) and case.body[k] > 4:
-                        case.body[k] = 4
-                if isinstance(case.body.get("n"), int) and not isinstance(case.body["n"], bool) and case.body["n"] > 2:
-                    case.body["n"] = 2
-            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
-            r = case.call(base_url=apps["agg"], timeout=120)
-            if r.status_code >= 500:
-                failures.append((op.path, case.body, r.status_code, r.text[:300]))
-
-        run()
-    assert not failures, failures[:3]
 
 
 def _running_replicas(app: str, deployment: str) -> int:

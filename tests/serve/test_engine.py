@@ -178,12 +178,36 @@ def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_mod
     ([1] * 2**20, SamplingParams(), "max_model_len"),  # k3-tiny's max positions
     ([1] * 500_000, SamplingParams(), "cache pages"),  # fits the positions, not the default 256 MiB cache
     ([1, 2], SamplingParams(stop_token_ids=[99999]), "stop_token_ids"),
+    ([1, 2], SamplingParams(logit_bias={3: 1.0, 4096: -1.0}), "logit_bias"),
 ])
 def test_bad_requests_name_the_problem(tiny_model, prompt, params, match):
     eng = LLMEngine(tiny_model)
     with pytest.raises(ValueError, match=match):
         eng.add_request(None, prompt, params)
     assert eng.generate([[1, 2, 3]], GREEDY)[0].finished  # still serving
+
+
+def test_penalties_break_a_greedy_loop(tiny_model):
+    # the model favours one token far above the rest (here through logit_bias): greedy repeats it
+    # forever; a frequency or presence penalty lets the next-best tokens through once it has been said
+    prompt = rand_prompts(1, 12, 13, seed=8)[0]
+    loop = SamplingParams(max_tokens=24, temperature=0, logit_bias={7: 1.0})
+    eng = LLMEngine(tiny_model)
+    looped = eng.generate([prompt], loop)[0].token_ids
+    assert looped == [7] * 24
+    for damp in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        damped = eng.generate([prompt], loop.model_copy(update=damp))[0].token_ids
+        assert damped[0] == 7 and damped.count(7) == 1 and len(set(damped)) == 24, damp
+
+
+def test_zero_penalties_and_an_empty_bias_change_nothing(tiny_model):
+    prompts = rand_prompts(3, 5, 40, seed=9)
+    plain = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    zero = plain.model_copy(update={"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}})
+    a = LLMEngine(tiny_model).generate(prompts, plain)
+    b = LLMEngine(tiny_model).generate(prompts, [zero, plain, zero])
+    assert [(o.token_ids, o.logprobs) for o in a] == [(o.token_ids, o.logprobs) for o in b]
+    assert [o.token_ids for o in a] == [alone(tiny_model, p, 10) for p in prompts]
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),

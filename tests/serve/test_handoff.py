@@ -89,6 +89,23 @@ def test_seeded_sampling_continues_identically(tiny_model):
     assert toks == whole
 
 
+@pytest.mark.parametrize("sp", [
+    SamplingParams(max_tokens=10, temperature=0, logprobs=2, frequency_penalty=2.0, logit_bias={7: 1.0}),
+    SamplingParams(max_tokens=10, temperature=0.9, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
+                   logit_bias={7: 3.0}),
+])
+def test_penalties_count_the_handed_over_first_token(tiny_model, sp):
+    # the decode side counts what was generated from the request's own tokens, the first one
+    # (sampled by the prefill engine) included: the same tokens as one engine
+    prompt = rand(14, seed=11)
+    whole, _ = whole_run(tiny_model, prompt, sp)
+    first = prefill(LLMEngine(tiny_model, CFG), prompt, sp)
+    toks, _ = joined(decode(LLMEngine(tiny_model, CFG), prompt, first.cache_state, sp, busy=[rand(9, 4)]))
+    assert toks == whole
+    if sp.greedy:  # without the penalty the bias would repeat token 7 every step
+        assert whole[0] == 7 and whole.count(7) == 1
+
+
 def test_a_first_token_that_ends_the_request_is_not_handed_over(tiny_model):
     out = prefill_or_final(LLMEngine(tiny_model, CFG), rand(12, 8), SamplingParams(max_tokens=1, temperature=0))
     assert out.finished and out.finish_reason == "length" and out.cache_state is None

@@ -29,10 +29,10 @@ from k3.serve.protocol import (
     TopLogprob,
     UsageInfo,
     new_id,
-    sampling_kwargs,
     sse_error,
     sse_event,
 )
+from k3.serve.convert import sampling_kwargs
 
 openai = pytest.importorskip("openai")
 
@@ -62,7 +62,7 @@ def make_app() -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     def completions(req: CompletionRequest):
         require_model(req.model, [MODEL])
-        sampling_kwargs(req, max_model_len=64, prompt_len=len(req.prompt))
+        sampling_kwargs(req, max_model_len=64, prompt_len=len(req.prompt), vocab_size=4096)
         lp = None
         if req.logprobs is not None:
             lp = CompletionLogprobs(tokens=TOKENS, token_logprobs=LOGPROBS,
@@ -87,7 +87,7 @@ def make_app() -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=auth)
     def chat(req: ChatCompletionRequest):
         require_model(req.model, [MODEL])
-        kw = sampling_kwargs(req, max_model_len=64, prompt_len=8)
+        kw = sampling_kwargs(req, max_model_len=64, prompt_len=8, vocab_size=4096)
         lp = chat_logprobs(TOKENS, LOGPROBS, kw["logprobs"]) if kw["logprobs"] is not None else None
         usage = UsageInfo.of(8, len(TOKENS))
         if not req.stream:
@@ -102,7 +102,7 @@ def make_app() -> FastAPI:
             for j, t in enumerate(TOKENS):
                 if fail and j == 1:
                     yield sse_error(OpenAIError("the replica holding this request died", status=500,
-                                                type="internal_error"))
+                                                type="server_error"))
                     yield SSE_DONE
                     return
                 yield sse_event(ChatCompletionStreamResponse(id=rid, model=MODEL, choices=[ChatCompletionStreamChoice(

@@ -31,14 +31,13 @@ from k3.serve.protocol import (
     TopLogprob,
     UsageInfo,
     VideoURLPart,
-    chat_logprobs,
-    completion_logprobs,
-    sampling_kwargs,
     sse_error,
     sse_event,
 )
+from k3.serve.convert import chat_logprobs, check_token_ids, completion_logprobs, sampling_kwargs
 
 KEY = "sk-test-123"
+VOCAB = 4096
 
 
 def completion(**kw):
@@ -64,6 +63,8 @@ def error_param(model, body) -> str | None:
     completion(temperature=0, top_p=0.5, top_k=-1, seed=3, stop="\n", n=2, logprobs=5, user="u"),
     completion(stop=["a", "b"], stream=True, stream_options={"include_usage": True}, ignore_eos=True,
                min_tokens=2, stop_token_ids=[7], presence_penalty=0, frequency_penalty=0.0, echo=False),
+    completion(prompt=["a", "b"], logit_bias={"5": 10, "7": -100}, presence_penalty=-2, frequency_penalty=2),
+    completion(prompt=[[1, 2], [3]], stop=[str(i) for i in range(16)], logit_bias={}),
 ])
 def test_completion_request_accepts(body):
     req = CompletionRequest.model_validate(body)
@@ -78,10 +79,26 @@ def test_completion_request_accepts(body):
                                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]},
     chat(max_tokens=4, max_completion_tokens=8, logprobs=True, top_logprobs=20, stream=True,
          stream_options={"include_usage": False}, seed=0, stop=["x"]),
+    chat(response_format={"type": "text"}, store=True, metadata={f"k{i}": "v" * 512 for i in range(16)},
+         parallel_tool_calls=True, tools=[], tool_choice="none", logit_bias={"0": 100}, presence_penalty=1.5),
+    chat(store=False, metadata={}, parallel_tool_calls=False, tool_choice=None),
 ])
 def test_chat_request_accepts(body):
     req = ChatCompletionRequest.model_validate(body)
     assert req.messages[-1].role in ("user", "assistant")
+
+
+def test_developer_messages_are_system_messages():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                                                           {"role": "user", "content": "hi"}]})
+    assert [m.role for m in req.messages] == ["system", "user"]
+
+
+@pytest.mark.parametrize("prompt,batch", [
+    ("text", ["text"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_a_prompt_is_a_batch_of_one_or_more(prompt, batch):
+    assert CompletionRequest.model_validate(completion(prompt=prompt)).prompts() == batch
 
 
 def test_chat_message_text_and_media_keep_the_parts():
@@ -113,8 +130,21 @@ def test_chat_message_text_and_media_keep_the_parts():
     (completion(n=0), "n"),
     (completion(stop=["ok", ""]), "stop"),
     (completion(echo=True), "echo"),
-    (completion(presence_penalty=0.5), "presence_penalty"),
-    (completion(frequency_penalty=-1), "frequency_penalty"),
+    (completion(presence_penalty=2.5), "presence_penalty"),
+    (completion(frequency_penalty=-2.01), "frequency_penalty"),
+    (completion(frequency_penalty=float("nan")), "frequency_penalty"),
+    (completion(prompt=["a", ""]), "prompt"),
+    (completion(prompt=[[1], []]), "prompt"),
+    (completion(prompt=[[1], [-1]]), "prompt"),
+    (completion(prompt=["a"] * 129), "prompt"),
+    (completion(prompt=["a"] * 3, n=50), "prompt"),  # 150 choices
+    (completion(stop=[str(i) for i in range(17)]), "stop"),
+    (completion(logit_bias={"x": 1}), "logit_bias"),
+    (completion(logit_bias={"-1": 1}), "logit_bias"),
+    (completion(logit_bias={"5": 101}), "logit_bias"),
+    (completion(logit_bias={"5": float("inf")}), "logit_bias"),
+    (completion(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+    (completion(suffix="x"), "suffix"),
     (completion(best_of=2), "best_of"),
     (completion(max_tokens="many"), "max_tokens"),
     (completion(seed=2**63), "seed"),
@@ -139,9 +169,32 @@ def test_completion_request_refuses(body, param):
     (chat(top_logprobs=2), None),  # needs logprobs=true
     (chat(logprobs=3), "logprobs"),
     (chat(echo=False), "echo"),  # chat has no echo field at all
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
+    (chat(response_format={"type": "xml"}), "response_format.type"),
+    (chat(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
+    (chat(metadata={"k": 1}), "metadata.k"),
+    (chat(metadata={"k" * 65: "v"}), "metadata"),
+    (chat(metadata={"k": "v" * 513}), "metadata.k"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(tool_choice="auto"), "tool_choice"),
+    (chat(parallel_tool_calls=True, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(logit_bias={"1": -100.5}), "logit_bias"),
 ])
 def test_chat_request_refuses(body, param):
     assert error_param(ChatCompletionRequest, body) == param
+
+
+@pytest.mark.parametrize("model,body,needle", [
+    (ChatCompletionRequest, chat(response_format={"type": "json_object"}), "not supported"),
+    (ChatCompletionRequest, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "not supported"),
+    (CompletionRequest, completion(stop=["s"] * 17), "at most 16"),
+    (CompletionRequest, completion(logit_bias={"x": 1}), "token id"),
+])
+def test_deliberate_refusals_say_why(model, body, needle):
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    assert needle in str(e.value)
 
 
 @pytest.mark.parametrize("loc,param", [
@@ -167,7 +220,7 @@ def test_param_from_loc(loc, param):
 ])
 def test_sampling_kwargs_max_tokens(body, prompt_len, max_tokens):
     model = ChatCompletionRequest if "messages" in body else CompletionRequest
-    kw = sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len)
+    kw = sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len, vocab_size=VOCAB)
     assert kw["max_tokens"] == max_tokens
     SamplingParams(**kw)  # the engine takes every key
 
@@ -181,7 +234,7 @@ def test_sampling_kwargs_max_tokens(body, prompt_len, max_tokens):
 def test_sampling_kwargs_context_length_exceeded(body, prompt_len, param):
     model = ChatCompletionRequest if "messages" in body else CompletionRequest
     with pytest.raises(OpenAIError) as e:
-        sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len)
+        sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len, vocab_size=VOCAB)
     assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", param)
     assert "64" in e.value.message
 
@@ -189,29 +242,64 @@ def test_sampling_kwargs_context_length_exceeded(body, prompt_len, param):
 def test_sampling_kwargs_maps_openai_fields():
     kw = sampling_kwargs(CompletionRequest.model_validate(completion(
         temperature=0, top_p=0.9, top_k=-1, seed=5, stop="END", logprobs=3, n=3, min_tokens=2, ignore_eos=True,
-        stop_token_ids=[9])), max_model_len=128, prompt_len=4, choice_index=2)
+        stop_token_ids=[9], logit_bias={"17": -3.5}, presence_penalty=0.5, frequency_penalty=-1)),
+        max_model_len=128, prompt_len=4, vocab_size=VOCAB, choice_index=2)
     assert kw == {"max_tokens": 16, "min_tokens": 2, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 7,
                   "stop": ["END"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 3,
-                  "include_stop_str_in_output": False}
+                  "include_stop_str_in_output": False, "logit_bias": {17: -3.5}, "presence_penalty": 0.5,
+                  "frequency_penalty": -1.0}
     SamplingParams(**kw)
+
+
+def test_sampling_kwargs_choice_index_counts_over_the_batch():
+    req = CompletionRequest.model_validate(completion(prompt=["a", "b"], n=2, seed=10))
+    seeds = [sampling_kwargs(req, max_model_len=64, prompt_len=1, vocab_size=VOCAB, choice_index=k)["seed"]
+             for k in range(4)]
+    assert seeds == [10, 11, 12, 13]
+    with pytest.raises(ValueError, match="choice_index"):
+        sampling_kwargs(req, max_model_len=64, prompt_len=1, vocab_size=VOCAB, choice_index=4)
+
+
+@pytest.mark.parametrize("body,param", [
+    (completion(stop_token_ids=[1, VOCAB]), "stop_token_ids"),
+    (completion(logit_bias={str(VOCAB + 5): 1}), "logit_bias"),
+    (chat(logit_bias={"3": 1, str(VOCAB): 1}), "logit_bias"),
+])
+def test_sampling_kwargs_refuses_token_ids_outside_the_vocabulary(body, param):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(OpenAIError) as e:
+        sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=1, vocab_size=VOCAB)
+    assert (e.value.status, e.value.param) == (400, param) and str(VOCAB) in e.value.message
+
+
+@pytest.mark.parametrize("ids,ok", [([0, VOCAB - 1], True), ([VOCAB], False), ([3, 99999], False)])
+def test_check_token_ids(ids, ok):
+    if ok:
+        check_token_ids(ids, VOCAB, "prompt")
+        return
+    with pytest.raises(OpenAIError) as e:
+        check_token_ids(ids, VOCAB, "prompt")
+    assert (e.value.status, e.value.param) == (400, "prompt") and f"[0, {VOCAB})" in e.value.message
 
 
 @pytest.mark.parametrize("logprobs,top_logprobs,expect", [(False, None, None), (True, None, 0), (True, 4, 4)])
 def test_sampling_kwargs_chat_logprobs(logprobs, top_logprobs, expect):
     req = ChatCompletionRequest.model_validate(chat(logprobs=logprobs, top_logprobs=top_logprobs))
-    assert sampling_kwargs(req, max_model_len=32, prompt_len=3)["logprobs"] == expect
+    assert sampling_kwargs(req, max_model_len=32, prompt_len=3, vocab_size=VOCAB)["logprobs"] == expect
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_model_len=0, prompt_len=1), dict(max_model_len=8, prompt_len=-1),
-                                    dict(max_model_len=8, prompt_len=1, choice_index=1)])
+                                    dict(max_model_len=8, prompt_len=1, choice_index=1),
+                                    dict(max_model_len=8, prompt_len=1, vocab_size=0)])
 def test_sampling_kwargs_bad_arguments(kwargs):
     with pytest.raises(ValueError):
-        sampling_kwargs(CompletionRequest.model_validate(completion()), **kwargs)
+        sampling_kwargs(CompletionRequest.model_validate(completion()), **{"vocab_size": VOCAB, **kwargs})
 
 
 def test_sampling_kwargs_min_tokens_over_max_tokens_is_a_400():
     with pytest.raises(OpenAIError) as e:
-        sampling_kwargs(CompletionRequest.model_validate(completion(min_tokens=20)), max_model_len=64, prompt_len=1)
+        sampling_kwargs(CompletionRequest.model_validate(completion(min_tokens=20)), max_model_len=64, prompt_len=1,
+                        vocab_size=VOCAB)
     assert (e.value.status, e.value.param) == (400, "min_tokens")
 
 
@@ -288,7 +376,7 @@ def make_app(api_key: str | None = KEY) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     def completions(req: CompletionRequest) -> CompletionResponse:
         require_model(req.model, ["k3-tiny"])
-        kw = sampling_kwargs(req, max_model_len=32, prompt_len=len(req.prompt))
+        kw = sampling_kwargs(req, max_model_len=32, prompt_len=len(req.prompt), vocab_size=VOCAB)
         SamplingParams(**kw)
         return CompletionResponse(model=req.model, choices=[CompletionChoice(index=0, text="x", finish_reason="stop")])
 
@@ -331,7 +419,7 @@ def assert_openai_error(resp, status, type_=None, param=None, code=None):
     ("too_long", 400, "invalid_request_error", "prompt", "context_length_exceeded"),
     ("no_key", 401, "authentication_error", None, "invalid_api_key"),
     ("wrong_key", 401, "authentication_error", None, "invalid_api_key"),
-    ("internal", 500, "internal_error", None, "internal_error"),
+    ("internal", 500, "server_error", None, "internal_error"),
     ("no_route", 404, "not_found_error", None, None),
 ])
 def test_errors_through_the_app(client, kind, status, type_, param, code):
@@ -358,6 +446,21 @@ def test_errors_through_the_app(client, kind, status, type_, param, code):
     assert "secret internal detail" not in resp.text and "Traceback" not in resp.text
     # and the server keeps serving
     assert client.post("/v1/completions", json=completion(), headers=AUTH).status_code == 200
+
+
+def test_a_server_fault_names_a_request_id_that_the_log_holds(client, caplog):
+    resp = client.post("/v1/chat/completions", json=chat(), headers=AUTH)
+    err = resp.json()["error"]
+    assert (resp.status_code, err["type"]) == (500, "server_error")
+    rid = err["message"].split("request id ")[1].split(")")[0]
+    assert rid.startswith("req-")
+    logged = [r for r in caplog.records if rid in r.getMessage()]
+    assert logged and "secret internal detail" in str(logged[0].exc_info[1])
+
+
+@pytest.mark.parametrize("header", ["bearer", "BEARER", "Bearer"])
+def test_the_bearer_scheme_is_case_insensitive(client, header):
+    assert client.get("/v1/models", headers={"Authorization": f"{header} {KEY}"}).status_code == 200
 
 
 def test_api_key_optional_and_health_open(client):
@@ -420,7 +523,8 @@ def test_logprobs_with_the_k3_tokenizer_table():
 
 def test_choice_seeds_stay_in_range():
     req = CompletionRequest.model_validate(completion(seed=2**63 - 1, n=3))
-    seeds = [sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i)["seed"] for i in range(3)]
+    seeds = [sampling_kwargs(req, max_model_len=64, prompt_len=1, vocab_size=VOCAB, choice_index=i)["seed"]
+             for i in range(3)]
     assert seeds == [2**63 - 1, 0, 1]
     for i in range(3):
-        SamplingParams(**sampling_kwargs(req, max_model_len=64, prompt_len=1, choice_index=i))
+        SamplingParams(**sampling_kwargs(req, max_model_len=64, prompt_len=1, vocab_size=VOCAB, choice_index=i))
