@@ -63,13 +63,19 @@ def client_error(e: BaseException) -> OpenAIError:
     return log_fault(e, "a request to the model's servers")
 
 
+# One server-sent event of a stream (OpenAPI 3.1 documents an event stream by the schema of each
+# event): `data` is a JSON chunk of the answer, an error body, or the closing `[DONE]`.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+
+
 def _documented(answer: type[BaseModel]) -> dict:
     """The OpenAPI `responses` of a generation route: the answer or its event stream, and errors."""
     errors = {400: "bad input (param names the field)", 401: "missing or wrong API key",
               404: "unknown model", 500: "server fault (the message has a request id)",
               503: "no prefill replica answered in time"}
     return {200: {"model": answer, "description": "The answer; with stream=true server-sent events of its chunks.",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}},
             **{status: {"model": ErrorResponse, "description": why} for status, why in errors.items()}}
 
 

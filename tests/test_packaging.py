@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("model", "kernels", "platform", "jobs", "serve")  # k3.<root> is the folder <root>/
 # Read by path from a checkout (`serve run serve/config.yaml`), like the recipes in cluster/.
-REPO_ONLY = {"serve/config.yaml"}
+REPO_ONLY = {"serve/config.yaml", "serve/vision.yaml"}  # Serve configs: `serve run` reads them from a checkout
 PROBE = (
     "import platform, sysconfig, k3.platform.ops.cli as cli; "
     "assert platform.__file__.startswith(sysconfig.get_paths()['stdlib']), platform.__file__; "
