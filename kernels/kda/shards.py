@@ -91,7 +91,10 @@ def fold_shard_states(states: torch.Tensor, transitions: torch.Tensor, upto: int
                                 f"and {tuple(states.shape)}")
     if not 0 <= upto <= states.shape[0]:
         kda_fail("upto", f"must lie in [0, {states.shape[0]}], got {upto}")
-    h = states.new_zeros(states.shape[1:], dtype=torch.float32)
+    # A zero computed from `states`, not a new tensor: the result depends on what was gathered
+    # even for the first shard, so a caller whose gather is a collective runs its backward on
+    # every process (autograd skips a node whose output reaches nothing).
+    h = torch.where(torch.zeros((), dtype=torch.bool, device=states.device), states[0].float(), 0.0)
     for j in range(upto):
         h = transitions[j].float() @ h + states[j].float()
     return h
