@@ -5,14 +5,19 @@ Input: a directory of text files (*.txt, *.py, *.md, ...), a JSONL file or direc
 standard library's source). Output directory:
 
     tokenizer.json
-    shard-00000.parquet ...    one column `tokens`: list<int32> of seq_len + 1 tokens per row
+    shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
+                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins
     manifest.json              tokenizer hash, input fingerprint, counts, shard list
 
 Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifted labels).
+Documents follow each other in the rows, each ended by <eos>; `doc_start` (asked for with
+doc_starts, for long rows that hold many documents) lets training keep them apart: the KDA
+state resets and MLA masks at each start (k3.platform.train.context_parallel.stream_cu_seqlens).
 A rerun with the same input and settings finds the manifest and does nothing.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -117,9 +122,20 @@ def read_manifest(out_dir: str | Path) -> Manifest:
     return m
 
 
+def _doc_start_rows(starts: list[int], first: int, n_rows: int, row: int) -> list[list[int]]:
+    """Rows [first, first + n_rows * row) of the stream as 0/1 flags: 1 where a document begins."""
+    flags = [0] * (n_rows * row)
+    lo = bisect.bisect_left(starts, first)
+    for s in starts[lo:bisect.bisect_left(starts, first + n_rows * row)]:
+        flags[s - first] = 1
+    return [flags[r * row:(r + 1) * row] for r in range(n_rows)]
+
+
 def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: int = 256,
-            rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True) -> tuple[Manifest, bool]:
-    """Tokenize a corpus into shards. Returns (manifest, whether anything was written)."""
+            rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True,
+            doc_starts: bool = False) -> tuple[Manifest, bool]:
+    """Tokenize a corpus into shards. Returns (manifest, whether anything was written).
+    doc_starts: also write each row's `doc_start` column (see the module docstring)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if rows_per_shard < 1:
@@ -130,6 +146,8 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     # The special tokens are a setting: data made before a new one (the media tokens) is rebuilt.
     settings = {"vocab_size": vocab_size, "seq_len": seq_len, "rows_per_shard": rows_per_shard, "max_bytes": max_bytes,
                 "special_tokens": SPECIAL_TOKENS}
+    if doc_starts:  # only when asked: data prepared before the option stays up to date
+        settings["doc_starts"] = True
     if (out / MANIFEST).exists():
         try:
             old = read_manifest(out)
@@ -152,8 +170,10 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
     stream: list[int] = []
+    starts: list[int] = []  # stream offsets where a document begins
     for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
         for enc in tok.encode_batch(texts[i:i + 256]):
+            starts.append(len(stream))
             stream.extend(enc.ids)
             stream.append(ids["eos"])
     row = seq_len + 1
@@ -165,7 +185,11 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     shards = []
     for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
         rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
-        table = pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int32()))})
+        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
+        if doc_starts:
+            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
+                                            type=pa.list_(pa.int8()))
+        table = pa.table(columns)
         name = f"shard-{s:05d}.parquet"
         tmp = out / (name + ".tmp")
         pq.write_table(table, tmp)
