@@ -44,12 +44,14 @@ def fit(cfg: TrainConfig) -> dict:
             cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
             config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))
 
-    # Deterministic, equal splits of the token shards, one per worker.
+    # Deterministic, equal splits of the token shards, one per data-parallel group (the ranks of a
+    # context-parallel group read the same one).
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     manifest = read_manifest(cfg.data)
-    splits = ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers, equal=True)
+    splits = ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers // cfg.context_parallel,
+                                                                           equal=True)
 
     env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu"),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",

@@ -186,7 +186,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             st = trainer.load(Path(d))
             start_step, history = st["step"], st["history"]
     trainer.start()
-    data = StepData(trainer, loop_config["splits"][rank], start_step)
+    data = StepData(trainer, loop_config["splits"][trainer.dp_rank], start_step)  # a CP group reads one split
     log = StepLog(trainer, start_step, history)
     for step in range(start_step, cfg.steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
