@@ -1,0 +1,143 @@
+"""Long-context training benchmark: tokens/s and peak memory per rank against the sequence length,
+with context parallelism C = 1 and 2, printed as JSON (k3-tiny, fp32, CPU).
+
+    python jobs/bench_long_context.py [--T 4096 8192 16384 32768 65536] [--C 1 2] [--json out.json]
+
+Every (T, C) runs in C fresh gloo processes of one torch thread each (torch.multiprocessing), the
+ranks of one context-parallel group splitting one sequence of T tokens (one document) as
+`k3.platform.train.context_parallel` does in a training job. Each rank builds k3-tiny with
+activation checkpointing, then times one training step (forward, backward, gradients summed over
+the group, AdamW) and measures its peak memory: the high-water RSS of the step minus the RSS
+before it (the model, the optimizer state and the inputs not counted), with glibc told to return
+every block >= 128 KB to the OS on free (MALLOC_MMAP_THRESHOLD_), so RSS follows the live
+tensors instead of the allocator's cache. A no-grad forward with a timer on every attention and
+feed-forward sub-layer then splits the forward's time by kind (KDA linear in T, MLA quadratic).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65536], help="sequence lengths")
+p.add_argument("--C", nargs="*", type=int, default=[1, 2], help="context-parallel sizes")
+p.add_argument("--preset", default="k3-tiny")
+p.add_argument("--no-breakdown", action="store_true", help="skip the per-kind forward timing")
+p.add_argument("--json", help="also write the result here")
+args = p.parse_args()
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: writing 5 resets VmHWM, the peak RSS
+        f.write("5")
+
+
+def _forward_breakdown(model, ids, shard) -> dict[str, float]:
+    """Seconds of a no-grad forward spent in each kind of sub-layer (KDA, MLA, MoE/dense MLP)."""
+    import torch
+
+    spent: dict[str, float] = {}
+    started: dict[int, float] = {}
+
+    def kind_of(layer, name):
+        return type(layer.self_attn).__name__ if name == "self_attn" else "mlp"
+
+    handles = []
+    for layer in model.model.layers:
+        for name in ("self_attn", "mlp"):
+            mod, kind = getattr(layer, name), kind_of(layer, name)
+            handles.append(mod.register_forward_pre_hook(lambda m, a: started.__setitem__(id(m), time.perf_counter())))
+            handles.append(mod.register_forward_hook(
+                lambda m, a, o, kind=kind: spent.__setitem__(kind, spent.get(kind, 0.0)
+                                                             + time.perf_counter() - started[id(m)])))
+    with torch.no_grad():
+        model(ids, shard=shard, logits_at=torch.zeros(0, dtype=torch.long))
+    for h in handles:
+        h.remove()
+    return {k: round(v, 3) for k, v in spent.items()}
+
+
+def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdown: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import k3.model
+    from k3.model import get_preset
+    from k3.platform.train.context_parallel import ContextParallel, cp_groups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=C,
+                            timeout=datetime.timedelta(hours=2))
+    model = k3.model.build(get_preset(preset), seed=0).train()
+    model.model.gradient_checkpointing = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    cp = ContextParallel(cp_groups(rank, C, C), C, rank)
+    stream, shard = cp.shard(tokens)
+    sh = shard if C > 1 else None
+    dist.barrier()
+    base_kb = _status_kb("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    loss = model(stream, labels=stream, shard=sh, logits_at=torch.zeros(0, dtype=torch.long)).loss * C
+    loss.backward()
+    for p_ in model.parameters():  # the group's gradient, as DeepSpeed's all-reduce gives it
+        if C > 1:
+            dist.all_reduce(p_.grad)
+    opt.step()
+    dist.barrier()
+    step_s = time.perf_counter() - t0
+    result = {"T": T, "C": C, "rank": rank, "tokens": shard.end - shard.start, "step_s": round(step_s, 2),
+              "tokens_per_s": round(T / step_s, 1), "step_peak_mb": round((_status_kb("VmHWM") - base_kb) / 1024),
+              "peak_rss_mb": round(_status_kb("VmHWM") / 1024), "loss": float(loss) / C}
+    if breakdown:
+        result["forward_s"] = _forward_breakdown(model, stream, sh)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch
+    import torch.multiprocessing as mp
+
+    from k3.platform.ops.local_ray import free_port
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by each spawned process's glibc
+    result = {"date": datetime.date.today().isoformat(), "machine": {
+        "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "loadavg_before": os.getloadavg()}, "preset": args.preset, "runs": []}
+    for T in args.T:
+        for C in args.C:
+            if T % C:
+                sys.exit(f"bench_long_context: C={C} must divide T={T}")
+            with tempfile.TemporaryDirectory() as out:
+                mp.spawn(_worker, args=(C, T, free_port(), out, args.preset, not args.no_breakdown), nprocs=C,
+                         join=True)
+                runs = [json.load(open(f"{out}/rank{r}.json")) for r in range(C)]
+            result["runs"].extend(runs)
+            print(json.dumps(runs), file=sys.stderr, flush=True)
+    result["machine"]["loadavg_after"] = os.getloadavg()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
