@@ -40,6 +40,8 @@ p.add_argument("--checkpoint-every", type=int, default=None, help="steps between
 p.add_argument("--resume", action="store_true",
                help="continue run --name from its latest checkpoint up to --steps (the cosine schedule is --steps')")
 args = p.parse_args()
+# the job runs in Ray's copy of the working dir: it gets absolute paths
+args.data, args.runs = str(Path(args.data).resolve()), str(Path(args.runs).resolve())
 
 env = {"DS_ACCELERATOR": "cpu",
        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}

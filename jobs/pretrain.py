@@ -1,7 +1,8 @@
 """Pretrain a K3-family model on Ray: DeepSpeed expert-parallel workers, Quantile Balancing.
 
-    # against a running cluster
-    ray job submit --working-dir . -- python jobs/pretrain.py --data data/bundled --steps 300
+    # against a running cluster (inside a job the working directory is Ray's: absolute paths or URIs)
+    ray job submit --working-dir . -- python jobs/pretrain.py --data "$PWD/data/bundled" \
+        --storage-path "$PWD/runs" --steps 300
     # or locally (starts a Ray instance on 127.0.0.1)
     python jobs/pretrain.py --data data/bundled --num-workers 2 --ep-size 2
 
@@ -27,7 +28,8 @@ p.add_argument("--config", help="JSON file with TrainConfig fields (flags below 
 p.add_argument("--preset", help="model preset (default k3-tiny)")
 p.add_argument("--init-from", help="start from a released checkpoint directory (K3 release or Kimi Linear layout; "
                "each expert-parallel rank reads only its own experts)")
-p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py)")
+p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py): a path, absolute inside a Ray job and "
+               "the same on every node, or a URI (s3://, gs://, file://, local://)")
 p.add_argument("--num-workers", type=int, help="Ray Train workers")
 p.add_argument("--ep-size", type=int, help="expert-parallel size")
 p.add_argument("--context-parallel", type=int, help="ranks that split each sequence into contiguous pieces "
@@ -42,17 +44,17 @@ p.add_argument("--balance", choices=METHODS,
 p.add_argument("--activation-checkpointing", action="store_true", default=None)
 p.add_argument("--checkpoint-every", type=int)
 p.add_argument("--log-every", type=int)
-p.add_argument("--storage-path", help="where checkpoints are persisted (default ./runs)")
+p.add_argument("--storage-path", help="where checkpoints are persisted (default ./runs): a path or URI, as --data")
 p.add_argument("--name", help="run name")
 p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
 p.add_argument("--max-failures", type=int)
 p.add_argument("--seed", type=int)
 p.add_argument("--use-gpu", action="store_true", default=None)
-p.add_argument("--fail-at-step", type=int, help="testing: one worker exits at this step (fault drill)")
+p.add_argument("--fail-at-step", type=int, help="testing: one worker dies at this step (fault drill)")
 p.add_argument("--media-micro-batch", type=int, help="multimodal presets: image/video examples per worker per step")
 p.add_argument("--text-every", type=int, help="multimodal presets: every N-th step is a text batch (1: text only)")
 p.add_argument("--sample", type=int, default=64, help="tokens to sample from the final checkpoint (0: none)")
-p.add_argument("--summary-json", help="also write the summary here")
+p.add_argument("--summary-json", help="also write the summary here (with the sample and its sampling settings)")
 args = p.parse_args()
 
 # 1. Config, validated before anything starts.
@@ -103,16 +105,22 @@ except (ValueError, RuntimeError) as e:
 # single-process model.
 history = summary.pop("history")
 print("summary " + json.dumps(summary))
-if args.summary_json:
-    Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")
 if args.sample:
     from k3.model import SamplingConfig, generate
-    from k3.model.tokenizer import load_tokenizer
+    from k3.model.tokenizer import load_tokenizer, special_ids
 
     with ray.train.Checkpoint(summary["checkpoint"]).as_directory() as d:
         model = k3.model.load(d)
         tok = load_tokenizer(Path(d) / "k3" / "tokenizer.json")
-    prompt = tok.encode("def ").ids
-    new = generate(model, [prompt], SamplingConfig(max_tokens=args.sample, temperature=0.8, top_p=0.95,
-                                                seed=cfg.seed))[0]
-    print("sample:\n" + tok.decode(prompt + new))
+    # the request a client would send for it (the completions API: prompt, max_tokens, temperature,
+    # top_p, seed), ended at <|eos|> as a served model ends it; the summary keeps both, so the
+    # served checkpoint can be asked the same and must answer the same text (jobs/demo.py does)
+    sample = {"prompt": "def ", "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
+    new = generate(model, [tok.encode(sample["prompt"]).ids],
+                   SamplingConfig(**{k: v for k, v in sample.items() if k != "prompt"},
+                                  stop_token_ids=(special_ids(tok)["eos"],)))[0]
+    sample["text"] = tok.decode(new)
+    summary["sample"] = sample
+    print("sample:\n" + sample["prompt"] + sample["text"])
+if args.summary_json:
+    Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")

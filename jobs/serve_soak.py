@@ -5,9 +5,10 @@ and (with --ray-address) the Serve replicas' resident memory sampled every secon
 
 The replica processes are found through Ray's state API (every live `ServeReplica:*` actor and its
 pid, looked up again at each sample, so a replaced replica shows as a new curve) and measured with
-psutil: the replicas must run on this machine. The verdict: RSS after --warmup-s grows by at most
---max-rss-growth from the first to the last fifth of the samples. Exit status 1 on any failed
-request or a growing RSS.
+psutil: the replicas must run on this machine. The verdict is per process: no replica's RSS, after
+its own --warmup-s, grows by more than --max-rss-growth from the first to the last fifth of its
+samples; a replica that autoscaling adds or removes is listed (rss.added / rss.removed), not
+counted as growth. Exit status 1 on any failed request or a growing process.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ p.add_argument("--clients", type=int, default=32, help="concurrent streaming cli
 p.add_argument("--duration", type=float, default=60.0, help="seconds")
 p.add_argument("--input-len", type=int, default=64, help="words per prompt")
 p.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
-p.add_argument("--warmup-s", type=float, default=10.0, help="RSS samples before this are not judged")
-p.add_argument("--max-rss-growth", type=float, default=0.05, help="largest growth still called flat")
+p.add_argument("--warmup-s", type=float, default=10.0,
+               help="a process's RSS samples in its first seconds (from the start, or from when it appeared) are not judged")
+p.add_argument("--max-rss-growth", type=float, default=0.05, help="largest growth of one process still called flat")
 p.add_argument("--ray-address", default=None, help="sample the Serve replicas of this Ray cluster (its GCS address)")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 args = p.parse_args()

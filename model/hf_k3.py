@@ -21,10 +21,16 @@ plus model.embed_tokens, model.norm, model.output_attn_res_{norm,proj} and lm_he
 tower and projector (`vision_tower.*`, `mm_projector.*`, bf16) carry k3's own module names
 (model/vision.py follows the release), so they map one to one.
 
+A checkpoint loads exactly or not at all: a tensor k3 does not map, a shape the config does not
+make, a NaN or inf weight, an MXFP4 scale byte 0xFF (NaN in E8M0) or an unreadable shard is a
+ValueError naming the file and the tensor (model/checkpoint_reader.py reads them).
+
 Block AttnRes: the release mixes with softmax(proj . (norm_w * rms(v))) = softmax((proj * norm_w)
 . rms(v)), so k3 holds the product as one pseudo-query per mix (BlockAttnRes.queries). Loading
-folds it (exact in fp32: a bf16 x bf16 product fits fp32's mantissa); saving writes the query as
-the projection and ones as the norm weight, so export -> import -> export is bit-identical.
+folds the pair (exact in fp32: a bf16 x bf16 product fits fp32's mantissa); saving factors each
+query back into a bf16 pair whose product is the query exactly when it is such a product (every
+query of a loaded release), so release -> k3 -> release keeps every product and the logits, and
+export -> import -> export is bit-identical (`attn_res_pair`).
 
 A_log: the release stores [max(H, K)] fp32 for H KDA heads, one rate per head in the first H
 entries (as SGLang's K3 port and the GGUF converter read it); k3 reads those and writes zeros
@@ -33,66 +39,29 @@ after them.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint_reader import INDEX, CheckpointReader
 from .config import K3Config
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .hf_k3_config import check_quantization, config_from_release, config_to_release
 from .loading import wants_vision
 from .model import K3ForCausalLM, load_dtype
-from .moe import Experts, shard_experts
+from .moe import Experts, check_expert_parallel, require_all_experts, shard_experts
 from .multimodal import K3ForConditionalGeneration
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .vision import MoonViT, PatchMergerV2
 
+__all__ = ["CheckpointReader", "attn_res_pair", "load_k3", "read_config", "release_tensors", "save_k3"]
+
 PREFIX = "language_model."
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # named as k3's modules, no language_model. prefix
-INDEX = "model.safetensors.index.json"
 # Release tensors stored in fp32; every other floating tensor is bf16.
 _RELEASE_FP32 = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT_SRC = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
-
-
-class CheckpointReader:
-    """Lazy tensor access over sharded safetensors (or one model.safetensors).
-
-    `reads` counts every tensor read by name and `opened` lists the shard files touched, so a
-    caller (or a test) can see exactly what a load pulled from disk."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        index = self.path / INDEX
-        if index.exists():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif (self.path / "model.safetensors").exists():
-            with safe_open(self.path / "model.safetensors", "pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ValueError(f"{self.path}: no {INDEX} or model.safetensors")
-        self._files: dict[str, object] = {}
-        self.reads: Counter[str] = Counter()
-        self.opened: list[str] = []
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        file = self.weight_map[name]
-        if file not in self._files:
-            self._files[file] = safe_open(self.path / file, "pt")
-            self.opened.append(file)
-        self.reads[name] += 1
-        return self._files[file].get_tensor(name)
 
 
 def read_config(path: str | Path) -> tuple[dict, K3Config]:
@@ -151,7 +120,7 @@ def _res_names(cfg: K3Config, l: int) -> tuple[str, str]:
     return f"{base}_norm.weight", f"{base}_proj.weight"
 
 
-def _expert_name(cfg: K3Config, i: int, e: int, src: str, quantized: bool) -> list[str]:
+def _expert_name(i: int, e: int, src: str, quantized: bool) -> list[str]:
     base = f"{PREFIX}model.layers.{i}.block_sparse_moe.experts.{e}.{src}"
     return [f"{base}.weight_packed", f"{base}.weight_scale"] if quantized else [f"{base}.weight"]
 
@@ -162,6 +131,30 @@ def _conv_names(i: int) -> list[str]:
 
 def _a_log_len(cfg: K3Config) -> int:
     return max(cfg.kda_num_heads, cfg.kda_head_dim)
+
+
+# -- Block AttnRes pairs ---------------------------------------------------------------------------
+_MANTISSAS = 1 + torch.arange(128, dtype=torch.float32) / 128  # every bf16 value in [1, 2)
+
+
+def attn_res_pair(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm [D], proj [1, D]) in bf16 whose fp32 product is the nearest such product to `query` [D].
+
+    Scaling by a power of two moves a factor between norm and proj, so trying each of the 128
+    bf16 mantissas as the norm and rounding query / norm to bf16 finds the nearest product. A
+    query that is a bf16 x bf16 product (every query folded from a release) comes back exactly;
+    another (trained in fp32) within 2**-11.7 of its size, 2**-14.5 on average (bf16 alone:
+    2**-8 and 2**-9.5; measured over 200k normal values). The nearest product is factored with
+    the smallest mantissa that divides it exactly, so a product always gets the same pair."""
+    if query.is_meta:
+        return (torch.empty(query.shape[-1], dtype=torch.bfloat16, device="meta"),
+                torch.empty(1, query.shape[-1], dtype=torch.bfloat16, device="meta"))
+    q = query.detach().float().reshape(-1, 1).cpu()  # [D, 1]
+    prod = (q / _MANTISSAS).bfloat16().float() * _MANTISSAS  # [D, 128], exact: 8 x 8 mantissa bits
+    nearest = prod.gather(1, (prod - q).abs().argmin(1, keepdim=True))  # [D, 1]
+    proj = (nearest / _MANTISSAS).bfloat16()
+    first = (proj.float() * _MANTISSAS == nearest).int().argmax(1, keepdim=True)  # the smallest exact mantissa
+    return _MANTISSAS[first[:, 0]].bfloat16(), proj.gather(1, first).reshape(1, -1)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -177,14 +170,112 @@ def load_k3(path: str | Path, dtype: torch.dtype | None = None, device: str | to
     is exact); routing and KDA-gate tensors stay fp32 either way. `vision` as in k3.model.load:
     with the tower (the default when config.json has a vision_config) the result is a
     K3ForConditionalGeneration, tower and projector on every rank; vision=False reads no vision
-    tensor. (k3.model.load calls this for a release directory.)
+    tensor. Tensors k3 does not map are refused before any is read. The model's `source` records
+    `path` and the config.json, which save_k3 writes back. (k3.model.load calls this for a release.)
     """
-    _, cfg = read_config(path)
+    raw, cfg = read_config(path)
+    check_expert_parallel(ep_rank, ep_size)
     r = reader or CheckpointReader(path)
     with_tower = wants_vision(cfg, vision, f"{path}/config.json")
-    text = _load_text(r, cfg, dtype, device, ep_rank, ep_size)
-    if not with_tower:
-        return text
+    moe = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
+    quantized = bool(moe) and _expert_name(moe[0], 0, "w1", True)[0] in r
+    _refuse_unknown(r, cfg, quantized)
+    model = _load_text(r, cfg, quantized, dtype, device, ep_rank, ep_size)
+    if with_tower:
+        model = _add_tower(r, model, dtype, device)
+    model.source = Source(Path(path), "k3-release", raw)
+    return model
+
+
+def _refuse_unknown(r: CheckpointReader, cfg: K3Config, quantized: bool) -> None:
+    """A tensor the mapping does not know (an MTP layer, a misnamed one) would be dropped silently: refuse."""
+    with torch.device("meta"):
+        full = K3ForConditionalGeneration(cfg) if cfg.vision_config is not None else K3ForCausalLM(cfg)
+    unknown = sorted(set(r.keys()) - {name for name, _ in release_tensors(full, quantized)})
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} tensors k3 does not map: "
+                         f"{', '.join(r.where(n) for n in unknown[:3])}")
+
+
+class _TextState:
+    """The language model's state, filled from release tensors with each shape checked."""
+
+    def __init__(self, r: CheckpointReader, model: K3ForCausalLM, dtype: torch.dtype | None, device) -> None:
+        self.r, self.dtype, self.device = r, dtype, device
+        self.expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.state: dict[str, torch.Tensor] = {}
+
+    def read(self, rel: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.r.get(rel)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{self.r.where(rel)}: shape {tuple(t.shape)} != expected {tuple(shape)} (check "
+                             f"config.json against the weights)")
+        return t
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        self.state[name] = t.to(device=self.device, dtype=load_dtype(name, t.dtype, self.dtype))
+
+    def copy(self, name: str, rel: str) -> None:
+        self.put(name, self.read(rel, self.expected[name].shape))
+
+
+def _load_text(r: CheckpointReader, cfg: K3Config, quantized: bool, dtype: torch.dtype | None, device,
+               ep_rank: int, ep_size: int) -> K3ForCausalLM:
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    if ep_size != 1 or ep_rank != 0:
+        shard_experts(model, ep_rank, ep_size)
+    s = _TextState(r, model, dtype, device)
+    for k3_name, rel in _top_renames():
+        if not (k3_name == "lm_head.weight" and cfg.tie_word_embeddings):
+            s.copy(k3_name, rel)
+    HK, W = cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_conv_size
+    for i in range(cfg.num_layers):
+        for k3_name, rel in _renames(cfg, i):
+            s.copy(k3_name, rel)
+        a = f"model.layers.{i}.self_attn"
+        if cfg.layer_types[i] == "kda":
+            s.put(f"{a}.conv_weight", torch.cat([s.read(n, (HK, 1, W)).reshape(HK, W) for n in _conv_names(i)]))
+            s.put(f"{a}.A_log", s.read(f"{PREFIX}{a}.A_log", (_a_log_len(cfg),))[: cfg.kda_num_heads])
+        if cfg.mlp_types[i] == "moe":
+            _load_experts(model.model.layers[i].mlp.experts, s, i, quantized)
+    if cfg.attn_res_block_size is not None:
+        D, mixes = cfg.hidden_size, range(2 * cfg.num_layers + 1)
+        pairs = [(s.read(n, (D,)), s.read(p, (1, D))) for n, p in (_res_names(cfg, l) for l in mixes)]
+        s.put("model.attn_res.queries", torch.stack([p.float().reshape(-1) * n.float() for n, p in pairs]))
+    missing = sorted(set(s.expected) - set(s.state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    if missing:
+        raise ValueError(f"k3 tensors with no source in the checkpoint: {missing[:3]}")
+    model.load_state_dict(s.state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _load_experts(experts: Experts, s: _TextState, i: int, quantized: bool) -> None:
+    """Fill one MoE layer's local experts [first, first + count) one expert at a time."""
+    for dst, src in _EXPERT_SRC.items():
+        shape = tuple(s.expected[f"model.layers.{i}.mlp.experts.{dst}"].shape)
+        out = None
+        for local in range(experts.count):
+            names = _expert_name(i, experts.first + local, src, quantized)
+            if quantized:
+                where = s.r.where(names[0]).removesuffix(".weight_packed")  # "FILE: ...experts.e.w1"
+                w = dequantize_mxfp4(s.r.get(names[0]), s.r.get(names[1]), name=where)
+            else:
+                w = s.r.get(names[0])
+            if tuple(w.shape) != shape[1:]:
+                raise ValueError(f"{s.r.where(names[0])}: weight shape {tuple(w.shape)} != expected {shape[1:]}")
+            if out is None:
+                out = torch.empty(shape, dtype=s.dtype or w.dtype, device=s.device)
+            out[local].copy_(w)
+        s.state[f"model.layers.{i}.mlp.experts.{dst}"] = out
+
+
+def _add_tower(r: CheckpointReader, text: K3ForCausalLM, dtype: torch.dtype | None, device
+               ) -> K3ForConditionalGeneration:
+    """`text` with the vision tower and projector read from the checkpoint."""
+    cfg = text.cfg
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg)
     model.language_model = text
@@ -197,198 +288,128 @@ def load_k3(path: str | Path, dtype: torch.dtype | None = None, device: str | to
         for name, p in module.named_parameters():
             t = r.get(prefix + name)
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"checkpoint tensor {prefix + name}: shape {tuple(t.shape)} != expected "
-                                 f"{tuple(p.shape)} (check vision_config)")
+                raise ValueError(f"{r.where(prefix + name)}: shape {tuple(t.shape)} != expected {tuple(p.shape)} "
+                                 f"(check vision_config)")
             state[name] = t.to(device=device, dtype=dtype or t.dtype)
         module.load_state_dict(state, strict=True, assign=True)
-    unknown = sorted(n for n in r.keys() if n.startswith(VISION_PREFIXES) and n not in r.reads)
-    if unknown:
-        raise ValueError(f"checkpoint has {len(unknown)} vision tensors k3 does not map, e.g. {unknown[:3]}")
     return model
-
-
-def _load_text(r: CheckpointReader, cfg: K3Config, dtype: torch.dtype | None, device, ep_rank: int,
-               ep_size: int) -> K3ForCausalLM:
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
-    if ep_size != 1 or ep_rank != 0:
-        shard_experts(model, ep_rank, ep_size)
-    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    state: dict[str, torch.Tensor] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        want = expected[name]
-        if tuple(t.shape) != tuple(want.shape):
-            raise ValueError(f"checkpoint tensor for {name}: shape {tuple(t.shape)} != expected {tuple(want.shape)} "
-                             f"(check config.json against the weights)")
-        state[name] = t.to(device=device, dtype=load_dtype(name, t.dtype, dtype))
-
-    for k3_name, rel in _top_renames():
-        if k3_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        put(k3_name, r.get(rel))
-    quantized = False
-    for i in range(cfg.num_layers):
-        for k3_name, rel in _renames(cfg, i):
-            put(k3_name, r.get(rel))
-        a = f"model.layers.{i}.self_attn"
-        if cfg.layer_types[i] == "kda":
-            convs = [r.get(n) for n in _conv_names(i)]
-            put(f"{a}.conv_weight", torch.cat([c.reshape(c.shape[0], -1) for c in convs]))
-            a_log = r.get(f"{PREFIX}{a}.A_log").reshape(-1)
-            if a_log.numel() < cfg.kda_num_heads:
-                raise ValueError(f"{PREFIX}{a}.A_log has {a_log.numel()} values for {cfg.kda_num_heads} heads")
-            put(f"{a}.A_log", a_log[: cfg.kda_num_heads])
-        if cfg.mlp_types[i] == "moe":
-            quantized = _expert_name(cfg, i, 0, "w1", True)[0] in r
-            _load_experts(model.model.layers[i].mlp.experts, r, cfg, i, quantized, dtype, device, state)
-    if cfg.attn_res_block_size is not None:
-        rows = []
-        for l in range(2 * cfg.num_layers + 1):
-            norm, proj = (r.get(n) for n in _res_names(cfg, l))
-            rows.append(proj.float().reshape(-1) * norm.float())  # exact: bf16 x bf16 fits in fp32
-        put("model.attn_res.queries", torch.stack(rows))
-    missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
-    if missing:
-        raise ValueError(f"k3 tensors with no source in the checkpoint: {missing[:3]}")
-    _refuse_unknown(r, cfg, quantized)
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
-
-def _load_experts(experts: Experts, r: CheckpointReader, cfg: K3Config, i: int, quantized: bool,
-                  dtype: torch.dtype | None, device, state: dict) -> None:
-    """Fill one MoE layer's local experts [first, first + count) one expert at a time."""
-    for dst, src in _EXPERT_SRC.items():
-        meta = getattr(experts, dst)
-        out = None
-        for local in range(experts.count):
-            names = _expert_name(cfg, i, experts.first + local, src, quantized)
-            w = dequantize_mxfp4(r.get(names[0]), r.get(names[1])) if quantized else r.get(names[0])
-            if tuple(w.shape) != tuple(meta.shape[1:]):
-                raise ValueError(f"{names[0]}: weight shape {tuple(w.shape)} != expected {tuple(meta.shape[1:])}")
-            if out is None:
-                out = torch.empty(meta.shape, dtype=dtype or w.dtype, device=device)
-            out[local].copy_(w)
-        state[f"model.layers.{i}.mlp.experts.{dst}"] = out
-
-
-def _refuse_unknown(r: CheckpointReader, cfg: K3Config, quantized: bool) -> None:
-    """Text tensors the mapping does not know (e.g. MTP layers) would be silently dropped: refuse."""
-    known = set(r.reads)
-    for i in range(cfg.num_layers):
-        if cfg.mlp_types[i] == "moe":
-            for e in range(cfg.num_experts):
-                for src in _EXPERT_SRC.values():
-                    known.update(_expert_name(cfg, i, e, src, quantized))
-    unknown = sorted(n for n in r.keys() if n.startswith(PREFIX) and n not in known)
-    if unknown:
-        raise ValueError(f"checkpoint has {len(unknown)} text tensors k3 does not map, e.g. {unknown[:3]}")
 
 
 # -- save ----------------------------------------------------------------------------------------
-def _release_dtype(name: str) -> torch.dtype:
-    return torch.float32 if name.endswith(_RELEASE_FP32) else torch.bfloat16
+def _cast(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` as the release stores tensor `name`: bf16, or fp32 for the few fp32 families."""
+    dtype = torch.float32 if name.endswith(_RELEASE_FP32) else torch.bfloat16
+    return t.detach().to(device="meta" if t.is_meta else "cpu", dtype=dtype).contiguous()
 
 
 def release_tensors(model: K3ForCausalLM | K3ForConditionalGeneration,
                     quantize_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(release name, tensor) for every tensor, layer by layer (routed experts one at a time), then
-    the vision tower's and projector's (bf16) for a K3ForConditionalGeneration.
+    the vision tower's and projector's (bf16) for a K3ForConditionalGeneration. The model must
+    hold every expert.
 
-    Works on a meta-device model too (shapes only), which is how the release layout is counted."""
+    Works on a meta-device model too (shapes only), which is how the release layout is counted
+    and how a load knows the names it maps."""
     if isinstance(model, K3ForConditionalGeneration):
         yield from release_tensors(model.language_model, quantize_experts)
         for prefix, module in (("vision_tower.", model.vision_tower), ("mm_projector.", model.mm_projector)):
             for name, p in module.named_parameters():
-                yield prefix + name, p.detach().to(device="meta" if p.is_meta else "cpu",
-                                                   dtype=torch.bfloat16).contiguous()
+                yield prefix + name, _cast(prefix + name, p)
         return
+    require_all_experts(model)
     cfg = model.cfg
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-    def cast(name: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device="cpu" if not t.is_meta else "meta", dtype=_release_dtype(name)).contiguous()
-
     for k3_name, rel in _top_renames():
-        yield rel, cast(rel, params["model.embed_tokens.weight" if k3_name == "lm_head.weight"
-                                    and cfg.tie_word_embeddings else k3_name])
-    queries = params.get("model.attn_res.queries")
+        tied = k3_name == "lm_head.weight" and cfg.tie_word_embeddings
+        yield rel, _cast(rel, params["model.embed_tokens.weight" if tied else k3_name])
     for i in range(cfg.num_layers):
-        for k3_name, rel in _renames(cfg, i):
-            yield rel, cast(rel, params[k3_name])
-        a = f"model.layers.{i}.self_attn"
-        if cfg.layer_types[i] == "kda":
-            for name, chunk in zip(_conv_names(i), params[f"{a}.conv_weight"].chunk(3, dim=0)):
-                yield name, cast(name, chunk[:, None, :])
-            a_log = params[f"{a}.A_log"].detach()
-            padded = torch.zeros(_a_log_len(cfg), dtype=torch.float32, device=a_log.device)
-            if not a_log.is_meta:
-                padded[: cfg.kda_num_heads] = a_log.float()
-            yield f"{PREFIX}{a}.A_log", cast(".A_log", padded)
-        if queries is not None:
-            for l in (2 * i, 2 * i + 1):
-                yield from _res_tensors(cfg, l, queries[l])
-        if cfg.mlp_types[i] == "moe":
-            experts = model.model.layers[i].mlp.experts
-            if experts.count != cfg.num_experts:
-                raise ValueError(f"layer {i} holds experts [{experts.first}, {experts.first + experts.count}) of "
-                                 f"{cfg.num_experts}: save a model with every expert")
-            # On the meta device (counting) every expert has the same shapes: build them once.
-            shapes = {dst: quantize_mxfp4(getattr(experts, dst)[0]) if quantize_experts else
-                      (cast(".weight", getattr(experts, dst)[0]),) for dst in _EXPERT_SRC} if experts.w_gate.is_meta \
-                else None
-            for e in range(cfg.num_experts):
-                for dst, src in _EXPERT_SRC.items():
-                    names = _expert_name(cfg, i, e, src, quantize_experts)
-                    if shapes is not None:
-                        yield from zip(names, shapes[dst])
-                        continue
-                    w = getattr(experts, dst)[e].detach()
-                    if quantize_experts:
-                        packed, scale = quantize_mxfp4(w.cpu())
-                        yield names[0], packed
-                        yield names[1], scale
-                    else:
-                        yield names[0], cast(names[0], w)
-    if queries is not None:
-        yield from _res_tensors(cfg, 2 * cfg.num_layers, queries[-1])
+        yield from _layer_tensors(model, params, i, quantize_experts)
+    if cfg.attn_res_block_size is not None:
+        yield from _res_tensors(cfg, 2 * cfg.num_layers, params["model.attn_res.queries"][-1])
+
+
+def _layer_tensors(model: K3ForCausalLM, params: dict[str, torch.Tensor], i: int,
+                   quantize_experts: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    cfg = model.cfg
+    for k3_name, rel in _renames(cfg, i):
+        yield rel, _cast(rel, params[k3_name])
+    a = f"model.layers.{i}.self_attn"
+    if cfg.layer_types[i] == "kda":
+        for name, chunk in zip(_conv_names(i), params[f"{a}.conv_weight"].chunk(3, dim=0)):
+            yield name, _cast(name, chunk[:, None, :])
+        a_log = params[f"{a}.A_log"].detach()
+        padded = torch.zeros(_a_log_len(cfg), dtype=torch.float32, device=a_log.device)
+        if not a_log.is_meta:
+            padded[: cfg.kda_num_heads] = a_log.float()
+        yield f"{PREFIX}{a}.A_log", _cast(".A_log", padded)
+    if cfg.attn_res_block_size is not None:
+        for l in (2 * i, 2 * i + 1):
+            yield from _res_tensors(cfg, l, params["model.attn_res.queries"][l])
+    if cfg.mlp_types[i] == "moe":
+        yield from _expert_tensors(model.model.layers[i].mlp.experts, i, quantize_experts)
+
+
+def _expert_tensors(experts: Experts, i: int, quantize: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    # On the meta device (counting, naming) every expert has the same shapes: build them once.
+    meta = None
+    if experts.w_gate.is_meta:
+        meta = {dst: quantize_mxfp4(w[0]) if quantize else (_cast(".weight", w[0]),)
+                for dst, w in ((dst, getattr(experts, dst)) for dst in _EXPERT_SRC)}
+    for e in range(experts.count):
+        for dst, src in _EXPERT_SRC.items():
+            names = _expert_name(i, e, src, quantize)
+            if meta is not None:
+                yield from zip(names, meta[dst])
+            elif quantize:
+                yield from zip(names, quantize_mxfp4(getattr(experts, dst)[e].detach().cpu()))
+            else:
+                yield names[0], _cast(names[0], getattr(experts, dst)[e])
 
 
 def _res_tensors(cfg: K3Config, l: int, query: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    norm, proj = _res_names(cfg, l)
-    dev = "meta" if query.is_meta else "cpu"
-    yield norm, torch.ones(query.shape[-1], dtype=torch.bfloat16, device=dev)
-    yield proj, query.detach().to(device=dev, dtype=torch.bfloat16).reshape(1, -1).contiguous()
+    yield from zip(_res_names(cfg, l), attn_res_pair(query))
 
 
 def save_k3(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path, max_shard_bytes: int = 4 << 30,
-            quantize_experts: bool = True) -> None:
+            quantize_experts: bool = True, overwrite: bool = False) -> None:
     """Write config.json + sharded safetensors + model.safetensors.index.json in the release layout.
 
     Tensors are produced layer by layer and a shard is written as soon as it is full, so memory
     stays at the model plus one shard. A K3ForConditionalGeneration also writes its vision tower,
-    projector and vision_config; a K3ForCausalLM writes a text-only checkpoint."""
+    projector and vision_config; a K3ForCausalLM writes a text-only checkpoint. A model loaded
+    from a release writes back the release config's fields k3 does not use.
+
+    Written beside `path` and swapped in when complete (model/directory.py): a failure leaves the
+    previous checkpoint as it was; files of `path` that are not weights or config.json (a
+    tokenizer) stay. Refused before anything is written: a model holding only some experts, a
+    config the layout cannot express, and the directory the model was loaded from (its weights are
+    memory-mapped from there) unless `overwrite`."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in path.glob("model-*.safetensors"):
-        old.unlink()
+    check_destination(model.source, path, overwrite)
+    require_all_experts(model)
+    base = model.source.config if model.source is not None and model.source.layout == "k3-release" else None
+    cfg = config_to_release(model.cfg, with_vision=isinstance(model, K3ForConditionalGeneration),
+                            quantized_experts=quantize_experts, base=base)
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
+        _write_shards(release_tensors(model, quantize_experts), new, max_shard_bytes)
+        (new / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
+    """Shards of at most max_shard_bytes (or one tensor) and their index, into `out`."""
     shards: list[list[str]] = []
     buf: dict[str, torch.Tensor] = {}
     size = total = 0
 
     def flush() -> None:
         nonlocal buf, size
-        if buf:
-            save_file(buf, str(path / f"model-{len(shards) + 1:05d}.tmp.safetensors"), metadata={"format": "pt"})
+        if buf:  # the shard count is known only at the end: numbered now, named model-i-of-n then
+            save_file(buf, str(out / f"part-{len(shards) + 1:05d}.safetensors"), metadata={"format": "pt"})
             shards.append(list(buf))
             buf, size = {}, 0
 
-    for name, t in release_tensors(model, quantize_experts):
+    for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         if size and size + nbytes > max_shard_bytes:
             flush()
@@ -399,10 +420,6 @@ def save_k3(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path,
     weight_map = {}
     for s, names in enumerate(shards):
         final = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
-        (path / f"model-{s + 1:05d}.tmp.safetensors").rename(path / final)
+        (out / f"part-{s + 1:05d}.safetensors").rename(out / final)
         weight_map.update({n: final for n in names})
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-                              + "\n")
-    cfg = config_to_release(model.cfg, with_vision=isinstance(model, K3ForConditionalGeneration),
-                            quantized_experts=quantize_experts)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

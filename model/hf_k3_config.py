@@ -6,7 +6,8 @@ plus K3's additions) and a `vision_config` (MoonViT-V2, `vt_*` names). Field mea
 release's own modeling code (mirrored in the public ports, see docs/checkpoints.md):
 
 - `linear_attn_config.kda_layers` / `full_attn_layers`: 1-based KDA and MLA layers;
-  `gate_lower_bound` set -> the bounded KDA gate; `use_full_rank_gate` -> the full-rank output gate.
+  `gate_lower_bound` a number -> the bounded KDA gate, null -> Kimi Linear's unbounded one;
+  `use_full_rank_gate` -> the full-rank output gate.
 - a layer is MoE when `num_experts` is set, layer >= `first_k_dense_replace` and
   layer % `moe_layer_freq` == 0 (0-based), dense otherwise.
 - `hidden_act` "situ" with `activation_situ_beta` / `activation_situ_linear_beta` -> SiTU-GLU
@@ -16,15 +17,24 @@ release's own modeling code (mirrored in the public ports, see docs/checkpoints.
 - the MLA q/kv latent norms use eps 1e-6 in the release's modeling code (its RMSNorm default;
   `rms_norm_eps` is not passed to them), which is K3Config.mla_norm_eps's default.
 
-Values k3 cannot honour (grouped routing, softmax routing, rotated MLA, MTP layers, a latent MoE
-without its norm, ...) raise a ValueError naming the field.
+Values k3 cannot honour (grouped routing, softmax routing, a `topk_method` other than
+"noaux_tc", rotated MLA, MTP layers, a latent MoE without its norm, ...) raise a ValueError naming
+the field. So does a missing field that the release always sets and that the weights cannot
+confirm: `hidden_act`, `activation_situ_beta` / `activation_situ_linear_beta`, `rms_norm_eps`,
+`linear_attn_config.gate_lower_bound` and, with experts, `num_experts_per_token`,
+`first_k_dense_replace`, `routed_scaling_factor`, `moe_renormalize`, `topk_method`; k3 never
+guesses them. Defaults remain only where they equal the release's modeling code and the release
+(`moe_layer_freq` 1, sigmoid routing, one expert group, no MTP layers) or where a wrong guess
+cannot load (head counts and sizes, which the weights' shapes check, and features whose tensors
+would be missing or left over).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
-from .config import K3Config
+from .config import K3Config, get_preset
 from .vision_config import K3VisionConfig
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
@@ -74,101 +84,160 @@ def config_from_release(d: dict) -> K3Config:
     tc = d.get("text_config", d)
     if not isinstance(tc, dict):
         raise ValueError("config.json: text_config must be an object")
-
-    def get(name: str, default: Any = None) -> Any:
-        v = tc.get(name, d.get(name) if tc is not d else None)
-        return default if v is None else v
-
-    L = get("num_hidden_layers")
+    f = _Fields(d, tc)
+    L = f.get("num_hidden_layers")
     if not isinstance(L, int) or L < 1:
         raise ValueError(f"config.json: text_config.num_hidden_layers must be a positive int, got {L!r}")
     lin = tc.get("linear_attn_config") or {}
+    layer_types = _layer_types(L, lin)
+    moe = f.get("num_experts") is not None
+    mlp_types = mlp_schedule(L, f.required("first_k_dense_replace"), f.get("moe_layer_freq", 1)) if moe else \
+        ["dense"] * L
+    _refuse_unsupported(f, layer_types)
+    if "gate_lower_bound" not in lin:
+        raise ValueError("config.json text_config.linear_attn_config.gate_lower_bound is missing: the K3 release "
+                         "always sets it (-5.0); null selects Kimi Linear's unbounded gate")
+    bound, eos = lin["gate_lower_bound"], f.get("eos_token_id")
+    vision = vision_from_release(d["vision_config"]) if d.get("vision_config") and tc is not d else None
+    return K3Config(
+        vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=layer_types,
+        mlp_types=mlp_types, intermediate_size=f.get("intermediate_size"),
+        rms_norm_eps=float(f.required("rms_norm_eps")), max_position_embeddings=f.get("max_position_embeddings", 1 << 20),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)), **_activation(f),
+        kda_num_heads=lin.get("num_heads", f.get("num_attention_heads")), kda_head_dim=lin.get("head_dim", 128),
+        kda_conv_size=lin.get("short_conv_kernel_size", 4),
+        kda_gate="unbounded" if bound is None else "bounded", kda_gate_lower_bound=-5.0 if bound is None else float(bound),
+        kda_output_gate="full" if lin.get("use_full_rank_gate", False) else "low_rank",
+        num_heads=f.get("num_attention_heads"), q_lora_rank=f.get("q_lora_rank"), kv_lora_rank=f.get("kv_lora_rank"),
+        qk_nope_head_dim=f.get("qk_nope_head_dim"), qk_rope_head_dim=f.get("qk_rope_head_dim"),
+        v_head_dim=f.get("v_head_dim"), mla_output_gate=bool(f.get("mla_use_output_gate", False)),
+        mla_norm_eps=MLA_NORM_EPS, **(_moe(f) if moe else _NO_MOE), attn_res_block_size=f.get("attn_res_block_size"),
+        bos_token_id=f.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        pad_token_id=f.get("pad_token_id"), vision_config=vision,
+        media_placeholder_token_id=d.get("media_placeholder_token_id"),
+    )
+
+
+# A config without experts (all dense) still fills the MoE fields validly; they are unused.
+_NO_MOE = dict(num_experts=2, num_experts_per_token=1, num_shared_experts=0, moe_intermediate_size=1,
+               moe_latent_size=None, routed_scaling=1.0, moe_renormalize=True)
+
+
+class _Fields:
+    """text_config fields, falling back to the top level (where the release repeats token ids)."""
+
+    def __init__(self, d: dict, tc: dict) -> None:
+        self.d, self.tc = d, tc
+
+    def get(self, name: str, default: Any = None) -> Any:
+        v = self.tc.get(name, self.d.get(name) if self.tc is not self.d else None)
+        return default if v is None else v
+
+    def required(self, name: str) -> Any:
+        """A field the K3 release always sets and the weights cannot confirm: never guessed."""
+        v = self.get(name)
+        if v is None:
+            raise ValueError(f"config.json text_config.{name} is missing: the K3 release always sets it and k3 "
+                             f"does not guess it")
+        return v
+
+
+def _layer_types(L: int, lin: dict) -> list[str]:
     kda = set(lin.get("kda_layers") or [])
     full = set(lin.get("full_attn_layers") or [])
     if kda & full or (kda | full) - set(range(1, L + 1)):
         raise ValueError("config.json: linear_attn_config.kda_layers / full_attn_layers must split layers 1..L")
     if not kda and not full:
         raise ValueError("config.json: text_config.linear_attn_config needs kda_layers and full_attn_layers")
-    layer_types = ["kda" if i + 1 in kda else "mla" for i in range(L)]
+    return ["kda" if i + 1 in kda else "mla" for i in range(L)]
 
-    if get("num_experts") is None:
-        mlp_types = ["dense"] * L
-    else:
-        mlp_types = mlp_schedule(L, get("first_k_dense_replace", 0), get("moe_layer_freq", 1))
 
-    act = get("hidden_act", "silu")
-    if act == "situ":
-        b1, b2 = get("activation_situ_beta", 1.0), tc.get("activation_situ_linear_beta")
-        if b2 is None:
-            _refuse("activation_situ_linear_beta", b2, "SiTU without the up-projection clamp is not in k3")
-        activation = dict(activation="situ_glu", situ_b1=float(b1), situ_b2=float(b2))
-    elif act == "silu":
-        activation = dict(activation="swiglu")
-    else:
+def _activation(f: _Fields) -> dict:
+    act = f.required("hidden_act")
+    if act == "silu":
+        return dict(activation="swiglu")
+    if act != "situ":
         _refuse("hidden_act", act, "k3 runs 'situ' (SiTU-GLU) or 'silu' (SwiGLU) only")
-    if get("moe_router_activation_func", "sigmoid") != "sigmoid":
-        _refuse("moe_router_activation_func", get("moe_router_activation_func"), "k3's router is sigmoid")
-    groups, topk_group = get("num_expert_group", 1), get("topk_group", 1)
+    return dict(activation="situ_glu", situ_b1=float(f.required("activation_situ_beta")),
+                situ_b2=float(f.required("activation_situ_linear_beta")))
+
+
+def _moe(f: _Fields) -> dict:
+    if f.required("topk_method") != "noaux_tc":
+        _refuse("topk_method", f.get("topk_method"), "k3 selects by score + e_score_correction_bias ('noaux_tc')")
+    latent = f.get("routed_expert_hidden_size")
+    if latent is not None and not f.tc.get("latent_moe_use_norm", False):
+        _refuse("latent_moe_use_norm", f.tc.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
+    return dict(num_experts=f.get("num_experts"), num_experts_per_token=f.required("num_experts_per_token"),
+                num_shared_experts=f.get("num_shared_experts", 0), moe_intermediate_size=f.get("moe_intermediate_size"),
+                moe_latent_size=latent, routed_scaling=float(f.required("routed_scaling_factor")),
+                moe_renormalize=bool(f.required("moe_renormalize")))
+
+
+def _refuse_unsupported(f: _Fields, layer_types: list[str]) -> None:
+    if f.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        _refuse("moe_router_activation_func", f.get("moe_router_activation_func"), "k3's router is sigmoid")
+    groups, topk_group = f.get("num_expert_group", 1), f.get("topk_group", 1)
     if groups > 1 and groups > topk_group:
         _refuse("num_expert_group", groups, "grouped routing is not supported by k3")
-    if not tc.get("mla_use_nope", False) and "mla" in layer_types:
-        _refuse("mla_use_nope", tc.get("mla_use_nope"), "k3's MLA is NoPE (no rotary embedding)")
-    if get("num_nextn_predict_layers", 0):
-        _refuse("num_nextn_predict_layers", get("num_nextn_predict_layers"), "MTP layers are not supported by k3")
-    if get("num_key_value_heads", get("num_attention_heads")) != get("num_attention_heads"):
-        _refuse("num_key_value_heads", get("num_key_value_heads"), "MLA has one KV latent for all heads")
-    latent = get("routed_expert_hidden_size")
-    if latent is not None and not tc.get("latent_moe_use_norm", False):
-        _refuse("latent_moe_use_norm", tc.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
-    bound = lin.get("gate_lower_bound")
-    eos = get("eos_token_id")
-    vision = vision_from_release(d["vision_config"]) if d.get("vision_config") and tc is not d else None
-    return K3Config(
-        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=L, layer_types=layer_types,
-        mlp_types=mlp_types, intermediate_size=get("intermediate_size"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=get("max_position_embeddings", 1_048_576),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)), **activation,
-        kda_num_heads=lin.get("num_heads", get("num_attention_heads")), kda_head_dim=lin.get("head_dim", 128),
-        kda_conv_size=lin.get("short_conv_kernel_size", 4),
-        kda_gate="unbounded" if bound is None else "bounded", kda_gate_lower_bound=-5.0 if bound is None else float(bound),
-        kda_output_gate="full" if lin.get("use_full_rank_gate", False) else "low_rank",
-        num_heads=get("num_attention_heads"), q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank"),
-        qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
-        v_head_dim=get("v_head_dim"), mla_output_gate=bool(get("mla_use_output_gate", False)),
-        mla_norm_eps=MLA_NORM_EPS,
-        # A config without experts (all dense) still fills the MoE fields validly; they are unused.
-        num_experts=get("num_experts", 2), num_experts_per_token=get("num_experts_per_token", 1),
-        num_shared_experts=get("num_shared_experts", 0), moe_intermediate_size=get("moe_intermediate_size", 1),
-        moe_latent_size=latent,
-        routed_scaling=float(get("routed_scaling_factor", 1.0)), moe_renormalize=bool(get("moe_renormalize", True)),
-        attn_res_block_size=get("attn_res_block_size"), bos_token_id=get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=get("pad_token_id"),
-        vision_config=vision, media_placeholder_token_id=d.get("media_placeholder_token_id"),
-    )
+    if not f.tc.get("mla_use_nope", False) and "mla" in layer_types:
+        _refuse("mla_use_nope", f.tc.get("mla_use_nope"), "k3's MLA is NoPE (no rotary embedding)")
+    if f.get("num_nextn_predict_layers", 0):
+        _refuse("num_nextn_predict_layers", f.get("num_nextn_predict_layers"), "MTP layers are not supported by k3")
+    if f.get("num_key_value_heads", f.get("num_attention_heads")) != f.get("num_attention_heads"):
+        _refuse("num_key_value_heads", f.get("num_key_value_heads"), "MLA has one KV latent for all heads")
 
 
-def config_to_release(cfg: K3Config, with_vision: bool = False, quantized_experts: bool = True) -> dict:
+def config_to_release(cfg: K3Config, with_vision: bool = False, quantized_experts: bool = True,
+                      base: dict | None = None) -> dict:
     """The release config.json for a K3Config; with_vision adds its vision_config (the tower's weights
     are in the checkpoint). k3's own vision fields (e.g. vt_rms_norm_eps) are written too, so the
-    config reads back unchanged."""
+    config reads back unchanged.
+
+    `base`: the config.json the model was loaded from. Its fields k3 does not write stay as they
+    were (at every level), so other loaders read the export as they read the original; a field k3
+    writes takes k3's value, or is dropped where k3 writes none (quantization_config of unquantised
+    experts, vision_config of a text-only model). The original quantization_config is kept when the
+    experts are quantised again: k3 reads only its format and group size."""
     if cfg.mla_norm_eps != MLA_NORM_EPS and "mla" in cfg.layer_types:
         raise ValueError(f"mla_norm_eps={cfg.mla_norm_eps}: the release layout fixes the MLA latent norm eps at "
                          f"{MLA_NORM_EPS}")
-    if cfg.activation == "swiglu":
-        act: dict[str, Any] = {"hidden_act": "silu"}
-    else:
-        act = {"hidden_act": "situ", "activation_situ_beta": cfg.situ_b1, "activation_situ_linear_beta": cfg.situ_b2}
-    has_moe = "moe" in cfg.mlp_types
-    first, freq = schedule_params(cfg.mlp_types) if has_moe else (cfg.num_layers, 1)
+    text = _text_config(cfg)
+    if "moe" in cfg.mlp_types:
+        text.update(_moe_config(cfg))
+        if quantized_experts:
+            text["quantization_config"] = _QUANTIZATION
+    out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": text,
+           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+           "tie_word_embeddings": cfg.tie_word_embeddings}
+    if cfg.media_placeholder_token_id is not None:
+        out["media_placeholder_token_id"] = cfg.media_placeholder_token_id
+    if with_vision:
+        if cfg.vision_config is None:
+            raise ValueError("config has no vision_config to write")
+        out["vision_config"] = {**cfg.vision_config.to_dict(), "mlp_type": "mlp2"}
+    if base is None:
+        return out
+    merged = _merge(base, out, _written_fields())
+    original_q = (base.get("text_config") or {}).get("quantization_config")
+    if "quantization_config" in text and original_q:
+        merged["text_config"]["quantization_config"] = original_q
+    return merged
+
+
+def _text_config(cfg: K3Config) -> dict:
     lin = {
         "kda_layers": [i + 1 for i, t in enumerate(cfg.layer_types) if t == "kda"],
         "full_attn_layers": [i + 1 for i, t in enumerate(cfg.layer_types) if t == "mla"],
         "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim, "short_conv_kernel_size": cfg.kda_conv_size,
         "use_full_rank_gate": cfg.kda_output_gate == "full",
+        "gate_lower_bound": cfg.kda_gate_lower_bound if cfg.kda_gate == "bounded" else None,
     }
-    if cfg.kda_gate == "bounded":
-        lin["gate_lower_bound"] = cfg.kda_gate_lower_bound
-    text = {
+    if cfg.activation == "swiglu":
+        act: dict[str, Any] = {"hidden_act": "silu"}
+    else:
+        act = {"hidden_act": "situ", "activation_situ_beta": cfg.situ_b1, "activation_situ_linear_beta": cfg.situ_b2}
+    return {
         "model_type": "kimi_linear", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
@@ -180,36 +249,50 @@ def config_to_release(cfg: K3Config, with_vision: bool = False, quantized_expert
         "num_nextn_predict_layers": 0, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
     }
-    if has_moe:
-        text.update({
-            "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
-            "num_shared_experts": cfg.num_shared_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
-            "first_k_dense_replace": first, "moe_layer_freq": freq, "routed_expert_hidden_size": cfg.moe_latent_size,
-            "latent_moe_use_norm": cfg.moe_latent_size is not None, "routed_scaling_factor": cfg.routed_scaling,
-            "moe_renormalize": cfg.moe_renormalize, "moe_router_activation_func": "sigmoid",
-            "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-        })
-        if quantized_experts:
-            # Only the routed experts are quantised; the ignore list names the other Linear
-            # families, but loaders detect quantisation by `weight_packed`, as the release needs.
-            text["quantization_config"] = {
-                "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
-                                              "input_activations": None,
-                                              "weights": {"num_bits": 4, "type": "float", "group_size": 32,
-                                                          "strategy": "group", "symmetric": True}}},
-                "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*",
-                           "re:.*routed_expert_(down|up)_proj.*", "re:vision_tower.*", "re:mm_projector.*"],
-            }
-    out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": text,
-           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
-           "tie_word_embeddings": cfg.tie_word_embeddings}
-    if cfg.media_placeholder_token_id is not None:
-        out["media_placeholder_token_id"] = cfg.media_placeholder_token_id
-    if with_vision:
-        if cfg.vision_config is None:
-            raise ValueError("config has no vision_config to write")
-        out["vision_config"] = {**cfg.vision_config.to_dict(), "mlp_type": "mlp2"}
+
+
+def _moe_config(cfg: K3Config) -> dict:
+    first, freq = schedule_params(cfg.mlp_types)
+    return {
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
+        "num_shared_experts": cfg.num_shared_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "first_k_dense_replace": first, "moe_layer_freq": freq, "routed_expert_hidden_size": cfg.moe_latent_size,
+        "latent_moe_use_norm": cfg.moe_latent_size is not None, "routed_scaling_factor": cfg.routed_scaling,
+        "moe_renormalize": cfg.moe_renormalize, "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+    }
+
+
+# Only the routed experts are quantised; the ignore list names the other Linear families, but
+# loaders detect quantisation by `weight_packed`, as the release needs.
+_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+    "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"], "input_activations": None,
+                                  "weights": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group",
+                                              "symmetric": True}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*",
+               "re:.*routed_expert_(down|up)_proj.*", "re:vision_tower.*", "re:mm_projector.*"],
+}
+
+
+@functools.cache
+def _written_fields() -> dict:
+    """Every field config_to_release can write, nested as written: its output for the K3 preset,
+    which has every feature on."""
+    return config_to_release(get_preset("k3"), with_vision=True)
+
+
+def _merge(base: dict, ours: dict, written: dict) -> dict:
+    """`ours` over `base` in base's order: a field k3 writes (a key of `written`) takes our value or
+    is left out; base's other fields stay; objects both sides write merge the same way, level by level."""
+    out = {}
+    for k, v in base.items():
+        if k in ours:
+            nested = isinstance(v, dict) and isinstance(ours[k], dict) and isinstance(written.get(k), dict)
+            out[k] = _merge(v, ours[k], written[k]) if nested else ours[k]
+        elif k not in written:
+            out[k] = v
+    out.update({k: v for k, v in ours.items() if k not in base})
     return out
 
 

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint_reader import CheckpointReader
 from .config import K3Config
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .hf_k3_config import mlp_schedule, schedule_params
 from .loading import wants_vision
 from .model import K3ForCausalLM, load_dtype
+from .moe import require_all_experts
 
 
 def config_from_hf(hf: dict) -> K3Config:
@@ -120,34 +122,10 @@ def config_to_hf(cfg: K3Config) -> dict:
     }
 
 
-class _Reader:
-    """Lazy access to the tensors of a safetensors checkpoint (single file or sharded index)."""
-
-    def __init__(self, path: Path) -> None:
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (path / "model.safetensors").exists():
-            with safe_open(path / "model.safetensors", "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        self.path, self.weight_map, self._open = path, weight_map, {}
-
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def get(self, name: str) -> torch.Tensor:
-        file = self.weight_map[name]
-        if file not in self._open:
-            self._open[file] = safe_open(self.path / file, "pt")
-        return self._open[file].get_tensor(name)
-
-
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
 
-def _hf_to_k3_tensors(reader: _Reader, cfg: K3Config) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_to_k3_tensors(reader: CheckpointReader, cfg: K3Config) -> Iterator[tuple[str, torch.Tensor]]:
     used: set[str] = set()
     names = reader.keys()
     for i, kind in enumerate(cfg.layer_types):
@@ -216,7 +194,7 @@ def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
         model = K3ForCausalLM(cfg)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     state: dict[str, torch.Tensor] = {}
-    for name, t in _hf_to_k3_tensors(_Reader(path), cfg):
+    for name, t in _hf_to_k3_tensors(CheckpointReader(path), cfg):
         if name not in expected:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         want = expected[name]
@@ -231,15 +209,25 @@ def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
         if n not in state:  # a checkpoint without a router bias: zeros
             state[n] = torch.zeros(expected[n].shape, dtype=torch.float32, device=device)
     model.load_state_dict(state, strict=True, assign=True)
+    model.source = Source(path, "kimi-linear")
     return model
 
 
-def save_kimi_linear(model: K3ForCausalLM, path: str | Path) -> None:
-    """Write config.json + model.safetensors in the released Kimi Linear layout."""
+def save_kimi_linear(model: K3ForCausalLM, path: str | Path, overwrite: bool = False) -> None:
+    """Write config.json + model.safetensors in the released Kimi Linear layout.
+
+    Written beside `path` and swapped in when complete (model/directory.py): a failure leaves the
+    previous checkpoint as it was; files of `path` that are not weights or config.json (a
+    tokenizer) stay. Refused before anything is written: a model holding only some experts, K3
+    features Kimi Linear cannot express, and the directory the model was loaded from unless
+    `overwrite`."""
+    if not isinstance(model, K3ForCausalLM):
+        raise ValueError(f"Kimi Linear has no vision tower: save a K3ForCausalLM (e.g. model.language_model), "
+                         f"got {type(model).__name__}")
+    check_destination(model.source, path, overwrite)
+    require_all_experts(model)
     cfg = model.cfg
     hf_cfg = config_to_hf(cfg)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
     for name, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
         t = t.detach().cpu().contiguous()
@@ -273,5 +261,6 @@ def save_kimi_linear(model: K3ForCausalLM, path: str | Path) -> None:
                 out[f"{moe}.experts.{e}.{src}.weight"] = t[e].contiguous()
         else:
             out[f"{moe}.{rest}"] = t
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
+        save_file(out, str(new / "model.safetensors"), metadata={"format": "pt"})
+        (new / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")

@@ -109,7 +109,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str | torch
     """The model in a checkpoint directory, in eval mode. dtype None keeps the stored dtypes
     (routing and KDA-gate tensors stay fp32 whatever is asked). With ep_size > 1 the model holds
     only rank ep_rank's experts; the K3 release streams just those tensors from disk, the other
-    layouts read whole and keep the rank's rows."""
+    layouts read whole and keep the rank's rows. `model.source` records the directory and its
+    layout (k3.model.directory.Source): the writers refuse to write over it unless overwrite=True."""
     fmt = checkpoint_format(path)
     if fmt == "k3-release":
         from .hf_k3 import load_k3

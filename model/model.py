@@ -17,6 +17,7 @@ from torch import nn
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
 from .cache import CacheBatch
 from .config import K3Config
+from .directory import Source
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import GatedMLP, LatentMoE, RouterOutput
@@ -208,6 +209,7 @@ class K3ForCausalLM(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.cfg = cfg
+        self.source: Source | None = None  # where a loader read the weights from (model/directory.py)
         self.model = K3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -210,20 +210,36 @@ def is_expert_param(name: str) -> bool:
 
 
 def shard_experts(model: nn.Module, ep_rank: int, ep_size: int) -> None:
-    """Every MoE layer of `model` keeps only expert-parallel rank `ep_rank`'s experts."""
+    """Every MoE layer of `model` keeps only expert-parallel rank `ep_rank`'s experts. The
+    placement is checked even when no layer is MoE."""
+    check_expert_parallel(ep_rank, ep_size)
     for m in model.modules():
         if isinstance(m, LatentMoE):
             m.keep_experts(ep_rank, ep_size)
 
 
-def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
-    """(first, count) of the routed experts expert-parallel rank `ep_rank` of `ep_size` holds:
-    the contiguous range [rank E / ep, (rank + 1) E / ep)."""
+def require_all_experts(model: nn.Module) -> None:
+    """A checkpoint holds every routed expert: refuse a model that holds only a rank's range."""
+    for m in model.modules():
+        if isinstance(m, LatentMoE) and m.experts.count != m.cfg.num_experts:
+            e = m.experts
+            raise ValueError(f"layer {e.layer_idx} holds experts [{e.first}, {e.first + e.count}) of "
+                             f"{m.cfg.num_experts}: save a model with every expert (loaded with ep_size=1)")
+
+
+def check_expert_parallel(ep_rank: int, ep_size: int) -> None:
+    """ep_rank and ep_size are integers with 0 <= ep_rank < ep_size."""
     for name, v in (("ep_rank", ep_rank), ("ep_size", ep_size)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an integer, got {v!r}")
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size}) with ep_size >= 1")
+
+
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """(first, count) of the routed experts expert-parallel rank `ep_rank` of `ep_size` holds:
+    the contiguous range [rank E / ep, (rank + 1) E / ep)."""
+    check_expert_parallel(ep_rank, ep_size)
     if num_experts % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide num_experts={num_experts}")
     n = num_experts // ep_size

@@ -17,6 +17,7 @@ from torch import nn
 
 from .cache import CacheBatch
 from .config import K3Config
+from .directory import Source
 from .model import CausalLMOutput, K3ForCausalLM
 from .vision import MoonViT, PatchMergerV2, grid_list, init_vision_, tokens_per_item
 
@@ -44,6 +45,15 @@ class K3ForConditionalGeneration(nn.Module):
         """The decoder stack (K3Model), as on K3ForCausalLM: code that walks `model.model.layers`
         (expert placement, balancing, activation checkpointing) takes either class."""
         return self.language_model.model
+
+    @property
+    def source(self) -> Source | None:
+        """Where a loader read the weights from: the language model's (model/directory.py)."""
+        return self.language_model.source
+
+    @source.setter
+    def source(self, value: Source | None) -> None:
+        self.language_model.source = value
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

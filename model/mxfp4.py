@@ -6,7 +6,7 @@ A quantised Linear weight W [out, in] is stored as two uint8 tensors:
   in the low nibble of byte j, element 2j + 1 in the high nibble. In a code, bit 3 is the sign
   and bits 0-2 index the magnitudes E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6].
 - `weight_scale` [out, in / 32]: one E8M0 exponent per group of 32 consecutive elements of a row;
-  the group's values are E2M1[code] * 2 ** (scale - 127).
+  the group's values are E2M1[code] * 2 ** (scale - 127). Byte 0xFF is NaN in E8M0: refused.
 
 Quantising a group (the OCP MX rule): the shared exponent is floor(log2(max |w|)) - 2 (2 is the
 exponent of E2M1's largest value, 6 = 1.5 * 2**2), so max |w| / 2**e lands in [4, 8); each
@@ -46,23 +46,29 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: must be a 2-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}")
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     name: str = "W") -> torch.Tensor:
     """weight_packed [out, in / 2] uint8 + weight_scale [out, in / 32] uint8 -> W [out, in] in `dtype`.
 
-    Every MXFP4 value is exactly representable in bf16 and fp32, so either dtype is lossless."""
+    Every MXFP4 value is exactly representable in bf16 and fp32, so either dtype is lossless. A
+    scale byte 0xFF (NaN in E8M0) is refused. `name` prefixes the tensors' names in errors."""
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         scale = scale.view(torch.uint8)
-    _check("weight_packed", packed, torch.uint8)
-    _check("weight_scale", scale, torch.uint8)
+    _check(f"{name}.weight_packed", packed, torch.uint8)
+    _check(f"{name}.weight_scale", scale, torch.uint8)
     out, half = packed.shape
     if scale.shape != (out, 2 * half // GROUP) or (2 * half) % GROUP:
-        raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not fit weight_packed {tuple(packed.shape)} "
-                         f"(expected [{out}, {2 * half // GROUP}], groups of {GROUP})")
+        raise ValueError(f"{name}.weight_scale: shape {tuple(scale.shape)} does not fit weight_packed "
+                         f"{tuple(packed.shape)} (expected [{out}, {2 * half // GROUP}], groups of {GROUP})")
     if packed.is_meta:
         return torch.empty(out, 2 * half, dtype=dtype, device="meta")
+    nan = (scale == 0xFF).nonzero()
+    if len(nan):
+        raise ValueError(f"{name}.weight_scale: byte 0xFF (NaN in E8M0) at [row, group] {nan[0].tolist()}; "
+                         f"k3 loads exact weights only")
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(out, 2 * half).long()  # [out, in]
     table = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=packed.device)
     values = table[codes]

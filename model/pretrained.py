@@ -13,23 +13,35 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import K3Config
+from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .loading import model_class
 from .model import K3ForCausalLM, load_dtype
+from .moe import require_all_experts
 from .multimodal import K3ForConditionalGeneration
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-def save_model_dir(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path) -> Path:
-    """Write config.json and model.safetensors (with a vision tower, its config and weights too)."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (WEIGHTS + ".tmp")
+def save_model_dir(model: K3ForCausalLM | K3ForConditionalGeneration, path: str | Path,
+                   overwrite: bool = False) -> Path:
+    """Write config.json and model.safetensors (with a vision tower, its config and weights too).
+
+    Written beside and swapped in (model/directory.py): a failure leaves the previous directory as
+    it was, and its other files (a tokenizer) stay. Refused before anything is written: a model
+    holding only some experts, and the directory the model was loaded from unless `overwrite`."""
+    check_destination(model.source, path, overwrite)
+    require_all_experts(model)
+    with write_beside(path, stale=owned(MODEL_FILES)) as new:
+        write_model_files(model, new)
+    return Path(path)
+
+
+def write_model_files(model: K3ForCausalLM | K3ForConditionalGeneration, directory: Path) -> None:
+    """config.json and model.safetensors of `model` into `directory` as they are (no checks, no swap:
+    the caller's write_beside provides both)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp), metadata={"format": "pt", "k3": "1"})
-    tmp.replace(out / WEIGHTS)  # a half-written file never carries the final name
-    model.cfg.to_json(out / CONFIG)
-    return out
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt", "k3": "1"})
+    model.cfg.to_json(directory / CONFIG)
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -57,4 +69,5 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
                              f"{tuple(v.shape)}")
     state = {k: v.to(load_dtype(k, v.dtype, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    model.source = Source(root, "k3")
     return model.eval()

@@ -29,11 +29,30 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int =
     return tok
 
 
+# The tokenizer k3 ships (package data beside the release configs; model/data/tokenizer.md says
+# how it was made): served with a preset's random weights when no other tokenizer is given.
+BUNDLED_TOKENIZER = Path(__file__).with_name("data") / "tokenizer.json"
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise ValueError(f"tokenizer file not found: {p}")
     return Tokenizer.from_file(str(p))
+
+
+def check_tokenizer_fits(tok: Tokenizer, cfg, where: str = "tokenizer") -> None:
+    """ValueError unless every id `tok` produces is in `cfg`'s vocabulary and the special ids the
+    model config names (bos, eos, pad, media placeholder) are `tok`'s for those tokens."""
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(f"{where} has {tok.get_vocab_size()} tokens, more than the model's vocab_size {cfg.vocab_size}")
+    ids = special_ids(tok)
+    for name, fld in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id"),
+                      ("media_pad", "media_placeholder_token_id")):
+        want = getattr(cfg, fld)
+        if want is not None and ids[name] != want:
+            raise ValueError(f"{where} has {SPECIAL_TOKENS[SPECIAL_NAMES.index(name)]} at id {ids[name]}, but the "
+                             f"model's {fld} is {want}")
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .config import K3Config
+from .directory import Source
 from .model import K3ForCausalLM, load_dtype
 from .moe import is_expert_param
 
@@ -97,4 +98,5 @@ def load_training_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     with torch.device("meta"):
         model = cls(cfg)
     model.load_state_dict(state, strict=True, assign=True)
+    model.source = Source(Path(path), "training")
     return model

@@ -34,7 +34,7 @@ from .protocol import ChatMessage
 TURN_END = "<|im_end|>"
 
 # Text parts of one message are joined with a newline, as ChatMessage.text() joins them. A picture
-# or video part renders its `placeholder` string, which the ingress (serve/media.py) gives each
+# or video part renders its `placeholder` string, which the ingress (serve/chat_media.py) gives each
 # part and later replaces by the item's token ids; a media part without one is refused.
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for m in messages -%}"

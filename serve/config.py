@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from k3.model.tokenizer import BUNDLED_TOKENIZER, check_tokenizer_fits, load_tokenizer
 from k3.serve.engine import EngineConfig
 
 
@@ -34,8 +35,8 @@ class DeploymentSpec(BaseModel):
 
 
 class ModelSource(BaseModel):
-    """Where the weights come from: a k3 model directory, or random weights of a preset (tests,
-    load generators)."""
+    """Where the weights and the tokenizer come from: a k3 model directory, or random weights of a
+    preset (tests, load generators, the default serve/config.yaml) with k3's bundled tokenizer."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,7 +45,10 @@ class ModelSource(BaseModel):
                                                "the chat template), a K3 release or a Kimi Linear checkpoint.")
     preset: str | None = Field(None, description="A k3 preset name for random weights (no path).")
     seed: int = Field(0, ge=0, description="Seed of the random weights (with preset).")
-    tokenizer_path: str | None = Field(None, description="tokenizer.json when not inside `path`.")
+    tokenizer_path: str | None = Field(None, description="A tokenizer.json to serve with (a tokenizer_config.json "
+                                                         "beside it may hold the chat template). Default: the one "
+                                                         "in `path`; with a preset, k3's bundled tokenizer (vocab "
+                                                         "4096, trained on the bundled corpus).")
 
     @model_validator(mode="after")
     def _one(self) -> "ModelSource":
@@ -52,11 +56,33 @@ class ModelSource(BaseModel):
             raise ValueError("model: give exactly one of `path` or `preset`")
         if self.path is not None and not Path(self.path).is_dir():
             raise ValueError(f"model.path {self.path!r} is not a directory")
+        if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_file():
+            raise ValueError(f"model.tokenizer_path {self.tokenizer_path!r} is not a file")
+        if self.preset is not None and self.tokenizer_path is None:
+            from k3.model import get_preset
+
+            check_tokenizer_fits(load_tokenizer(BUNDLED_TOKENIZER), get_preset(self.preset),
+                                 f"k3's bundled tokenizer (give model.tokenizer_path for preset {self.preset!r})")
         return self
+
+    def tokenizer_file(self) -> Path | None:
+        """The tokenizer.json served with this model; None for a model directory without one
+        (the API then takes token ids only)."""
+        if self.tokenizer_path is not None:
+            return Path(self.tokenizer_path)
+        if self.preset is not None:
+            return BUNDLED_TOKENIZER
+        own = Path(self.path) / "tokenizer.json"
+        return own if own.is_file() else None
+
+    def tokenizer(self):
+        """The served `tokenizers.Tokenizer`, or None (tokenizer_file)."""
+        f = self.tokenizer_file()
+        return load_tokenizer(f) if f is not None else None
 
 
 class MediaConfig(BaseModel):
-    """Limits on images and video in chat requests (the ingress processes them; serve/media.py)."""
+    """Limits on images and video in chat requests (the ingress processes them; serve/chat_media.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

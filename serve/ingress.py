@@ -1,7 +1,7 @@
 """The OpenAI-compatible front door: FastAPI through `@serve.ingress`.
 
 The ingress owns text: it authenticates, renders chat templates, tokenizes, processes images and
-video (serve/media.py: data URLs only, into patches it `ray.put`s for the replica that runs the
+video (serve/chat_media.py: data URLs only, into patches it `ray.put`s for the replica that runs the
 prompt), checks the context limit and turns OpenAI fields into SamplingParams, then streams
 `RequestOutput`s from the server deployment (DecodeServer when disaggregated, LLMServer
 otherwise) and shapes them into OpenAI responses or server-sent events. It measures what a client sees: time to first token,
@@ -18,7 +18,6 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -30,13 +29,13 @@ from k3.serve.config import LLMServingConfig
 from k3.serve.engine import RequestFailed, RequestOutput
 from k3.serve.engine.detokenizer import Detokenizer
 from k3.serve.errors import OpenAIError, install_error_handlers, require_model
-from k3.serve.media import ChatMedia
+from k3.serve.chat_media import ChatMedia
 from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatDelta,
                                ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
                                CompletionStreamResponse, ModelCard, ModelList, UsageInfo, chat_logprobs,
                                completion_logprobs, new_id, sampling_kwargs, sse_error, sse_event)
-from k3.serve.servers import GenerateRequest, HandoffFailed, load_tokenizer
+from k3.serve.servers import GenerateRequest, HandoffFailed
 import k3.model
 
 api = FastAPI(title="k3", description="OpenAI-compatible API of a k3 model served on Ray Serve.")
@@ -59,11 +58,10 @@ class Ingress:
     def __init__(self, config: LLMServingConfig | dict, server) -> None:
         self.config = LLMServingConfig.model_validate(config)
         self.server = server.options(stream=True)
-        self.tokenizer = load_tokenizer(self.config.model)
-        src = self.config.model
-        tok_dir = Path(src.tokenizer_path).parent if src.tokenizer_path else (Path(src.path) if src.path else None)
-        self.chat = ChatTemplate.from_checkpoint(tok_dir) if tok_dir is not None and \
-            (tok_dir / "tokenizer.json").is_file() else ChatTemplate()
+        tok_file = self.config.model.tokenizer_file()
+        self.tokenizer = self.config.model.tokenizer()
+        # the chat template travels with the tokenizer (tokenizer_config.json beside it)
+        self.chat = ChatTemplate.from_checkpoint(tok_file.parent) if tok_file is not None else ChatTemplate()
         self.token_bytes = Detokenizer(self.tokenizer).table.__getitem__ if self.tokenizer is not None else None
         model_cfg = self._model_config()
         self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings

@@ -97,7 +97,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     Serve builds one per deployment handle, in the caller's process; `request_router_kwargs`
     reach `initialize_state`. Requests are matched to their own routing decision (no FIFO mixin:
-    FIFO hands a replica chosen for one request's prefix to whichever request is oldest).
+    FIFO hands a replica chosen for one request's prefix to whichever request is oldest), by
+    `_fulfill_next_pending_request`, the hook Serve's own mixins override for that.
     """
 
     def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, seed: int | None = None) -> None:
@@ -117,6 +118,27 @@ class PrefixAffinityRouter(RequestRouter):
             queue_lens = await self._queue_lens(candidate_replicas)
         ranks = rank_replicas(key, list(by_id), queue_lens, self.max_imbalance, self.rng)
         return [[by_id[i] for i in rank] for rank in ranks]
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Hand `replica` to the oldest pending request with the routed request's internal id.
+
+        Serve's default matches by that id through an index that keeps one request per id. But
+        every handle call a replica makes while serving one request inherits that request's id
+        (Serve's request context): the n choices of one completion reach the prefill deployment
+        under one id. The index held only the first; once it was served the others matched
+        nothing, and their routing tasks looped without ever awaiting (queue lengths cached),
+        starving the caller's router loop, its queue-length probes and every prefill reply
+        (n >= 3 choices timed out). Here the requests sharing an id are the choices of one
+        completion (one prompt, one route key): the replica chosen for one is right for each."""
+        if request_metadata is None:
+            return
+        for pr in self._pending_requests_to_fulfill:
+            if not pr.future.done() and pr.metadata.internal_request_id == request_metadata.internal_request_id:
+                self._cancel_routing_task_for_pending_request(pr)
+                self._record_queue_wait_time(pr)
+                pr.future.set_result(replica)
+                self._remove_pending_request_from_indices(pr)
+                return
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Queue lengths from Serve's cache where fresh, probing the rest (as Serve's own routers do)."""

@@ -22,7 +22,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -70,15 +69,6 @@ async def fetch_media(req: GenerateRequest) -> list | None:
     return await req.media[0] if req.media else None
 
 
-def load_tokenizer(src: ModelSource):
-    from tokenizers import Tokenizer
-
-    path = src.tokenizer_path or (str(Path(src.path) / "tokenizer.json") if src.path else None)
-    if path is None or not Path(path).is_file():
-        return None
-    return Tokenizer.from_file(path)
-
-
 class EngineHost:
     """One engine in a replica, and the replica's engine gauges reported every second."""
 
@@ -88,7 +78,7 @@ class EngineHost:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
         model = load_model(self.config.model)
-        engine = LLMEngine(model, self.config.engine, load_tokenizer(self.config.model))
+        engine = LLMEngine(model, self.config.engine, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)
         self._reporter: asyncio.Task | None = None
@@ -243,6 +233,11 @@ class DecodeServer(EngineHost):
     def __init__(self, config: LLMServingConfig | dict, prefill) -> None:
         super().__init__(config)
         self.prefill = prefill  # DeploymentHandle of the PrefillServer deployment
+        self.handoffs = 0  # handoffs asked for
+        self.handoff_retries = 0  # prefill attempts after a handoff's first one failed
+
+    def handoff_stats(self) -> dict:
+        return {"handoffs": self.handoffs, "handoff_retries": self.handoff_retries}
 
     async def _handoff(self, req: GenerateRequest):
         """(first output or None, state or None) from a prefill replica, retrying on failures that
@@ -252,7 +247,13 @@ class DecodeServer(EngineHost):
         lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
         last: Exception | None = None
         t0 = time.perf_counter()
+        self.handoffs += 1
         for attempt in range(self.config.handoff_attempts):
+            if last is not None:
+                self.handoff_retries += 1
+                self.metrics.inc("k3_serve_handoff_retries", error=type(last).__name__)
+                logger.warning("handoff attempt %d of %d failed, retrying (%s: %s)", attempt, self.config.handoff_attempts,
+                               type(last).__name__, last)
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
                 if reply["state"] is None:

@@ -5,6 +5,10 @@ memory sampled once a second to show it stays flat after warm-up.
 
 `sample_rss()` returns {process label: RSS bytes}; `jobs/serve_soak.py` finds the Serve replica
 processes through Ray's state API, a test passes the current process.
+
+Memory is judged per process, each after its own warm-up: autoscaling that adds a replica adds
+its memory to the total without any process growing, and a replica that goes away takes its
+memory with it. The summary names the processes added and removed during the run.
 """
 from __future__ import annotations
 
@@ -36,16 +40,18 @@ class SoakConfig(BaseModel):
     duration_s: float = Field(60.0, gt=0, description="How long clients start new requests.")
     input_len: int = Field(64, ge=1, description="Words per prompt.")
     output_len: int = Field(32, ge=1, description="max_tokens per request.")
-    warmup_s: float = Field(10.0, ge=0, description="RSS samples before this are warm-up, outside the verdict.")
+    warmup_s: float = Field(10.0, ge=0, description="A process's RSS samples in its first warmup_s seconds (from the "
+                                                    "run's start, or from when it appeared) are outside the verdict.")
     rss_interval_s: float = Field(1.0, gt=0, description="Seconds between RSS samples.")
-    max_rss_growth: float = Field(0.05, ge=0, description="Flat: total RSS grows by at most this fraction "
-                                                          "from the first to the last fifth after warm-up.")
+    max_rss_growth: float = Field(0.05, ge=0, description="Flat: no process's RSS grows by more than this fraction "
+                                                          "from the first to the last fifth of its samples after "
+                                                          "its warm-up.")
     seed: int = Field(0, description="Seed of the prompts.")
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout.")
 
 
 def rss_verdict(times_s: list[float], totals: list[int], warmup_s: float, max_growth: float) -> dict:
-    """Whether the RSS curve is flat after warm-up: the mean of the last fifth of the samples against
+    """Whether one RSS curve is flat after warm-up: the mean of the last fifth of the samples against
     the first fifth (after warm-up), and the least-squares slope in MB/min."""
     after = [(t, r) for t, r in zip(times_s, totals) if t >= warmup_s]
     if len(after) < 5:
@@ -58,6 +64,33 @@ def rss_verdict(times_s: list[float], totals: list[int], warmup_s: float, max_gr
     slope = float(np.polyfit(t, r, 1)[0]) * 60 / 2**20
     return {"flat": growth <= max_growth, "growth_fraction": round(growth, 4),
             "slope_mb_per_min": round(slope, 3), "max_growth": max_growth}
+
+
+def process_verdicts(times_s: list[float], per_process: dict[str, list[int | None]], warmup_s: float,
+                     max_growth: float) -> dict:
+    """The memory verdict of a run: each process's curve judged on its own (rss_verdict, its warm-up
+    counted from its first sample), and which processes came and went.
+
+    Args:
+        times_s: sample times.
+        per_process: each process's RSS at every sample, None where it did not exist.
+    Returns {"flat": every judged process flat (None when none could be judged), "growing": the
+    processes that grew, "processes": each one's verdict, "added" / "removed": processes absent
+    from the first / last sample}."""
+    if any(len(v) != len(times_s) for v in per_process.values()):
+        raise ValueError(f"per_process: every curve needs one value per sample ({len(times_s)})")
+    verdicts = {}
+    for label, curve in per_process.items():
+        seen = [(t, r) for t, r in zip(times_s, curve) if r is not None]
+        if not seen:
+            raise ValueError(f"per_process[{label!r}] has no sample")
+        verdicts[label] = rss_verdict([t for t, _ in seen], [r for _, r in seen], seen[0][0] + warmup_s, max_growth)
+    judged = [v["flat"] for v in verdicts.values() if v["flat"] is not None]
+    return {"flat": all(judged) if judged else None,
+            "growing": sorted(k for k, v in verdicts.items() if v["flat"] is False),
+            "processes": verdicts,
+            "added": sorted(k for k, v in per_process.items() if v[0] is None),
+            "removed": sorted(k for k, v in per_process.items() if v[-1] is None)}
 
 
 async def run_soak(cfg: SoakConfig, sample_rss: RssSampler | None = None) -> dict:
@@ -105,12 +138,12 @@ async def run_soak(cfg: SoakConfig, sample_rss: RssSampler | None = None) -> dic
     summary["config"] = {**cfg.model_dump(exclude={"api_key"}), "model": model}
     if sample_rss is not None:
         times = [round(t, 2) for t, _ in samples]
-        totals = [sum(s.values()) for _, s in samples]
         labels = sorted({k for _, s in samples for k in s})
+        per_process = {k: [s.get(k) for _, s in samples] for k in labels}
         summary["rss"] = {
             "t_s": times,
-            "total_mb": [round(x / 2**20, 2) for x in totals],
-            "per_process_mb": {k: [round(s[k] / 2**20, 2) if k in s else None for _, s in samples] for k in labels},
-            **rss_verdict(times, totals, cfg.warmup_s, cfg.max_rss_growth),
+            "total_mb": [round(sum(s.values()) / 2**20, 2) for _, s in samples],
+            "per_process_mb": {k: [None if r is None else round(r / 2**20, 2) for r in v] for k, v in per_process.items()},
+            **process_verdicts(times, per_process, cfg.warmup_s, cfg.max_rss_growth),
         }
     return summary

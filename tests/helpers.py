@@ -44,3 +44,43 @@ def kimi_linear_torch_only():
                 else:
                     sys.modules[k] = v
     return mod
+
+
+def run_killed_midway(call: str, target: str, after: int, cwd=None):
+    """Run the Python source `call` in a fresh interpreter in which `target` ("module:attr" or
+    "module:Class.attr", e.g. "pyarrow.parquet:write_table") SIGKILLs the process right after its
+    `after`-th call returns: a writer killed midway, at a point the test names. Asserts the process
+    died there (a call that never reached the point would make the test prove nothing)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    module, attr = target.split(":")
+    owner_path, _, name = attr.rpartition(".")
+    code = textwrap.dedent(f"""
+        import importlib, os, signal
+        owner = importlib.import_module({module!r})
+        for part in {owner_path!r}.split(".") if {owner_path!r} else []:
+            owner = getattr(owner, part)
+        original, calls = getattr(owner, {name!r}), [0]
+        def killing(*args, **kwargs):
+            out = original(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == {after}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        setattr(owner, {name!r}, killing)
+    """) + textwrap.dedent(call)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {target} call {after}: rc {proc.returncode}\n" \
+                                               f"{proc.stderr[-2000:]}"
+    return proc
+
+
+def tree_bytes(root) -> dict:
+    """{relative path: bytes} of every file under `root` (what a directory holds, to compare)."""
+    from pathlib import Path
+
+    root = Path(root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -32,6 +32,7 @@ def tiny_release_config(**text_overrides) -> dict:
         "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "latent_moe_use_norm": True,
         "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_scaling_factor": 1.0, "moe_renormalize": True,
         "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "topk_method": "noaux_tc",
         "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
         "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3, 4], "num_heads": 4, "head_dim": 32,
                                "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},

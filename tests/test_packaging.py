@@ -124,7 +124,9 @@ for job in jobs:  # a job runs on import: --help stops it after its imports and 
     except SystemExit as e:
         exits[job] = e.code
 data = {f.name: len(json.loads(f.read_text())) for f in files("k3.model.data").iterdir() if f.name.endswith(".json")}
-print(json.dumps({"where": where, "jobs": exits, "data": data}))
+from k3.serve.config import ModelSource
+served = ModelSource(preset="k3-tiny").tokenizer().get_vocab_size()  # the bundled tokenizer, from the wheel
+print(json.dumps({"where": where, "jobs": exits, "data": data, "served_vocab": served}))
 """
 
 
@@ -159,7 +161,8 @@ def test_installed_wheel_imports_every_module_and_runs_the_cli(wheel, tmp_path):
     elsewhere = {m: f for m, f in got["where"].items() if not f.startswith(str(venv))}
     assert not elsewhere, f"imported from outside the installed wheel: {elsewhere}"
     assert got["jobs"] == dict.fromkeys(jobs, 0)
-    assert set(got["data"]) == {"k3_release_config.json", "kimi_linear_48b_a3b_config.json"}
+    assert set(got["data"]) == {"k3_release_config.json", "kimi_linear_48b_a3b_config.json", "tokenizer.json"}
+    assert got["served_vocab"] == 4096
     cli = subprocess.run([venv / "bin" / "k3", "params", "--preset", "k3-tiny"], cwd=outside, env=clean_env(),
                          capture_output=True, text=True, timeout=600)
     assert cli.returncode == 0, cli.stderr[-3000:]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from k3.model.directory import write_beside
+
 DATASOURCE_VAR = "datasource"
 RATE = "$__rate_interval"  # Grafana's rate window: at least four scrape intervals
 FOLDER_UID = "k3"
@@ -99,6 +101,9 @@ SERVING_PANELS: tuple[PanelSpec, ...] = (
               _quantiles("ray_k3_serve_handoff_bytes", "model")),
     PanelSpec("Handoff latency", "seconds to export, move and import one request's cache state, percentiles", "s",
               _quantiles("ray_k3_serve_handoff_seconds", "model")),
+    PanelSpec("Handoff retries", "prefill attempts tried again per second after one lost the state or timed out, "
+              "by error", "ops",
+              (Query(f"sum by (error) (rate(ray_k3_serve_handoff_retries_total[{RATE}]))", "{{error}}"),)),
     PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric)",
               "none", (Query("sum by (application, deployment) (ray_serve_deployment_replica_healthy)",
                              "{{application}}/{{deployment}}"),)),
@@ -175,20 +180,18 @@ def provisioning_files(dashboards_path: str) -> dict[str, dict]:
 
 
 def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/grafana/dashboards/k3") -> list[Path]:
-    """Write both dashboards' JSON and the provisioning files under out_dir; returns the paths."""
+    """Write both dashboards' JSON and the provisioning files under out_dir; returns the paths. The
+    new files are written beside out_dir and swapped in together (k3.model.directory),
+    keeping the folder's other files: a writer killed midway leaves the previous version."""
     out = Path(out_dir)
-    written = []
-    for d in (training_dashboard(), serving_dashboard()):
-        p = out / f"{d['uid']}.json"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-        written.append(p)
-    for rel, body in provisioning_files(dashboards_path).items():
-        p = out / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(yaml.safe_dump(body, sort_keys=False))
-        written.append(p)
-    return written
+    files = {f"{d['uid']}.json": json.dumps(d, indent=2, sort_keys=True) + "\n"
+             for d in (training_dashboard(), serving_dashboard())}
+    files |= {rel: yaml.safe_dump(body, sort_keys=False) for rel, body in provisioning_files(dashboards_path).items()}
+    with write_beside(out) as stage:
+        for rel, text in files.items():
+            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+            (stage / rel).write_text(text)
+    return [out / rel for rel in files]
 
 
 class GrafanaPushError(RuntimeError):

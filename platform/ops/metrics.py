@@ -68,6 +68,8 @@ SERVE_METRICS: dict[str, tuple] = {  # (kind, description, tag keys[, histogram 
                                ("model",), BYTES_BUCKETS),
     "k3_serve_handoff_seconds": ("histogram", "seconds to export, move and import one request's cache state",
                                  ("model",), TTFT_BUCKETS),
+    "k3_serve_handoff_retries": ("counter", "prefill attempts of a handoff that failed and were tried again, by error",
+                                 ("model", "error")),
 }
 
 

@@ -12,10 +12,12 @@ registers the checkpoint only once all are persisted, so a half-written one is n
     k3/tokenizer.json           the tokenizer the data was made with
 
 `k3.model.load(checkpoint)` reads one as a single model.
+
+`data` and `storage_path` are paths or URIs (k3.platform.train.storage): `located()` makes them
+absolute and refuses a relative one inside a Ray job, where the working directory is Ray's.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +27,7 @@ from k3.model.config import PRESETS
 from k3.platform.balance.config import BalanceConfig
 from k3.platform.balance.strategies import check_method
 
+from . import storage
 from .data import read_manifest
 from .vision_data import read_vision_info
 
@@ -39,7 +42,9 @@ class TrainConfig(BaseModel):
     init_from: str | None = Field(None, description="Start from a checkpoint directory (a k3 model directory, the K3 "
                                   "release layout or Kimi Linear); its config.json replaces the preset.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
-    data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py.")
+    data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py: a path (absolute "
+                      "inside a Ray job; the same on every node of a cluster) or a URI pyarrow reads (s3://, gs://, "
+                      "file://, local://).")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one model shard each).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel ranks; must divide num_experts and num_workers.")
     context_parallel: int = Field(1, ge=1, description="Ranks that split each step's sequences into contiguous "
@@ -64,14 +69,19 @@ class TrainConfig(BaseModel):
     balance: BalanceConfig = Field(default_factory=BalanceConfig, description="Expert balancing method and knobs.")
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (and at the end).")
     log_every: int = Field(10, ge=1, description="Steps between log lines and metric reports.")
-    storage_path: str = Field("runs", description="Where Ray Train persists checkpoints.")
+    storage_path: str = Field("runs", description="Where Ray Train persists checkpoints (the run is <storage_path>/"
+                              "<name>): a path or URI, with the same rules as data.")
     name: str = Field("k3-pretrain", description="Run name (a directory under storage_path).")
     resume: bool = Field(False, description="Continue from the run's latest checkpoint.")
     max_failures: int = Field(2, ge=0, description="Worker-group restarts after failures.")
     seed: int = Field(0, description="Seed of the model init, data order and sampling.")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL, bf16).")
     coordinator_name: str = Field("k3-balance", description="Name of the BalanceCoordinator actor.")
-    fail_at_step: int | None = Field(None, description="Testing: rank 1 exits at this step once (fault drill).")
+    fail_at_step: int | None = Field(None, description="Testing: the fault drill; rank 1 dies once at this step "
+                                     "(from 0), at the point fail_in names.")
+    fail_in: Literal["step", "save"] = Field("step", description="Testing: where the fault drill kills rank 1: at the "
+                                             "start of step fail_at_step, or with SIGKILL midway through writing the "
+                                             "checkpoint at its end (the step must end with one).")
     media_micro_batch: int = Field(32, ge=1, description="Multimodal presets: image/video examples per worker per "
                                    "media step (from <data>/media, jobs/prepare_data.py --vision).")
     text_every: int = Field(4, ge=1, description="Multimodal presets: every text_every-th step is a text batch, the "
@@ -84,36 +94,51 @@ class TrainConfig(BaseModel):
             return load_config(self.init_from)
         return get_preset(self.preset, **self.model_overrides)
 
+    def located(self) -> "TrainConfig":
+        """This config with `data` and `storage_path` as every process of the run must read them
+        (absolute paths, or the URIs as given); ValueError for a location k3 cannot use."""
+        return self.model_copy(update={"data": storage.resolve(self.data, "--data"),
+                                       "storage_path": storage.resolve(self.storage_path, "--storage-path")})
+
     def check(self) -> dict:
-        """Everything that can be known before a worker starts; returns the manifest as a dict."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
-        cfg = self.model_cfg()
-        if self.num_workers % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide num_workers={self.num_workers}")
-        if "moe" in cfg.mlp_types and cfg.num_experts % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide num_experts={cfg.num_experts}")
-        if not Path(self.data).exists():
+        """Everything that can be known before a worker starts, on the located config (`located`);
+        returns the data's sizes."""
+        run = self.located()
+        if run.preset not in PRESETS:
+            raise ValueError(f"preset {run.preset!r} is not one of {sorted(PRESETS)}")
+        mcfg = run.model_cfg()
+        if run.num_workers % run.ep_size:
+            raise ValueError(f"ep_size={run.ep_size} must divide num_workers={run.num_workers}")
+        if "moe" in mcfg.mlp_types and mcfg.num_experts % run.ep_size:
+            raise ValueError(f"ep_size={run.ep_size} must divide num_experts={mcfg.num_experts}")
+        if run.fail_in == "save" and run.fail_at_step is not None and (run.fail_at_step + 1) % run.checkpoint_every \
+                and run.fail_at_step + 1 != run.steps:
+            raise ValueError(f"fail_in='save' needs a checkpoint at the end of step {run.fail_at_step}")
+        m = run._check_data(mcfg)
+        check_method(run, mcfg)
+        return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
+
+    def _check_data(self, mcfg: K3Config):
+        """The prepared data against the model and the batch sizes; returns its manifest."""
+        if not storage.exists(self.data):
             raise ValueError(f"data path {self.data!r} does not exist (run jobs/prepare_data.py)")
         m = read_manifest(self.data)
-        if m.vocab_size > cfg.vocab_size:
-            raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {cfg.vocab_size}")
-        self._check_context_parallel(cfg, m.seq_len)
-        groups = self.num_workers // self.context_parallel
-        per_step = self.micro_batch * groups
+        if m.vocab_size > mcfg.vocab_size:
+            raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {mcfg.vocab_size}")
+        self._check_context_parallel(mcfg, m.seq_len)
+        per_step = self.micro_batch * (self.num_workers // self.context_parallel)
         if per_step > m.num_sequences:
             raise ValueError(f"micro_batch x num_workers / context_parallel = {per_step} sequences per step, but the "
                              f"data has only {m.num_sequences}")
-        check_method(self, cfg)
-        if cfg.vision_config is not None:
-            if m.special_ids.get("media_pad") != cfg.media_placeholder_token_id:
+        if mcfg.vision_config is not None:
+            if m.special_ids.get("media_pad") != mcfg.media_placeholder_token_id:
                 raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the "
-                                 f"model expects {cfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
+                                 f"model expects {mcfg.media_placeholder_token_id}: rerun jobs/prepare_data.py")
             info = read_vision_info(self.data)
             if self.text_every > 1 and info["counts"]["train"]["rows"] < self.media_micro_batch * self.num_workers:
                 raise ValueError(f"media_micro_batch x num_workers = {self.media_micro_batch * self.num_workers} "
                                  f"examples per step, but the media set has {info['counts']['train']['rows']}")
-        return {"num_sequences": m.num_sequences, "seq_len": m.seq_len, "vocab_size": m.vocab_size}
+        return m
 
     def _check_context_parallel(self, cfg: K3Config, seq_len: int) -> None:
         """The layout rules of --context-parallel C: C divides the workers (ranks = DP x C) and the

@@ -13,14 +13,14 @@ Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifte
 Documents follow each other in the rows, each ended by <eos>; `doc_start` (asked for with
 doc_starts, for long rows that hold many documents) lets training keep them apart: the KDA
 state resets and MLA masks at each start (k3.platform.train.context_parallel.stream_cu_seqlens).
-A rerun with the same input and settings finds the manifest and does nothing.
+A rerun with the same input and settings finds the manifest and does nothing. The directory is
+read from a path or a URI (k3.platform.train.storage); `prepare` writes a local directory.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,11 +29,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from k3.platform.train.corpus import stdlib_corpus
 from k3.model.tokenizer import SPECIAL_TOKENS, special_ids, tokenizer_hash, train_bpe
+from k3.model.directory import write_beside
+
+from . import storage
+from .corpus import stdlib_corpus
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
 MANIFEST = "manifest.json"
+MEDIA_DIR = "media"  # k3.platform.train.vision_data writes the media set there
 
 
 @dataclass
@@ -52,7 +56,8 @@ class Manifest:
     shards: list[str]
 
     def shard_paths(self, root: str | Path) -> list[str]:
-        return [str(Path(root) / s) for s in self.shards]
+        """Each shard's path (or URI, under a URI root)."""
+        return [storage.join(str(root), s) for s in self.shards]
 
 
 def _files(root: Path, suffixes: set[str]) -> list[Path]:
@@ -111,30 +116,112 @@ def fingerprint(kind: str, files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def read_manifest(out_dir: str | Path) -> Manifest:
-    p = Path(out_dir) / MANIFEST
-    if not p.exists():
-        raise ValueError(f"no {MANIFEST} in {out_dir}: run jobs/prepare_data.py first")
-    m = Manifest(**json.loads(p.read_text()))
-    missing = [s for s in m.shard_paths(out_dir) if not Path(s).exists()]
+def read_manifest(data: str | Path) -> Manifest:
+    """The manifest of a prepared-data directory (a path or a URI, k3.platform.train.storage);
+    ValueError when it is missing or lists missing shards."""
+    data = str(data)
+    if not storage.exists(storage.join(data, MANIFEST)):
+        raise ValueError(f"no {MANIFEST} in {data}: run jobs/prepare_data.py first")
+    m = Manifest(**json.loads(storage.read_bytes(storage.join(data, MANIFEST))))
+    missing = storage.missing(m.shard_paths(data))
     if missing:
-        raise ValueError(f"{out_dir}: manifest lists missing shards, e.g. {missing[0]}")
+        raise ValueError(f"{data}: manifest lists missing shards, e.g. {missing[0]}")
     return m
+
+
+def read_tokenizer(data: str | Path, manifest: Manifest) -> str:
+    """The tokenizer (its JSON) the data was made with."""
+    return storage.read_bytes(storage.join(str(data), manifest.tokenizer)).decode()
+
+
+def _is_shard(rel: str) -> bool:
+    return rel.startswith("shard-")  # with a killed old-style writer's shard-*.parquet.tmp
+
+
+def _owned(rel: str) -> bool:
+    """What `prepare` writes in its output directory (another writer's files, e.g. media/, stay)."""
+    return rel in (MANIFEST, "tokenizer.json") or _is_shard(rel)
+
+
+def _up_to_date(out: Path, fp: str, settings: dict) -> Manifest | None:
+    """The manifest of `out` when it was made from the same input and settings; ValueError when
+    `out` holds files that are not prepared data (they would be mixed with it)."""
+    if (out / MANIFEST).exists():
+        try:
+            old = read_manifest(out)
+            if old.input_fingerprint == fp and old.settings == settings:
+                return old
+        except (ValueError, TypeError):
+            pass  # a broken or older manifest: rebuild
+        return None
+    foreign = sorted(p.name for p in out.iterdir() if p.name != MEDIA_DIR and not _owned(p.name)) \
+        if out.is_dir() else []
+    if foreign:
+        raise ValueError(f"{out} holds other files and no {MANIFEST} ({', '.join(foreign[:3])}): pass a new or "
+                         f"empty directory for prepared data")
+    return None
+
+
+def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> list[str]:
+    texts = list(iter_texts(kind, files))
+    if max_bytes is not None:
+        kept, total = [], 0
+        for t in texts:
+            if total >= max_bytes:
+                break
+            kept.append(t)
+            total += len(t.encode())
+        texts = kept
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"input {source!r} has no text")
+    return texts
+
+
+def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[list[int], list[int]]:
+    """The documents' tokens end to end, each ended by eos; and the offsets where each begins."""
+    stream: list[int] = []
+    starts: list[int] = []
+    for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
+        for enc in tok.encode_batch(texts[i:i + 256]):
+            starts.append(len(stream))
+            stream.extend(enc.ids)
+            stream.append(eos)
+    return stream, starts
 
 
 def _doc_start_rows(starts: list[int], first: int, n_rows: int, row: int) -> list[list[int]]:
     """Rows [first, first + n_rows * row) of the stream as 0/1 flags: 1 where a document begins."""
     flags = [0] * (n_rows * row)
-    lo = bisect.bisect_left(starts, first)
-    for s in starts[lo:bisect.bisect_left(starts, first + n_rows * row)]:
+    for s in starts[bisect.bisect_left(starts, first):bisect.bisect_left(starts, first + n_rows * row)]:
         flags[s - first] = 1
     return [flags[r * row:(r + 1) * row] for r in range(n_rows)]
+
+
+def _write_shards(stream: list[int], starts: list[int] | None, row: int, rows_per_shard: int, out: Path,
+                  progress: bool) -> list[str]:
+    """Rows of `row` tokens, `rows_per_shard` per Parquet file (with their doc_start flags when
+    `starts` is given); returns the file names."""
+    n_rows = len(stream) // row
+    if n_rows == 0:
+        raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
+    shards = []
+    for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
+        rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
+        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
+        if starts is not None:
+            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
+                                            type=pa.list_(pa.int8()))
+        shards.append(f"shard-{s:05d}.parquet")
+        pq.write_table(pa.table(columns), out / shards[-1])
+    return shards
 
 
 def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: int = 256,
             rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True,
             doc_starts: bool = False) -> tuple[Manifest, bool]:
-    """Tokenize a corpus into shards. Returns (manifest, whether anything was written).
+    """Tokenize a corpus into shards. Returns (manifest, whether anything was written). The new
+    version is written beside `out_dir` and swapped in whole (k3.model.directory): a
+    prepare killed midway leaves the previous version as it was, and its rerun starts over.
     doc_starts: also write each row's `doc_start` column (see the module docstring)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
@@ -148,58 +235,20 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
                 "special_tokens": SPECIAL_TOKENS}
     if doc_starts:  # only when asked: data prepared before the option stays up to date
         settings["doc_starts"] = True
-    if (out / MANIFEST).exists():
-        try:
-            old = read_manifest(out)
-            if old.input_fingerprint == fp and old.settings == settings:
-                return old, False
-        except (ValueError, TypeError):
-            pass  # a broken or older manifest: rebuild
-    texts = list(iter_texts(kind, files))
-    if max_bytes is not None:
-        kept, total = [], 0
-        for t in texts:
-            if total >= max_bytes:
-                break
-            kept.append(t)
-            total += len(t.encode())
-        texts = kept
-    if not any(t.strip() for t in texts):
-        raise ValueError(f"input {source!r} has no text")
-    out.mkdir(parents=True, exist_ok=True)
+    current = _up_to_date(out, fp, settings)
+    if current is not None:
+        return current, False
+    texts = _read_texts(source, kind, files, max_bytes)
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
-    stream: list[int] = []
-    starts: list[int] = []  # stream offsets where a document begins
-    for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
-        for enc in tok.encode_batch(texts[i:i + 256]):
-            starts.append(len(stream))
-            stream.extend(enc.ids)
-            stream.append(ids["eos"])
-    row = seq_len + 1
-    n_rows = len(stream) // row
-    if n_rows == 0:
-        raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
-    for old_shard in out.glob("shard-*.parquet"):
-        old_shard.unlink()
-    shards = []
-    for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
-        rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
-        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
-        if doc_starts:
-            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
-                                            type=pa.list_(pa.int8()))
-        table = pa.table(columns)
-        name = f"shard-{s:05d}.parquet"
-        tmp = out / (name + ".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, out / name)
-        shards.append(name)
-    tok.save(str(out / "tokenizer.json"))
-    m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",
-                 tokenizer_hash=tokenizer_hash(tok), vocab_size=tok.get_vocab_size(), special_ids=ids,
-                 seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * row, shards=shards)
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(asdict(m), indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)  # the manifest appears last: a crashed run is never "done"
+    stream, starts = _token_stream(tok, texts, ids["eos"], progress)
+    with write_beside(out, stale=_is_shard) as stage:  # the old version's shards never outlive it
+        shards = _write_shards(stream, starts if doc_starts else None, seq_len + 1, rows_per_shard, stage,
+                               progress)
+        tok.save(str(stage / "tokenizer.json"))
+        n_rows = len(stream) // (seq_len + 1)
+        m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",
+                     tokenizer_hash=tokenizer_hash(tok), vocab_size=tok.get_vocab_size(), special_ids=ids,
+                     seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * (seq_len + 1), shards=shards)
+        (stage / MANIFEST).write_text(json.dumps(asdict(m), indent=2) + "\n")
     return m, True

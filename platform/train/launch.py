@@ -1,4 +1,4 @@
-"""Driver side of pretraining: coordinator, data splits, TorchTrainer, summary.
+"""Driver side of pretraining: locations, coordinator, data splits, TorchTrainer, summary.
 
 `fit(cfg)` assumes Ray is initialised (the job's cluster, a local one, or a test's) and returns
 the run summary; jobs/pretrain.py is the command line around it.
@@ -6,13 +6,17 @@ the run summary; jobs/pretrain.py is the command line around it.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import torch
 
 from k3.platform.balance.strategies import needs_coordinator
 
+from . import storage
 from .config import TrainConfig
+from .data import MANIFEST, read_manifest
+from .export import registered_checkpoints
 from .worker import summarize, train_loop_per_worker
 
 
@@ -20,39 +24,74 @@ def fit(cfg: TrainConfig) -> dict:
     """Run (or resume) a pretraining run; raises ValueError for a bad config before any worker
     starts and RuntimeError when training fails after its allowed restarts."""
     import ray
-    import ray.data
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from k3.platform.balance.coordinator import get_or_create_coordinator
-    from .data import read_manifest
-
-    cfg = cfg.model_copy(update={"storage_path": str(Path(cfg.storage_path).resolve()),
-                                 "data": str(Path(cfg.data).resolve())})
+    cfg = cfg.located()
     cfg.check()
+    run = storage.join(cfg.storage_path, cfg.name)
+    if not cfg.resume and registered_checkpoints(run):
+        raise ValueError(f"run {run} already has checkpoints: pass resume=True (--resume) or a new name")
+    check_every_node_sees_the_run(cfg, run)
+    coordinator = start_coordinator(cfg, run)
+    try:
+        try:
+            result = make_trainer(cfg, data_splits(cfg)).fit()
+        except Exception as e:  # Ray Train raises once max_failures restarts are used up
+            raise RuntimeError(f"training failed: {e}") from e
+        summary = run_summary(cfg, run, result)
+        if coordinator is not None:
+            summary["coordinator"] = {k: v for k, v in ray.get(coordinator.metrics.remote()).items() if k != "layers"}
+        return summary
+    finally:
+        if coordinator is not None:
+            ray.kill(coordinator, no_restart=True)
+
+
+def check_every_node_sees_the_run(cfg: TrainConfig, run: str) -> None:
+    """On a multi-node cluster, the data and the run's storage must be the same on every node. A
+    file this driver leaves in the run shows whether a node sees the storage (writing it also
+    creates the run's directory, where the coordinator keeps its state)."""
+    files = {f"--data {cfg.data!r}": storage.join(cfg.data, MANIFEST)}
+    probe = None
+    if storage.node_path(run) is not None:
+        probe = storage.join(run, f".k3-visible-{secrets.token_hex(8)}")
+        storage.write_bytes(probe, secrets.token_bytes(16))
+        files[f"--storage-path {cfg.storage_path!r}"] = probe
+    try:
+        storage.check_every_node_sees(files)
+    finally:
+        if probe is not None:
+            storage.delete_file(probe)
+
+
+def start_coordinator(cfg: TrainConfig, run: str):
+    """The balance coordinator, a named actor that outlives worker restarts (None when the method
+    needs none). It keeps its state in the run when the run is on the nodes' filesystem."""
+    from k3.platform.balance.coordinator import get_or_create_coordinator
+
     mcfg = cfg.model_cfg()
-    run_dir = Path(cfg.storage_path) / cfg.name
-    if not cfg.resume and run_dir.exists() and any(c.is_dir() for c in run_dir.glob("checkpoint_*")):
-        raise ValueError(f"run {run_dir} already has checkpoints: pass resume=True (--resume) or a new name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    # The balance coordinator: a named actor that outlives worker restarts.
-    coordinator = None
     n_moe = mcfg.mlp_types.count("moe")
-    if needs_coordinator(cfg.balance) and n_moe:
-        coordinator = get_or_create_coordinator(
-            cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, k=mcfg.num_experts_per_token,
-            config=cfg.balance, world_size=cfg.num_workers, state_path=str(run_dir / "coordinator.pt"))
+    if not (needs_coordinator(cfg.balance) and n_moe):
+        return None
+    state = storage.node_path(storage.join(run, "coordinator.pt"))
+    return get_or_create_coordinator(
+        cfg.coordinator_name, num_layers=n_moe, num_experts=mcfg.num_experts, top_k=mcfg.num_experts_per_token,
+        config=cfg.balance, world_size=cfg.num_workers, state_path=state)
 
-    # Deterministic, equal splits of the token shards, one per data-parallel group (the ranks of a
-    # context-parallel group read the same one).
+
+def data_splits(cfg: TrainConfig) -> list:
+    """Deterministic, equal splits of the token shards, one per data-parallel group (the ranks of
+    a context-parallel group read the same one)."""
+    import ray.data
+
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     manifest = read_manifest(cfg.data)
-    splits = ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers // cfg.context_parallel,
-                                                                           equal=True)
+    return ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers // cfg.context_parallel,
+                                                                       equal=True)
 
+
+def worker_env(cfg: TrainConfig) -> dict[str, str]:
     env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu"),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   str(Path.home() / ".cache" / "torch_extensions")),
@@ -62,7 +101,14 @@ def fit(cfg: TrainConfig) -> dict:
            "RAY_TRAIN_ENABLE_PRINT_PATCH": os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")}
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
-    trainer = TorchTrainer(
+    return env
+
+
+def make_trainer(cfg: TrainConfig, splits: list):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(), "splits": splits},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
@@ -70,21 +116,16 @@ def fit(cfg: TrainConfig) -> dict:
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=3),
-                             worker_runtime_env={"env_vars": env}),
+                             worker_runtime_env={"env_vars": worker_env(cfg)}),
     )
-    try:
-        try:
-            result = trainer.fit()
-        except Exception as e:  # Ray Train raises once max_failures restarts are used up
-            raise RuntimeError(f"training failed: {e}") from e
-        with result.checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
-        summary = {"config": {"preset": cfg.preset, "num_workers": cfg.num_workers, "ep_size": cfg.ep_size,
-                              "zero_stage": cfg.zero_stage, "balance": cfg.balance.method, "steps": cfg.steps},
-                   **summarize(state["history"]), "history": state["history"], "checkpoint": result.checkpoint.path}
-        if coordinator is not None:
-            summary["coordinator"] = {k: v for k, v in ray.get(coordinator.metrics.remote()).items() if k != "layers"}
-        return summary
-    finally:
-        if coordinator is not None:
-            ray.kill(coordinator, no_restart=True)
+
+
+def run_summary(cfg: TrainConfig, run: str, result) -> dict:
+    """Losses, MaxVio per layer and the history from the final checkpoint, and where it is (a
+    path, or a URI under a URI storage_path)."""
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
+    return {"config": {"preset": cfg.preset, "num_workers": cfg.num_workers, "ep_size": cfg.ep_size,
+                       "zero_stage": cfg.zero_stage, "balance": cfg.balance.method, "steps": cfg.steps},
+            **summarize(state["history"]), "history": state["history"], "restored_at": state.get("restored_at", []),
+            "checkpoint": storage.join(run, Path(result.checkpoint.path).name)}

@@ -13,21 +13,22 @@ global gradient norm) and balancing is one strategy object (k3.platform.balance.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 import k3.model
 from k3.model import training_checkpoint as ckpt
 from k3.model.moe import is_expert_param
-from k3.model.tokenizer import load_tokenizer
 from k3.platform.balance.strategies import make_strategy
 
 from .context_parallel import ContextParallel, cp_groups, stream_cu_seqlens
-from .data import read_manifest
+from .data import read_manifest, read_tokenizer
 from .ds_adapter import DeepSpeedAdapter
 from .expert_parallel import apply_expert_parallel, ep_groups
 from .optim import cosine_lr
@@ -107,7 +108,7 @@ class Trainer:
         """This rank's image/video examples and the text/media step pattern (multimodal presets)."""
         cfg = self.cfg
         manifest = read_manifest(cfg.data)
-        tok = load_tokenizer(Path(cfg.data) / manifest.tokenizer)
+        tok = Tokenizer.from_str(read_tokenizer(cfg.data, manifest))
         ids = manifest.special_ids
         self.pad_id = ids["pad"]
         encoder = ExampleEncoder(lambda s: tok.encode(s).ids, tok.token_to_id, bos=ids["bos"], eos=ids["eos"])
@@ -210,19 +211,23 @@ class Trainer:
                           extra=self.balance.metrics(self.model))
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, out: Path, state: dict[str, Any], tokenizer: Path | None = None) -> None:
-        """Every rank writes its part of a checkpoint under `out` (layout: k3.platform.train.worker).
-        `state` (rank 0): step, history, ... ; the balancing state is added here."""
+    def save(self, out: Path, state: dict[str, Any], tokenizer_json: str | None = None,
+             midway: Callable[[], None] | None = None) -> None:
+        """Every rank writes its part of a checkpoint under `out` (layout: k3.platform.train.config).
+        `state` (rank 0): step, history, ... ; the balancing state is added here. `midway` runs once
+        DeepSpeed's files are written, before k3's (the fault drill kills the worker there)."""
         out = Path(out)
         self.ds.save(out)
+        if midway is not None:
+            midway()
         k3dir = out / "k3"
         k3dir.mkdir(parents=True, exist_ok=True)
         balance_state = self.balance.state_dict()
         if self.rank == 0:
             ckpt.save_shared(self.model, k3dir)
             torch.save({**state, "balance": balance_state, "config": self.cfg.model_dump()}, k3dir / "state.pt")
-            if tokenizer is not None and Path(tokenizer).exists():
-                (k3dir / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
+            if tokenizer_json is not None:
+                (k3dir / "tokenizer.json").write_text(tokenizer_json)
         if self.edp_rank == 0:
             ckpt.save_experts(self.model, k3dir, self.ep_rank, self.ep_size,
                               self.ds.expert_optimizer_state(self.model))

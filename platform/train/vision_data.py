@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,11 @@ import torch
 from PIL import Image
 
 from k3.model.vision_processor import MediaItem, ProcessorConfig, VisionProcessor, encode_interleaved
+from k3.model.directory import write_beside
 
-MEDIA_DIR = "media"
+from . import storage
+from .data import MEDIA_DIR
+
 DIGIT_SIZES = (28, 42, 56)
 CLIP_CANVAS, CLIP_DIGIT, CLIP_FRAMES, CLIP_FPS = 56, 42, 4, 2.0
 # Pixels a clip's digit moves per frame along each axis, at most. sd2_tpool averages a chunk's
@@ -103,21 +105,37 @@ def _photos() -> list[dict]:
     return rows
 
 
+def _examples(digits, idx, split: str, train_clips: int, rng: np.random.Generator, photos: bool) -> list[dict]:
+    """Rows of one split: each digit at every size, its clips, and (training) the photos."""
+    rows = []
+    for i in idx:
+        d8, label = digits.images[i], int(digits.target[i])
+        for size in DIGIT_SIZES:
+            rows.append({"kind": "image", "frames": [_png(_digit_rgb(d8, size))], "fps": 0.0,
+                         "caption": f"{IMAGE_PROMPT}{label}.", "label": label})
+        for _ in range(train_clips if split == "train" else 1):
+            rows.append({"kind": "video", "frames": [_png(f) for f in _clip(d8, rng)], "fps": CLIP_FPS,
+                         "caption": f"{VIDEO_PROMPT}{label}.", "label": label})
+    if split == "train" and photos:
+        rows += _photos()
+    return rows
+
+
 def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max_digits: int | None = None,
                      photos: bool = True, train_clips: int = 2) -> dict:
     """Write `<out_dir>/media/{train,heldout}.parquet` and `media.json`; returns the info.
     max_digits: use only the first that many digits after shuffling (quick tests). train_clips:
     clips per training digit (each drifts along its own random path; a digit has three images,
     so with 1 clips are a quarter of the examples and learned last). A rerun with the same
-    settings finds media.json and does nothing."""
+    settings finds media.json and does nothing. The new set is written beside media/ and swapped
+    in whole (k3.model.directory): a writer killed midway leaves the previous set."""
     from sklearn.datasets import load_digits
 
     root = Path(out_dir) / MEDIA_DIR
-    info_path = root / "media.json"
     settings = {"heldout": heldout, "seed": seed, "sizes": list(DIGIT_SIZES), "max_digits": max_digits,
                 "photos": photos, "train_clips": train_clips, "version": 3}
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
+    if (root / "media.json").exists():
+        info = json.loads((root / "media.json").read_text())
         if info.get("settings") == settings:
             return info
     digits = load_digits()
@@ -129,38 +147,25 @@ def write_vision_set(out_dir: str | Path, heldout: int = 300, seed: int = 0, max
     if not 1 <= train_clips <= 8:
         raise ValueError(f"train_clips must be in [1, 8] clips per training digit, got {train_clips}")
     splits = {"train": order[:-heldout], "heldout": order[-heldout:]}
-    root.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for split, idx in splits.items():
-        rows = []
-        for i in idx:
-            d8, label = digits.images[i], int(digits.target[i])
-            for size in DIGIT_SIZES:
-                rows.append({"kind": "image", "frames": [_png(_digit_rgb(d8, size))], "fps": 0.0,
-                             "caption": f"{IMAGE_PROMPT}{label}.", "label": label})
-            for _ in range(train_clips if split == "train" else 1):
-                rows.append({"kind": "video", "frames": [_png(f) for f in _clip(d8, rng)], "fps": CLIP_FPS,
-                             "caption": f"{VIDEO_PROMPT}{label}.", "label": label})
-        if split == "train" and photos:
-            rows += _photos()
-        table = pa.Table.from_pylist(rows, schema=SCHEMA)
-        tmp = root / f"{split}.parquet.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, root / f"{split}.parquet")
-        counts[split] = {"rows": len(rows), "images": sum(r["kind"] == "image" for r in rows),
-                         "videos": sum(r["kind"] == "video" for r in rows)}
-    info = {"settings": settings, "counts": counts, "files": {s: f"{s}.parquet" for s in splits}}
-    tmp = root / "media.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, info_path)  # written last: a crashed run is never "done"
+    with write_beside(root) as stage:
+        for split, idx in splits.items():
+            rows = _examples(digits, idx, split, train_clips, rng, photos)
+            pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), stage / f"{split}.parquet")
+            counts[split] = {"rows": len(rows), "images": sum(r["kind"] == "image" for r in rows),
+                             "videos": sum(r["kind"] == "video" for r in rows)}
+        info = {"settings": settings, "counts": counts, "files": {s: f"{s}.parquet" for s in splits}}
+        (stage / "media.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
 def read_vision_rows(data_dir: str | Path, split: str) -> list[dict]:
-    p = Path(data_dir) / MEDIA_DIR / f"{split}.parquet"
-    if not p.exists():
-        raise ValueError(f"no {split} media set at {p}: run jobs/prepare_data.py --vision")
-    return pq.read_table(p).to_pylist()
+    """The rows of one split of the media set under a prepared-data path or URI."""
+    loc = storage.join(str(data_dir), MEDIA_DIR, f"{split}.parquet")
+    if not storage.exists(loc):
+        raise ValueError(f"no {split} media set at {loc}: run jobs/prepare_data.py --vision")
+    fs, path = storage.filesystem(loc)
+    return pq.read_table(path, filesystem=fs).to_pylist()
 
 
 def training_processor_config() -> ProcessorConfig:
@@ -283,8 +288,8 @@ class MediaSchedule:
 
 
 def read_vision_info(data_dir: str | Path) -> dict:
-    """media.json of a data directory; ValueError when the media set was never written."""
-    p = Path(data_dir) / MEDIA_DIR / "media.json"
-    if not p.exists():
-        raise ValueError(f"{data_dir} has no media set (no {p}): run jobs/prepare_data.py --vision")
-    return json.loads(p.read_text())
+    """media.json of a prepared-data path or URI; ValueError when the media set was never written."""
+    loc = storage.join(str(data_dir), MEDIA_DIR, "media.json")
+    if not storage.exists(loc):
+        raise ValueError(f"{data_dir} has no media set (no {loc}): run jobs/prepare_data.py --vision")
+    return json.loads(storage.read_bytes(loc))

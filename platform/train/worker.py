@@ -8,27 +8,55 @@ metrics and checkpoints through `ray.train.report` (the layout: k3.platform.trai
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from k3.model.directory import stage_dir
+
 from .config import TrainConfig
+from .data import read_manifest, read_tokenizer
 
 
 # -- the worker ---------------------------------------------------------------------------------
-def _quiet_worker_logs() -> None:
-    """One log line per interval: no per-report metric dicts from Ray Train, no warning repeated
-    every step (each is shown once)."""
-    import logging
-    import warnings
+class _EachWarningOnce(logging.Filter):
+    """Lets each distinct warning through once. A warnings filter of "once" is not enough: every
+    `warnings.catch_warnings()` block that exits resets what "once" remembers, and libraries open
+    such blocks every step (torch.distributed's deprecated all_gather_into_tensor, which
+    DeepSpeed's ZeRO step calls, warned at every log interval)."""
 
-    warnings.simplefilter("once")
-    _show_each_warning_once(warnings)
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+
+def _quiet_worker_logs() -> None:
+    """One log line per interval: no per-report metric dicts from Ray Train, each warning once
+    (warnings go through logging's `py.warnings` logger, which the filter above guards)."""
+    warnings.simplefilter("always")  # the logging filter decides what is shown
+    logging.captureWarnings(True)
+    logger = logging.getLogger("py.warnings")
+    if not any(isinstance(f, _EachWarningOnce) for f in logger.filters):
+        handler = logging.StreamHandler()  # stderr, as warnings print; the line as warnings format it
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.addFilter(_EachWarningOnce())
+        logger.propagate = False
     names = ["deepspeed", "DeepSpeed"]
     try:  # Ray Train logs every report's whole metrics dict at INFO, on a logger named by its file path
         from ray.train.v2._internal.execution import context as train_context
@@ -38,26 +66,6 @@ def _quiet_worker_logs() -> None:
         pass
     for name in names:
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _show_each_warning_once(warnings) -> None:
-    """A filter of "once" is not enough: every `warnings.catch_warnings()` block that exits resets
-    what "once" remembers, and libraries open such blocks every step (torch.distributed's
-    deprecated all_gather_into_tensor, which DeepSpeed's ZeRO step calls, warned at every log
-    interval). So the display itself remembers what it has shown."""
-    show = warnings.showwarning
-    if getattr(show, "k3_once", False):
-        return
-    seen: set[tuple] = set()
-
-    def show_once(message, category, filename, lineno, file=None, line=None):
-        key = (str(message), category, filename, lineno)
-        if key not in seen:
-            seen.add(key)
-            show(message, category, filename, lineno, file, line)
-
-    show_once.k3_once = True
-    warnings.showwarning = show_once
 
 
 def log_line(r, step: int, total: int, tps: float, elapsed_s: float, steps_done: int) -> str:
@@ -107,16 +115,37 @@ class StepData:
             return next(self._text)
 
 
+class FaultDrill:
+    """Testing (cfg.fail_at_step): rank 1 (rank 0 when alone) dies once, in the run's first attempt
+    only, at the start of a step (`os._exit(1)`) or with SIGKILL midway through writing the
+    checkpoint at its end (cfg.fail_in). The restarted group resumes from the last checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, restored: bool) -> None:
+        self.armed = cfg.fail_at_step is not None and rank == min(1, world - 1) and not restored
+        self.step, self.where = cfg.fail_at_step, cfg.fail_in
+
+    def at(self, step: int, where: str) -> None:
+        if not (self.armed and step == self.step and where == self.where):
+            return
+        if where == "save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+
 class StepLog:
     """One worker's record of the run: the history (kept in checkpoints), one log line per
     `log_every` steps (rank 0), the metrics and checkpoints handed to `ray.train.report`."""
 
-    def __init__(self, trainer, start_step: int, history: list[dict]) -> None:
+    def __init__(self, trainer, start_step: int, history: list[dict], restored_at: list[int],
+                 drill: FaultDrill) -> None:
         from k3.platform.ops.metrics import TrainMetrics
 
-        self.trainer, self.cfg, self.rank = trainer, trainer.cfg, trainer.rank
-        self.start_step, self.history = start_step, history
+        self.trainer, self.cfg, self.rank, self.drill = trainer, trainer.cfg, trainer.rank, drill
+        # restored_at: the step of each checkpoint this run's worker group started from (a restart
+        # after a failure, or --resume), kept in the checkpoints and the run summary
+        self.start_step, self.history, self.restored_at = start_step, history, restored_at
         self.metrics = TrainMetrics(enabled=self.rank == 0)
+        self.tokenizer_json = read_tokenizer(self.cfg.data, read_manifest(self.cfg.data)) if self.rank == 0 else None
         self.t_start = self.t_last = time.perf_counter()
         self.tokens, self.compute_s, self.wait_s = 0, 0.0, 0.0  # since the last report
 
@@ -147,18 +176,22 @@ class StepLog:
         if self.rank == 0:
             print(log_line(r, step + 1, cfg.steps, tps, now - self.t_start, step + 1 - self.start_step), flush=True)
         self.t_last, self.tokens, self.compute_s, self.wait_s = now, 0, 0.0, 0.0
-        checkpoint, tmp = None, None
-        if save:
-            t_ck = time.perf_counter()
-            tmp = Path(tempfile.mkdtemp(prefix=f"k3-ckpt-{self.rank}-"))
-            self.trainer.save(tmp, {"step": step + 1, "history": self.history},
-                              tokenizer=Path(cfg.data) / "tokenizer.json")
-            report["checkpoint_s"] = time.perf_counter() - t_ck
-            checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
+        tmp = self.write_checkpoint(step, report) if save else None
         self.metrics.update(report)
-        ray.train.report(report, checkpoint=checkpoint)
+        ray.train.report(report, checkpoint=None if tmp is None else ray.train.Checkpoint.from_directory(str(tmp)))
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def write_checkpoint(self, step: int, report: dict) -> Path:
+        """This rank's part of the checkpoint after step `step`, in a local directory that
+        `ray.train.report` persists (named for this process: the next save on the node removes the
+        directory of a worker killed before its report)."""
+        t0 = time.perf_counter()
+        tmp = stage_dir(Path(tempfile.gettempdir()) / f"k3-checkpoint-rank{self.rank}")
+        self.trainer.save(tmp, {"step": step + 1, "history": self.history, "restored_at": self.restored_at},
+                          tokenizer_json=self.tokenizer_json, midway=lambda: self.drill.at(step, "save"))
+        report["checkpoint_s"] = time.perf_counter() - t0
+        return tmp
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -179,18 +212,18 @@ def train_loop_per_worker(loop_config: dict) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.use_gpu else torch.device("cpu")
     trainer = Trainer(cfg, rank, world, device).build()
-    start_step, history = 0, []
+    start_step, history, restored_at = 0, [], []
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
             st = trainer.load(Path(d))
-            start_step, history = st["step"], st["history"]
+        start_step, history, restored_at = st["step"], st["history"], [*st.get("restored_at", []), st["step"]]
     trainer.start()
     data = StepData(trainer, loop_config["splits"][trainer.dp_rank], start_step)  # a CP group reads one split
-    log = StepLog(trainer, start_step, history)
+    drill = FaultDrill(cfg, rank, world, restored=ckpt is not None)
+    log = StepLog(trainer, start_step, history, restored_at, drill)
     for step in range(start_step, cfg.steps):
-        if cfg.fail_at_step is not None and step == cfg.fail_at_step and rank == min(1, world - 1) and ckpt is None:
-            os._exit(1)  # fault drill: the restarted group resumes from the last checkpoint
+        drill.at(step, "step")
         r = trainer.train_step(trainer.make_batch(data.batch(step)), step)
         log.record(step, r, data.epoch)
 

@@ -10,7 +10,7 @@
 engine.py (requests and the step loop), scheduler.py (continuous batching), cache_manager.py
 (the only owner of the memory: KDA slots, MLA pages, the prefix cache; others hold opaque
 handles), handoff.py (the connector to other engines: cache states and prefix-pool pages,
-exported sealed, imported checked), async_engine.py, sampler.py, detokenizer.py, media.py,
+exported sealed, imported checked), async_engine.py, sampler.py, detokenizer.py, prompt_media.py,
 params.py.
 """
 from .async_engine import AsyncEngine, RequestFailed

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from .engine import LLMEngine, RequestOutput
 from .handoff import HybridCacheState, PoolPage
-from .media import MediaSpan
+from .prompt_media import MediaSpan
 from .params import SamplingParams
 
 

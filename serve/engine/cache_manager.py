@@ -32,7 +32,7 @@ Latents = dict[int, torch.Tensor]  # MLA layer -> [tokens, latent]
 
 def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = ()) -> list[bytes]:
     """Chain hashes of the full pages of tokens (each covers every token before it). `media`:
-    the prompt's MediaSpans (serve/engine/media.py); each item's digest is mixed into every page
+    the prompt's MediaSpans (serve/engine/prompt_media.py); each item's digest is mixed into every page
     its placeholders touch, so same ids with another picture hash differently from there on."""
     out = []
     for i in range(len(tokens) // page_size):

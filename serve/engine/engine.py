@@ -14,7 +14,7 @@ Failure isolation: a request whose sampling fails ends alone with an error; a fo
 raises sends every sequence in it back to be recomputed alone (scheduler.py), so the culprit
 fails alone and every other request continues exactly as if it had not been there.
 
-Images and video (media.py): with a K3ForConditionalGeneration a request may carry processed
+Images and video (prompt_media.py): with a K3ForConditionalGeneration a request may carry processed
 media items; each request's items are encoded once, at its first chunk that holds a
 placeholder, and every chunk gets the rows of its own placeholders. The placeholder token is
 never sampled (its embedding is a picture's, not a token's).
@@ -36,7 +36,7 @@ from k3.model.vision_processor import MediaItem
 from .cache_manager import CacheManager, KDAStates, PrefixHit
 from .detokenizer import Detokenizer, StopMatcher
 from .handoff import Handoff, HybridCacheState, PoolPage
-from .media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
+from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
 from .params import EngineConfig, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status

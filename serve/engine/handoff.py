@@ -43,7 +43,7 @@ import torch
 from k3.model import K3ForCausalLM
 
 from .cache_manager import CacheManager, KDAStates, Latents, page_hashes
-from .media import MediaSpan, SequenceMedia, check_spans
+from .prompt_media import MediaSpan, SequenceMedia, check_spans
 from .params import SamplingParams
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ import torch
 from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache, page_hashes
 from .detokenizer import DetokStream, StopMatcher
 from .handoff import Imported
-from .media import SequenceMedia
+from .prompt_media import SequenceMedia
 from .params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class Sequence:
     prefill_only: bool = False  # export the cache state after the first token (disaggregated prefill)
     suspect_until: int = 0  # run alone until num_computed reaches this (after a failed batch)
     imported: Imported | None = None  # a handed-over state waiting for admission
-    media: SequenceMedia | None = None  # images / video chunks of the prompt (media.py)
+    media: SequenceMedia | None = None  # images / video chunks of the prompt (prompt_media.py)
     aborted: bool = False  # its caller gave it up: no output of it is delivered any more
 
     @property

@@ -123,11 +123,23 @@ def test_a_directory_k3_cannot_read_is_named(tmp_path, make, match):
 
 @pytest.mark.parametrize("ep_rank,ep_size,match", [
     (0, 0, "ep_size >= 1"), (2, 2, "must lie in"), (-1, 2, "must lie in"), (0, 3, "must divide num_experts"),
-    (0.5, 2, "ep_rank must be an integer"),
+    (0.5, 2, "ep_rank must be an integer"), (1, 1, "must lie in"),
 ])
 def test_bad_expert_placement_is_refused(ep_rank, ep_size, match):
     with pytest.raises(ValueError, match=match):
         k3.model.build(tiny(), ep_rank, ep_size)
+
+
+@pytest.mark.parametrize("layout", ["training", "k3", "k3-release"])
+@pytest.mark.parametrize("ep_rank,ep_size", [(1, 1), (0, 0), (0, -1), (3, 2)])
+def test_bad_expert_placement_is_refused_without_experts_too(layout, ep_rank, ep_size, tmp_path):
+    """A model without MoE layers has no expert to place, but the placement is still checked."""
+    cfg = tiny().replace(mlp_types=["dense"] * 4)
+    with pytest.raises(ValueError, match="must lie in"):
+        k3.model.build(cfg, ep_rank, ep_size)
+    path = write(layout, k3.model.build(cfg, seed=1), tmp_path / layout)
+    with pytest.raises(ValueError, match="must lie in"):
+        k3.model.load(path, ep_rank=ep_rank, ep_size=ep_size)
 
 
 def test_incomplete_training_checkpoint_is_named(tmp_path):

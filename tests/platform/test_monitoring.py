@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_killed_midway, tree_bytes
 from k3.platform.ops.cli import main
 from k3.platform.ops.local_ray import free_port
 from k3.platform.ops.metrics import SERVE_METRICS
@@ -130,6 +131,22 @@ def test_committed_dashboards_are_what_the_code_builds(tmp_path):
     for p in written:
         committed = REPO / "cluster" / "grafana" / p.relative_to(tmp_path)
         assert committed.read_text() == p.read_text(), f"{committed} is stale: run `k3 monitor dashboards`"
+
+
+def test_dashboards_killed_midway_leave_the_previous_version_whole(tmp_path):
+    out = tmp_path / "grafana"
+    write_dashboards(out)
+    for p in out.glob("*.json"):  # an older version of the dashboards, and a file of the user's own
+        p.write_text('{"title": "an older version"}\n')
+    (out / "notes.md").write_text("mine\n")
+    before = tree_bytes(out)
+    run_killed_midway(f"from k3.platform.ops.dashboards import write_dashboards\nwrite_dashboards({str(out)!r})",
+                      "pathlib:Path.write_text", after=1)
+    assert tree_bytes(out) == before, "the killed writer changed the previous dashboards"
+    written = write_dashboards(out)
+    assert all(p.parent.exists() and p.read_text() for p in written) and (out / "notes.md").read_text() == "mine\n"
+    assert json.loads((out / "k3-training.json").read_text())["title"] == "k3 training"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grafana"], "a killed writer's leftovers stayed"
 
 
 def test_serving_dashboard_reads_every_serve_metric_by_its_prometheus_name():

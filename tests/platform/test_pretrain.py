@@ -1,8 +1,10 @@
-"""Distributed pretraining on a local Ray cluster: exact expert parallelism, fault recovery,
-resume, `ray job submit`, and configs rejected before any worker starts."""
+"""Distributed pretraining on a local Ray cluster: exact expert parallelism, fault recovery (a
+worker killed midway through a checkpoint), resume past a half-written checkpoint, the README's
+`ray job submit` command as printed, file:// URIs, and configs rejected before any worker starts."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import torch
 from k3.platform.train.data import prepare
 from k3.platform.ops.local_ray import LocalRayHead
 from k3.platform.train.config import TrainConfig
+from k3.platform.train.export import latest_checkpoint
 import k3.model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +62,7 @@ def ep2_run(ray_local, data_dir, tmp_path_factory, ds_env):
 def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path, ds_env, ep2_run):
     a, b = run(ray_local, data_dir, tmp_path, "ep1", ep_size=1, **RUN), ep2_run
     la, lb = losses(a), losses(b)
-    assert len(la) == len(lb) == RUN["steps"]
+    assert len(la) == len(lb) == RUN["steps"] and a["restored_at"] == b["restored_at"] == []
     rel = ((la - lb).abs() / la.abs()).max().item()
     assert rel <= 1e-4, f"ep_size 1 vs 2 losses differ by {rel:.2e} relative: {la.tolist()} vs {lb.tolist()}"
     # the checkpoint loads as one single-process model holding every expert
@@ -67,22 +70,37 @@ def test_expert_parallel_equals_replicated_experts(ray_local, data_dir, tmp_path
     assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
 
 
-def test_worker_failure_restarts_from_checkpoint_and_reproduces_the_run(ray_local, data_dir, tmp_path, ds_env,
-                                                                        ep2_run):
-    # rank 1 dies at step 6 (from 0): the group restarts from the step-4 checkpoint and redoes 5-8
-    crashed = run(ray_local, data_dir, tmp_path, "crash", ep_size=2, max_failures=1, fail_at_step=6, **RUN)
+def test_a_worker_killed_midway_through_a_checkpoint_restarts_from_the_last_complete_one(ray_local, data_dir,
+                                                                                        tmp_path, ds_env, ep2_run):
+    # rank 1 is SIGKILLed midway through writing the step-8 checkpoint (its DeepSpeed files written,
+    # its expert file not): the group restarts from the step-4 checkpoint and redoes steps 5-8
+    crashed = run(ray_local, data_dir, tmp_path, "crash", ep_size=2, max_failures=1, fail_at_step=7, fail_in="save",
+                  **RUN)
     lc, lx = losses(ep2_run), losses(crashed)
+    assert crashed["restored_at"] == [4], "the drill did not restart the group from the step-4 checkpoint"
     assert [h["step"] for h in crashed["history"]] == list(range(1, RUN["steps"] + 1)), "steps lost or repeated"
     rel = ((lc - lx).abs() / lc.abs()).max().item()
     assert rel <= 1e-4, f"resumed losses differ from the uninterrupted run by {rel:.2e}: {lx.tolist()} vs {lc.tolist()}"
     assert lx[-1] < lx[0]
-    # every checkpoint the run left is complete and loads
-    ckpts = sorted(c for c in (tmp_path / "crash").glob("checkpoint_*") if c.is_dir())
-    assert ckpts
+    # every checkpoint the run left is complete and loads: the killed save never reached the run
+    run_dir = tmp_path / "crash"
+    ckpts = sorted(c for c in run_dir.glob("checkpoint_*") if c.is_dir())
+    assert len(ckpts) == 2 and Path(latest_checkpoint(run_dir)) == ckpts[-1] == Path(crashed["checkpoint"])
     for c in ckpts:
         assert (c / "k3" / "state.pt").exists() and (c / "k3" / "shared.pt").exists()
         assert len(list((c / "k3").glob("experts-ep*-of-2.pt"))) == 2
         k3.model.load(c)
+    # A checkpoint whose upload a killed worker cut short (rank 1's expert file missing) is never the
+    # run's latest, and --resume passes it by: Ray Train registers a checkpoint only once every
+    # worker's files are persisted.
+    partial = run_dir / "checkpoint_2999-01-01_00-00-00.000000"
+    shutil.copytree(ckpts[-1], partial)
+    (partial / "k3" / "experts-ep1-of-2.pt").unlink()
+    assert Path(latest_checkpoint(run_dir)) == ckpts[-1]
+    resumed = run(ray_local, data_dir, tmp_path, "crash", ep_size=2, resume=True, steps=10, checkpoint_every=4)
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 11)) and resumed["restored_at"] == [4, 8]
+    assert resumed["history"][:8] == crashed["history"]
+    assert Path(latest_checkpoint(run_dir)) == Path(resumed["checkpoint"]) != partial
 
 
 def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
@@ -93,6 +111,7 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
         (dict(micro_batch=100_000), "sequences per step"),
         (dict(preset="k5"), "preset"),
         (dict(balance={"method": "quantile"}), "quantile_hist"),
+        (dict(fail_at_step=2, fail_in="save"), "fail_in='save' needs a checkpoint at the end of step 2"),
     ]
     for change, match in cases:
         kw = {"data": str(data_dir), **change}
@@ -106,14 +125,42 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
     assert time.time() - t < 60 and "ray" not in out.stdout.lower()
 
 
-def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, ray_local):
+def readme_block(after: str) -> str:
+    """The first ```bash block of README.md after the line that starts with `after`."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("```bash\n", text.index("\n" + after)) + len("```bash\n")
+    return text[start:text.index("```", start)]
+
+
+def checkout(dest: Path) -> Path:
+    """The repository as a user's checkout holds it (tracked and unignored files), using this .venv."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for f in filter(None, files):
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)
+    (dest / ".venv").symlink_to(REPO / ".venv")
+    return dest
+
+
+def test_the_readme_job_runs_as_printed_against_a_ray_start_cluster(tmp_path, ds_env, ray_local):
     # ray_local holds Ray's default ports (a test session's own Ray, as on a user's machine): the
     # head must come up beside it and take jobs anyway.
+    user = checkout(tmp_path / "k3")
     with LocalRayHead(num_cpus=2, workdir=tmp_path / "ray") as head:
-        entry = ["python", "jobs/pretrain.py", "--data", str(data_dir), "--steps", "8", "--micro-batch", "4",
-                 "--log-every", "2", "--checkpoint-every", "8", "--storage-path", str(tmp_path), "--name",
-                 "submitted", "--sample", "8", "--lr", "3e-3"]
-        job = head.submit_job(entry, working_dir=REPO, echo=False)
+        sh = dict(shell=True, executable="/bin/bash", cwd=user, env=head.env, capture_output=True, text=True)
+        prep = subprocess.run(readme_block("Prepare data once"), **sh)
+        assert prep.returncode == 0, prep.stderr[-3000:]
+        # The reader's cluster answers on 8265, this one on a free port; 8 steps instead of 300
+        # (argparse keeps the last --steps).
+        submit = readme_block("Then submit the job to a running cluster").replace("http://127.0.0.1:8265", head.address)
+        submit = submit.rstrip() + " --steps 8 --log-every 2 --checkpoint-every 8 --sample 8 --lr 3e-3"
+        # a relative path inside a job would be Ray's unpacked copy of the working dir: refused, with the reason
+        relative = subprocess.run(submit.replace('"$PWD/', '"'), **sh)
+        refused = relative.stdout + relative.stderr
+        assert relative.returncode != 0 and "--data 'data/bundled' is relative" in refused, refused[-3000:]
+        job = subprocess.run(submit, **sh)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-3000:]
         assert "succeeded" in logs.lower()
@@ -126,18 +173,27 @@ def test_ray_job_submit_against_a_ray_start_cluster(data_dir, tmp_path, ds_env, 
         # warning is shown once per worker (2), not at every interval
         warned = [line for line in logs.splitlines() if "FutureWarning" in line]
         assert len(warned) <= 2, "a warning came more than once per worker:\n" + "\n".join(warned)
+    # the checkpoints are where the README says, and load as it shows
+    ckpts = sorted(c for c in (user / "runs" / "my-run").glob("checkpoint_*") if c.is_dir())
+    assert len(ckpts) == 1, f"no checkpoint under {user / 'runs' / 'my-run'}"
+    model = k3.model.load(ckpts[0])
+    assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
 
 
-
-def test_muon_with_loss_free_balancing_and_activation_checkpointing(ray_local, data_dir, tmp_path, ds_env):
+def test_muon_loss_free_balancing_activation_checkpointing_and_file_uris(ray_local, data_dir, tmp_path, ds_env):
     # Muon's orthogonalised updates have RMS ~ 1/sqrt(width) per unit lr, so it takes a larger
     # peak lr than AdamW (0.02, as in Muon's reference setups); no long warmup in 8 steps.
-    s = run(ray_local, data_dir, tmp_path, "muon", num_workers=1, ep_size=1, steps=8, checkpoint_every=8,
+    # data and checkpoints named by file:// URIs, as an object store would be (s3://, gs://)
+    s = run(ray_local, f"file://{data_dir}", f"file://{tmp_path}", "muon", num_workers=1, ep_size=1, steps=8, checkpoint_every=8,
             optimizer="muon", lr=0.02, warmup_steps=1, balance={"method": "loss_free"},
             activation_checkpointing=True)
     lx = losses(s)
     assert s["loss_is_finite"] and s["steps"] == 8
     assert lx[-2:].mean() < lx[:2].mean() - 0.1, f"Muon's loss did not fall: {lx.tolist()}"
-    model = k3.model.load(s["checkpoint"])
+    assert s["checkpoint"].startswith(f"file://{tmp_path}/muon/checkpoint_")
+    import ray.train
+
+    with ray.train.Checkpoint(s["checkpoint"]).as_directory() as d:
+        model = k3.model.load(d)
     biases = torch.stack([layer.mlp.gate.bias for layer in model.model.layers if layer.is_moe])
     assert biases.abs().sum() > 0, "loss-free balancing never moved the bias"

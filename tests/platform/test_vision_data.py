@@ -10,8 +10,9 @@ from PIL import Image
 
 from k3.model import K3ForConditionalGeneration, get_preset
 from k3.model.tokenizer import train_bpe
+from helpers import run_killed_midway, tree_bytes
 from k3.platform.train.vision_data import (
-    ExampleEncoder, MediaSchedule, classify_digits, collate, read_vision_rows, write_vision_set,
+    ExampleEncoder, MediaSchedule, classify_digits, collate, read_vision_info, read_vision_rows, write_vision_set,
 )
 
 
@@ -47,6 +48,23 @@ def test_media_set_contents_and_rerun_is_a_no_op(media_set):
     mtime = (out / "media" / "train.parquet").stat().st_mtime_ns
     assert write_vision_set(out, heldout=4, max_digits=12) == info
     assert (out / "media" / "train.parquet").stat().st_mtime_ns == mtime
+
+
+def test_a_media_set_killed_midway_leaves_the_previous_version_whole_and_a_rerun_redoes_it(tmp_path):
+    info = write_vision_set(tmp_path, heldout=4, max_digits=12, photos=False)
+    before = tree_bytes(tmp_path / "media")
+    # killed right after the new train.parquet is written, before heldout.parquet and media.json
+    run_killed_midway(f"from k3.platform.train.vision_data import write_vision_set\n"
+                      f"write_vision_set({str(tmp_path)!r}, heldout=4, max_digits=16, photos=False)",
+                      "pyarrow.parquet:write_table", after=1)
+    assert tree_bytes(tmp_path / "media") == before, "the killed writer changed the previous media set"
+    assert read_vision_info(tmp_path) == info
+    assert len(read_vision_rows(tmp_path, "train")) == info["counts"]["train"]["rows"]
+    new = write_vision_set(tmp_path, heldout=4, max_digits=16, photos=False)
+    assert new["settings"]["max_digits"] == 16 and read_vision_info(tmp_path) == new
+    assert [len(read_vision_rows(tmp_path, s)) for s in ("train", "heldout")] == \
+        [new["counts"][s]["rows"] for s in ("train", "heldout")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["media"], "a killed writer's leftovers stayed"
 
 
 def _ink_box(frame: np.ndarray) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from k3.serve.protocol import (
     UsageInfo,
     sse_event,
 )
-from k3.serve.soak import SoakConfig, rss_verdict, run_soak
+from k3.serve.soak import SoakConfig, process_verdicts, rss_verdict, run_soak
 
 TTFT_S = 0.25     # the server's delay before the first token
 ITL_S = 0.08      # and between tokens
@@ -236,15 +236,74 @@ def test_bench_config_refuses(bad):
 def test_soak_short_run_counts_errors_and_samples_rss(fake):
     fake.count, fake.fail = 0, {3}
     me = psutil.Process(os.getpid())
+    t0 = time.perf_counter()
+
+    def sample():  # this process, and from 1.5 s on a second one of 300 MB (a replica autoscaling added)
+        return {f"pytest({me.pid})": me.memory_info().rss, **({"new replica": 300 * 2**20}
+                                                              if time.perf_counter() - t0 > 1.5 else {})}
+
     cfg = SoakConfig(base_url=fake.url, clients=4, duration_s=3.0, input_len=4, output_len=TOKENS, warmup_s=0.5,
                      rss_interval_s=0.25, max_rss_growth=0.5)
-    s = asyncio.run(run_soak(cfg, lambda: {f"pytest({me.pid})": me.memory_info().rss}))
+    s = asyncio.run(run_soak(cfg, sample))
     # each client runs ~0.5 s requests back to back for 3 s
     assert s["completed"] >= 4 * 4 and s["failed"] == 1 and not s["zero_errors"]
     rss = s["rss"]
     assert len(rss["t_s"]) >= 8 and rss["t_s"] == sorted(rss["t_s"])
-    assert list(rss["per_process_mb"]) == [f"pytest({me.pid})"] and all(x > 10 for x in rss["total_mb"])
-    assert rss["flat"] is True, rss  # this process does not grow by half in 3 s
+    assert sorted(rss["per_process_mb"]) == ["new replica", f"pytest({me.pid})"] and all(x > 10 for x in rss["total_mb"])
+    assert rss["per_process_mb"]["new replica"][0] is None and rss["added"] == ["new replica"] and rss["removed"] == []
+    # the total grew by 300 MB; no process did (this one does not grow by half in 3 s)
+    assert rss["total_mb"][-1] - rss["total_mb"][0] > 250 and rss["flat"] is True and rss["growing"] == [], rss
+
+
+def curves(**spec):
+    """60 one-second samples per process: (first second present, last second present, MB at start,
+    MB growth over its life); a replica's first 5 s are its warm-up (it loads the model)."""
+    out = {}
+    for label, (first, last, mb, growth) in spec.items():
+        life = last - first
+        out[label] = [None if not first <= t <= last else
+                      int((mb * (0.6 if t - first < 5 else 1.0) + growth * (t - first) / max(1, life)) * 2**20)
+                      for t in range(60)]
+    return out
+
+
+@pytest.mark.parametrize("case,flat,growing,added,removed", [
+    ("steady", True, [], [], []),
+    ("replica added mid-run", True, [], ["decode 2"], []),
+    ("replica removed mid-run", True, [], [], ["decode 2"]),
+    ("replica replaced", True, [], ["decode 3"], ["decode 2"]),
+    ("one process grows", False, ["decode 1"], [], []),
+    ("an added replica grows", False, ["decode 2"], ["decode 2"], []),
+])
+def test_memory_is_judged_per_process(case, flat, growing, added, removed):
+    spec = {"ingress": (0, 59, 500, 1), "decode 1": (0, 59, 800, 2)}
+    if case == "replica added mid-run":
+        spec["decode 2"] = (30, 59, 800, 1)
+    elif case == "replica removed mid-run":
+        spec["decode 2"] = (0, 40, 800, 1)
+    elif case == "replica replaced":
+        spec["decode 2"], spec["decode 3"] = (0, 25, 800, 1), (27, 59, 800, 1)
+    elif case == "one process grows":
+        spec["decode 1"] = (0, 59, 800, 200)  # +25% in a minute
+    elif case == "an added replica grows":
+        spec["decode 2"] = (20, 59, 800, 200)
+    per_process = curves(**spec)
+    v = process_verdicts([float(t) for t in range(60)], per_process, warmup_s=10, max_growth=0.05)
+    assert (v["flat"], v["growing"], v["added"], v["removed"]) == (flat, growing, added, removed), v
+    assert set(v["processes"]) == set(spec)
+    if case == "replica added mid-run":  # what the total alone would have said
+        totals = [sum(c[t] or 0 for c in per_process.values()) for t in range(60)]
+        assert rss_verdict([float(t) for t in range(60)], totals, warmup_s=10, max_growth=0.05)["flat"] is False
+
+
+def test_process_verdicts_refuse_ragged_curves_and_leave_short_lives_unjudged():
+    with pytest.raises(ValueError, match="one value per sample"):
+        process_verdicts([0.0, 1.0], {"a": [1]}, warmup_s=0, max_growth=0.05)
+    with pytest.raises(ValueError, match="no sample"):
+        process_verdicts([0.0, 1.0], {"a": [None, None]}, warmup_s=0, max_growth=0.05)
+    v = process_verdicts([float(t) for t in range(20)], {"late": [None] * 17 + [2**20] * 3}, warmup_s=0,
+                         max_growth=0.05)
+    assert v["flat"] is None and v["processes"]["late"]["flat"] is None and v["added"] == ["late"]
 
 
 @pytest.mark.parametrize("totals,flat", [

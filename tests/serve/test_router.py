@@ -156,3 +156,43 @@ def test_same_key_requests_land_on_the_same_replica(serve_session):
             assert v == {rendezvous_order(k, sorted(unkeyed))[0]}
     finally:
         serve.delete("router_test")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("keyed", [True, False])
+def test_calls_made_inside_one_request_are_all_routed(serve_session, keyed):
+    """Every handle call a replica makes while it serves one request carries that request's
+    internal id (Serve's request context), as the n choices of one completion reach the prefill
+    deployment. Each must be routed promptly, none left spinning in the router."""
+    import asyncio
+    import time
+
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    @serve.deployment(num_replicas=2, max_ongoing_requests=100, ray_actor_options={"num_cpus": 0},
+                      request_router_config=RequestRouterConfig(
+                          request_router_class="k3.serve.router.PrefixAffinityRouter"))
+    class Back:
+        async def __call__(self, req) -> str:
+            await asyncio.sleep(0.05)
+            return serve.get_replica_context().replica_id.unique_id
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Fan:
+        def __init__(self, back) -> None:
+            self.back = back
+
+        async def __call__(self, n: int, key: str | None) -> list[str]:
+            return await asyncio.gather(*[self.back.remote(SimpleNamespace(route_key=key)) for _ in range(n)])
+
+    try:
+        handle = serve.run(Fan.bind(Back.bind()), name="fan_test", route_prefix=None)
+        for n in (1, 8, 8):
+            t0 = time.perf_counter()
+            landed = handle.remote(n, KEYS[3] if keyed else None).result(timeout_s=30)
+            assert len(landed) == n and time.perf_counter() - t0 < 10, (n, time.perf_counter() - t0)
+            if keyed:  # one prompt, one replica
+                assert len(set(landed)) == 1
+    finally:
+        serve.delete("fan_test")

@@ -22,7 +22,7 @@ from k3.serve.chat import ChatTemplate
 from k3.serve.config import MediaConfig
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.errors import OpenAIError
-from k3.serve.media import ChatMedia
+from k3.serve.chat_media import ChatMedia
 from k3.serve.protocol import ChatCompletionRequest
 
 openai = pytest.importorskip("openai")
