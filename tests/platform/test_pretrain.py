@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -112,6 +113,11 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
         (dict(preset="k5"), "preset"),
         (dict(balance={"method": "quantile"}), "quantile_hist"),
         (dict(fail_at_step=2, fail_in="save"), "fail_in='save' needs a checkpoint at the end of step 2"),
+        # context parallelism: C divides the workers and the sequence, pieces hold a conv window
+        (dict(context_parallel=3), r"context_parallel \(--context-parallel\) = 3 must divide num_workers"),
+        (dict(context_parallel=3, num_workers=3), r"\(--context-parallel\) = 3 must divide the data's seq_len = 64"),
+        (dict(context_parallel=32, num_workers=32), "pieces shorter than the KDA conv window"),
+        (dict(context_parallel=2, preset="k3-tiny-vl"), "text presets only"),
     ]
     for change, match in cases:
         kw = {"data": str(data_dir), **change}
@@ -122,6 +128,9 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
     out = subprocess.run([sys.executable, "jobs/pretrain.py", "--data", str(data_dir), "--ep-size", "4"],
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode != 0 and "must divide num_workers" in out.stderr
+    out = subprocess.run([sys.executable, "jobs/pretrain.py", "--data", str(data_dir), "--num-workers", "4",
+                          "--context-parallel", "3"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode != 0 and "(--context-parallel) = 3 must divide num_workers" in out.stderr
     assert time.time() - t < 60 and "ray" not in out.stdout.lower()
 
 
@@ -178,6 +187,26 @@ def test_the_readme_job_runs_as_printed_against_a_ray_start_cluster(tmp_path, ds
     assert len(ckpts) == 1, f"no checkpoint under {user / 'runs' / 'my-run'}"
     model = k3.model.load(ckpts[0])
     assert model.model.layers[1].mlp.experts.count == model.cfg.num_experts
+
+
+@pytest.mark.slow
+def test_the_readme_long_context_job_runs_as_printed(tmp_path, ds_env, ray_local):
+    # The README's context-parallel block: 32768-token rows with document starts, two ranks
+    # splitting each row (and EP = 2), 2 steps instead of 20.
+    user = checkout(tmp_path / "k3")
+    with LocalRayHead(num_cpus=2, workdir=tmp_path / "ray") as head:
+        sh = dict(shell=True, executable="/bin/bash", cwd=user, env=head.env, capture_output=True, text=True)
+        block = readme_block("Long sequences are prepared").replace("http://127.0.0.1:8265", head.address)
+        job = subprocess.run(block.rstrip() + " --steps 2 --log-every 1 --checkpoint-every 2 --sample 0", **sh)
+        logs = job.stdout + job.stderr
+        assert job.returncode == 0, logs[-3000:]
+    assert "context_parallel 2" in logs and "1 sequences of 32768 tokens" in logs, logs[-3000:]
+    steps = [line for line in logs.splitlines() if "loss" in line and "step " in line and "/2 " in line]
+    assert len(steps) == 2, logs[-3000:]
+    table = pq.read_table(sorted((user / "data" / "long").glob("shard-*.parquet"))[0])
+    assert table.column_names == ["tokens", "doc_start"] and len(table.column("tokens")[0]) == 32769
+    ckpts = [c for c in (user / "runs" / "long").glob("checkpoint_*") if c.is_dir()]
+    assert len(ckpts) == 1 and k3.model.load(ckpts[0]).cfg.num_layers == 8
 
 
 def test_muon_loss_free_balancing_activation_checkpointing_and_file_uris(ray_local, data_dir, tmp_path, ds_env):
