@@ -10,8 +10,15 @@ activation checkpointing, then times one training step (forward, backward, gradi
 the group, AdamW) and measures its peak memory: the high-water RSS of the step minus the RSS
 before it (the model, the optimizer state and the inputs not counted), with glibc told to return
 every block >= 128 KB to the OS on free (MALLOC_MMAP_THRESHOLD_), so RSS follows the live
-tensors instead of the allocator's cache. A no-grad forward with a timer on every attention and
-feed-forward sub-layer then splits the forward's time by kind (KDA linear in T, MLA quadratic).
+tensors instead of the allocator's cache. At C = 1 a no-grad forward with a timer on every
+attention and feed-forward sub-layer then splits the forward's time by kind (KDA linear in T,
+MLA quadratic).
+
+--itemise T: where a step's memory goes instead, on one process, without activation
+checkpointing: the bytes of every tensor autograd keeps for backward (each storage once, the
+parameters not counted), by the kind of the outermost layer that saved it (KDA, MLA, MoE, the
+dense MLP; "other": embeddings, norms, the AttnRes mixing, the loss), per token; and the step's
+peak RSS with and without activation checkpointing.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65
 p.add_argument("--C", nargs="*", type=int, default=[1, 2], help="context-parallel sizes")
 p.add_argument("--preset", default="k3-tiny")
 p.add_argument("--no-breakdown", action="store_true", help="skip the per-kind forward timing")
+p.add_argument("--itemise", type=int, metavar="T", help="itemise a step's memory at T tokens instead (see above)")
 p.add_argument("--json", help="also write the result here")
 args = p.parse_args()
 
@@ -71,6 +79,64 @@ def _forward_breakdown(model, ids, shard) -> dict[str, float]:
     return {k: round(v, 3) for k, v in spent.items()}
 
 
+KINDS = {"KimiDeltaAttention": "KDA", "GatedMLA": "MLA", "LatentMoE": "MoE", "GatedMLP": "dense MLP"}
+
+
+def _saved_for_backward(model, ids) -> dict[str, int]:
+    """Bytes autograd keeps between forward and backward on ids [1, T], by layer kind (see the
+    module docstring)."""
+    import torch
+
+    params = {p_.untyped_storage().data_ptr() for p_ in model.parameters()}
+    stack, seen = ["other"], {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (stack[-1], t.untyped_storage().nbytes())
+        return t
+
+    handles = []
+    for mod in model.modules():
+        kind = KINDS.get(type(mod).__name__)
+        if kind is not None:  # the outermost kind owns what its inner modules save
+            handles.append(mod.register_forward_pre_hook(lambda m, a, kind=kind: stack.append(
+                kind if stack[-1] == "other" else stack[-1])))
+            handles.append(mod.register_forward_hook(lambda m, a, o: [stack.pop(), None][1]))  # None: keep o
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids, logits_at=torch.zeros(0, dtype=torch.long)).loss
+    for h in handles:
+        h.remove()
+    out: dict[str, int] = {}
+    for kind, nbytes in seen.values():
+        out[kind] = out.get(kind, 0) + nbytes
+    del loss
+    return out
+
+
+def _itemise_worker(rank: int, T: int, out: str, preset: str) -> None:
+    import torch
+
+    import k3.model
+    from k3.model import get_preset
+
+    torch.set_num_threads(1)
+    model = k3.model.build(get_preset(preset), seed=0).train()
+    ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    saved = _saved_for_backward(model, ids)
+    result = {"T": T, "saved_bytes_per_token": {k: round(v / T) for k, v in sorted(saved.items())},
+              "saved_mb": round(sum(saved.values()) / 2**20)}
+    for ckpt in (False, True):
+        model.model.gradient_checkpointing = ckpt
+        base_kb = _status_kb("VmRSS")
+        _reset_peak()
+        model(ids, labels=ids, logits_at=torch.zeros(0, dtype=torch.long)).loss.backward()
+        model.zero_grad(set_to_none=True)
+        result[f"step_peak_mb_checkpointing_{'on' if ckpt else 'off'}"] = round((_status_kb("VmHWM") - base_kb) / 1024)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
 def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdown: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -103,8 +169,8 @@ def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdo
     step_s = time.perf_counter() - t0
     result = {"T": T, "C": C, "rank": rank, "tokens": shard.end - shard.start, "step_s": round(step_s, 2),
               "tokens_per_s": round(T / step_s, 1), "step_peak_mb": round((_status_kb("VmHWM") - base_kb) / 1024),
-              "peak_rss_mb": round(_status_kb("VmHWM") / 1024), "loss": float(loss) / C}
-    if breakdown:
+              "peak_rss_mb": round(_status_kb("VmHWM") / 1024), "loss": float(loss.detach()) / C}
+    if breakdown and C == 1:  # a property of T: a shard's attention runs outside the module hooks
         result["forward_s"] = _forward_breakdown(model, stream, sh)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -121,6 +187,11 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "machine": {
         "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__, "loadavg_before": os.getloadavg()}, "preset": args.preset, "runs": []}
+    if args.itemise:
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_itemise_worker, args=(args.itemise, out, args.preset), nprocs=1, join=True)
+            result["itemised"] = json.load(open(f"{out}/rank0.json"))
+        args.T = []
     for T in args.T:
         for C in args.C:
             if T % C:
