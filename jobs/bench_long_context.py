@@ -2,6 +2,7 @@
 with context parallelism C = 1 and 2, printed as JSON (k3-tiny, fp32, CPU).
 
     python jobs/bench_long_context.py [--T 4096 8192 16384 32768 65536] [--C 1 2] [--json out.json]
+                                      [--plot out.png [--include earlier.json ...]]
 
 Every (T, C) runs in C fresh gloo processes of one torch thread each (torch.multiprocessing), the
 ranks of one context-parallel group splitting one sequence of T tokens (one document) as
@@ -38,6 +39,8 @@ p.add_argument("--preset", default="k3-tiny")
 p.add_argument("--no-breakdown", action="store_true", help="skip the per-kind forward timing")
 p.add_argument("--itemise", type=int, metavar="T", help="itemise a step's memory at T tokens instead (see above)")
 p.add_argument("--json", help="also write the result here")
+p.add_argument("--plot", help="plot tokens/s and step peak memory per rank against T, one line per C (PNG)")
+p.add_argument("--include", nargs="*", default=[], help="earlier --json results whose runs the plot also shows")
 args = p.parse_args()
 
 
@@ -208,6 +211,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if args.plot:
+        runs = result["runs"] + [r for path in args.include for r in json.load(open(path))["runs"]]
+        plot(runs, args.plot)
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """tokens/s (the group's) and step peak MB (the largest rank's) against T, a line per C."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for C in sorted({r["C"] for r in runs}):
+        Ts = sorted({r["T"] for r in runs if r["C"] == C})
+        mine = [[r for r in runs if r["C"] == C and r["T"] == T] for T in Ts]
+        ax_speed.plot(Ts, [min(r["tokens_per_s"] for r in rs) for rs in mine], "o-", label=f"C = {C}")
+        ax_mem.plot(Ts, [max(r["step_peak_mb"] for r in rs) for rs in mine], "o-", label=f"C = {C}")
+    for ax, label in [(ax_speed, "training tokens/s"), (ax_mem, "step peak RSS per rank (MB)")]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
