@@ -85,7 +85,8 @@ class Trainer:
         model.model.gradient_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)
         self.ep = apply_expert_parallel(model, ep_group, edp_group, self.world)
-        self.cp = ContextParallel(cp_groups(self.rank, self.world, self.cp_size), self.cp_size, self.rank % self.cp_size)
+        cp_group = cp_groups(self.rank, self.world, self.cp_size)
+        self.cp = ContextParallel(cp_group, self.cp_size, self.rank % self.cp_size)
         self.ds = DeepSpeedAdapter(cfg, model, self.ep)
         self.model = model
         num_moe = sum(layer.is_moe for layer in model.model.layers)
@@ -121,8 +122,8 @@ class Trainer:
         Text: {"tokens": [B, T+1] int64} -> {"input_ids": [B, T'], "labels": [B, T']}
         (labels[t + 1] is the target of position t); with {"doc_start": [B, T+1]} (documents
         inside rows) or context parallelism, the rows become one stream [1, B (T+1)] with its
-        documents in "cu_seqlens", or in "shard" (this rank's piece, k3.model.shard). Media: {"examples": [Example, ...]} ->
-        right-padded input_ids/labels (-100 on padding) plus pixel_values [N, 3, p, p] and
+        documents in "cu_seqlens", or in "shard" (this rank's piece, k3.model.shard).
+        Media: {"examples": [Example, ...]} -> right-padded input_ids/labels (-100 on padding) plus pixel_values [N, 3, p, p] and
         grid_thws [M, 3] for the tower."""
         if "examples" in raw:
             b = collate(raw["examples"], pad_id=self.pad_id)

@@ -87,7 +87,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         loss = o.loss.detach().clone()
         dist.all_reduce(loss)  # the group's shares of a stream's mean add up to it
         result[C] = {"logits": o.logits.detach(), "start": shard.start, "stream": s, "loss": float(loss) / (WORLD // C),
-                     "grads": grads, "first": {n: ep.owner(p).first for n, p in model.named_parameters() if id(p) in experts},
+                     "grads": grads,
+                     "first": {n: ep.owner(p).first for n, p in model.named_parameters() if id(p) in experts},
                      "expert_ids": [r.expert_ids for r in o.router]}
     dist.destroy_process_group()
     torch.save(result, f"{out}/rank{rank}.pt")
