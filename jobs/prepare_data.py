@@ -1,7 +1,7 @@
 """Prepare training data: train a byte-level BPE tokenizer and write token shards as Parquet.
 
     python jobs/prepare_data.py [--input bundled|DIR|FILE.jsonl|FILE.parquet] [--out data/bundled]
-                                [--vocab-size 4096] [--seq-len 256] [--vision]
+                                [--vocab-size 4096] [--seq-len 256] [--doc-starts] [--vision]
 
 The default input is the bundled corpus (the Python standard library's own source). --vision
 also writes the bundled image-text and video-text set (scikit-learn digits at several sizes,
@@ -25,6 +25,9 @@ p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size
 p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
 p.add_argument("--rows-per-shard", type=int, default=1024, help="sequences per Parquet shard")
 p.add_argument("--max-bytes", type=int, default=None, help="use at most this many bytes of text")
+p.add_argument("--doc-starts", action="store_true", help="also mark where each document starts in a row (column "
+               "doc_start): training then resets the KDA state and masks MLA there; for long --seq-len (32768, 65536), "
+               "where a row holds many documents")
 p.add_argument("--quiet", action="store_true", help="no progress bars")
 p.add_argument("--vision", action="store_true", help="also write the bundled image/video-text set (<out>/media)")
 p.add_argument("--heldout-digits", type=int, default=300, help="digits kept out of training for eval_vision")
@@ -32,7 +35,7 @@ p.add_argument("--train-clips", type=int, default=2, help="moving-digit clips pe
 args = p.parse_args()
 try:
     manifest, wrote = prepare(args.input, args.out, args.vocab_size, args.seq_len, args.rows_per_shard,
-                              args.max_bytes, progress=not args.quiet)
+                              args.max_bytes, progress=not args.quiet, doc_starts=args.doc_starts)
 except ValueError as e:
     sys.exit(f"prepare_data: {e}")
 print(("wrote" if wrote else "up to date:") + f" {manifest.num_sequences} sequences, {manifest.num_tokens:,} tokens, "

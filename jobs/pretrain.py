@@ -32,8 +32,10 @@ p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py): a
                "the same on every node, or a URI (s3://, gs://, file://, local://)")
 p.add_argument("--num-workers", type=int, help="Ray Train workers")
 p.add_argument("--ep-size", type=int, help="expert-parallel size")
+p.add_argument("--context-parallel", type=int, help="ranks that split each sequence into contiguous pieces "
+               "(context parallelism: ranks = data-parallel x this); must divide --num-workers and the data's seq_len")
 p.add_argument("--zero-stage", type=int, choices=[1, 2], help="DeepSpeed ZeRO stage")
-p.add_argument("--micro-batch", type=int, help="sequences per worker per step")
+p.add_argument("--micro-batch", type=int, help="sequences per worker per step (per context-parallel group)")
 p.add_argument("--steps", type=int, help="optimizer steps")
 p.add_argument("--lr", type=float, help="peak learning rate")
 p.add_argument("--optimizer", choices=["adamw", "muon"])
@@ -58,7 +60,7 @@ args = p.parse_args()
 # 1. Config, validated before anything starts.
 fields = json.loads(Path(args.config).read_text()) if args.config else {}
 for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"),
-                  ("ep_size", "ep_size"),
+                  ("ep_size", "ep_size"), ("context_parallel", "context_parallel"),
                   ("zero_stage", "zero_stage"), ("micro_batch", "micro_batch"), ("steps", "steps"), ("lr", "lr"),
                   ("optimizer", "optimizer"), ("activation_checkpointing", "activation_checkpointing"),
                   ("checkpoint_every", "checkpoint_every"), ("log_every", "log_every"),
@@ -75,9 +77,10 @@ try:
     data_info = cfg.check()
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration: {e}")
+sequences = cfg.micro_batch * cfg.num_workers // cfg.context_parallel
 print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, "
-      f"ZeRO-{cfg.zero_stage}, "
-      f"balance {cfg.balance.method}, {cfg.steps} steps x {cfg.micro_batch * cfg.num_workers} sequences of "
+      f"context_parallel {cfg.context_parallel}, ZeRO-{cfg.zero_stage}, "
+      f"balance {cfg.balance.method}, {cfg.steps} steps x {sequences} sequences of "
       f"{data_info['seq_len']} tokens", flush=True)
 
 # 2. Ray: the job's cluster (RAY_ADDRESS, set by `ray job submit`), or a private local one.

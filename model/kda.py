@@ -1,8 +1,11 @@
 """Kimi Delta Attention layer: short convs, per-channel decay gate, delta-rule state, gated output.
 
-Two entry points:
+Three entry points:
 - `forward`: the chunkwise form (`k3.kernels.kda.chunk_kda`) for training and cache-free use,
   optionally continuing from a carried state and over packed sequences (`cu_seqlens`);
+- `forward_shard`: this process's piece of a stream split over a group (context parallelism,
+  model/shard.py): the conv continues from the previous piece's inputs, the state from the
+  pieces before (`k3.kernels.kda.shards`);
 - `forward_cached`: against a `CacheBatch` whose owner holds the state in slots: the recurrent
   step (`k3.kernels.kda.kda_step`) for a decode batch, the chunkwise form otherwise (prefill,
   chunked prefill, mixed batches), with snapshots of the state at asked-for offsets read in the
@@ -18,10 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.kernels.kda import chunk_kda, kda_step
+from k3.kernels.kda.shards import chunk_kda_shard, fold_shard_states, shard_output
 
 from .cache import CacheBatch, KDAPool, KDASnapshot
 from .config import K3Config
 from .norm import rms_norm
+from .shard import SequenceShard
 
 
 @dataclass
@@ -147,23 +152,49 @@ class KimiDeltaAttention(nn.Module):
         pool.recurrent.index_copy_(0, slots, final.recurrent)
         return y
 
+    def forward_shard(self, x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+        """x [1, n, D]: this process's piece of the stream (see model/shard.py). Every process of
+        the group calls it for the same layer; y [1, n, D] is what the whole stream's forward gives
+        on these tokens."""
+        P = self.cfg.kda_conv_size - 1
+        cu = shard.local_cu_seqlens(x.device)
+        qkv_in = self._qkv_in(x[0])
+        # The first document piece's conv window reaches into the previous piece's last inputs.
+        prev = shard.previous_rows(qkv_in, P).T[None]  # [1, 3HK, P]
+        conv0 = torch.cat([prev, prev.new_zeros(cu.numel() - 2, *prev.shape[1:])])
+        qkv, _ = causal_conv1d(qkv_in, self.conv_weight, conv0, cu)
+        q, k, v, g, beta = self._inputs(qkv, x)
+        piece = chunk_kda_shard(q, k, v, g, beta, cu_seqlens=cu, continues=shard.continues,
+                                chunk_size=self.cfg.kda_chunk_size, lower_bound=self._lower_bound())
+        V = v.shape[-1]
+        every = shard.gather(torch.cat([piece.state, piece.transition], dim=-1))  # [C, H, K, V + K] fp32
+        h_in = fold_shard_states(every[..., :V], every[..., V:], shard.rank)
+        return self._out(shard_output(piece, h_in, v.dtype), x)
+
+    def _qkv_in(self, xt: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> the pre-conv q, k, v projections side by side [N, 3HK]."""
+        return torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
+
+    def _inputs(self, qkv: torch.Tensor, x: torch.Tensor):
+        """Post-conv qkv [B*T, 3HK] and x [B, T, D] -> chunk_kda's q, k (L2-normalised), v, g, beta."""
+        B, T, _ = x.shape
+        q, k, v = F.silu(qkv).reshape(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        return l2norm(q), l2norm(k), v, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+
+    def _lower_bound(self) -> float | None:
+        return self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None
+
     def _chunkwise(self, x, cu_seqlens, state, cache: CacheBatch | None):
         """The chunkwise form over x [B, T, D] (packed when cu_seqlens is given); with a cache, the
         snapshots it asks for are read in the same pass (chunk_kda's states_at) and recorded."""
         B, T, D = x.shape
-        H, K = self.num_heads, self.head_dim
         conv_cu = torch.arange(0, (B + 1) * T, T, device=x.device) if cu_seqlens is None else cu_seqlens
-        xt = x.reshape(B * T, D)
-        qkv_in = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
+        qkv_in = self._qkv_in(x.reshape(B * T, D))
         qkv, conv_state = causal_conv1d(qkv_in, self.conv_weight, None if state is None else state.conv, conv_cu)
-        q, k, v = F.silu(qkv).reshape(B, T, 3, H, K).unbind(2)
-        q, k = l2norm(q), l2norm(k)
-        g = self.decay(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        q, k, v, g, beta = self._inputs(qkv, x)
         o, final, snapshots = chunk_kda(
             q, k, v, g, beta, initial_state=None if state is None else state.recurrent, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=self.cfg.kda_chunk_size,
-            lower_bound=self.cfg.kda_gate_lower_bound if self.cfg.kda_gate == "bounded" else None,
+            cu_seqlens=cu_seqlens, chunk_size=self.cfg.kda_chunk_size, lower_bound=self._lower_bound(),
             states_at=cache.snapshot_offsets if cache is not None else None,
         )
         starts, pre_conv = (conv_cu.tolist(), qkv_in.detach()) if snapshots else ([], None)
@@ -183,7 +214,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
         xt = x[:, 0]
-        qkv = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)  # [B, 3HK]
+        qkv = self._qkv_in(xt)  # [B, 3HK]
         conv = pool.conv.index_select(0, slot_idx)  # [B, C, W-1]
         window = torch.cat([conv, qkv[..., None].to(conv.dtype)], dim=-1)  # [B, C, W]
         y = (window * self.conv_weight.to(window.dtype)).sum(-1).to(x.dtype)

@@ -6,6 +6,8 @@ all the cache holds. Two forms:
 
 - naive: expand the latents through kv_b_proj into per-head keys and values, then softmax
   attention (training and cache-free prefill; packed sequences get a block-diagonal causal mask);
+  over a piece of a stream split over processes (`forward_shard`, context parallelism), the
+  latents of every piece are all-gathered and expanded here;
 - absorbed: fold W_uk into the query and W_uv after the softmax, attending over the latents
   themselves (`k3.kernels.mla_decode`): decode and short chunks over a cache;
 - expanded over a cache: a prefill chunk over cached context expands the context's latents
@@ -27,6 +29,7 @@ from k3.kernels.mla_decode import mla_decode
 from .cache import CacheBatch
 from .config import K3Config
 from .norm import RMSNorm
+from .shard import SequenceShard
 
 # A chunk of at least this many new tokens over a cached context runs in the expanded form.
 EXPAND_MIN_TOKENS = 16
@@ -230,25 +233,12 @@ class GatedMLA(nn.Module):
 
     def _naive(self, x: torch.Tensor, lat: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        H = self.num_heads
-        q_nope, q_rope = self.query(x)
-        c, r = lat.split([self.lora, self.rope], dim=-1)
-        kv = self.kv_b_proj(c).unflatten(-1, (H, self.nope + self.vdim))
-        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [B, H, T, dqk]
-        k = torch.cat([k_nope, r[:, :, None, :].expand(B, T, H, self.rope)], dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)
-        dqk = q.shape[-1]
-        if self.vdim < dqk:
-            # SDPA's fused (flash) kernels need equal q/k/v head dims; without them it materialises
-            # the [T, T] scores (16 GB at 32K tokens). Zero columns leave the output unchanged.
-            v = F.pad(v, (0, dqk - self.vdim))
+        q, (k, v) = self._q_heads(x), self._kv_heads(lat)
         if cu_seqlens is None or cu_seqlens.numel() <= 2:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         elif T > 4096:  # long packed batch: one causal (fused) call per sequence, no [T, T] mask
-            o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                          scale=self.scale)
-                           for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a], dim=2)
+            cu = cu_seqlens.tolist()
+            o = self._span_attention(q, k, v, [(a, b, a, b) for a, b in zip(cu, cu[1:])])
         else:
             seg = torch.repeat_interleave(
                 torch.arange(cu_seqlens.numel() - 1, device=x.device), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T
@@ -257,3 +247,57 @@ class GatedMLA(nn.Module):
             mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self._finish(o[..., : self.vdim].transpose(1, 2), x)
+
+    def forward_shard(self, x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+        """x [1, n, D]: this process's piece of the stream (model/shard.py). Queries are this
+        piece's; keys and values expand from every piece's latents, all-gathered (kv_lora + rope
+        values a token, far less than per-head keys and values; their gradients go back to the
+        pieces that own them). Each document piece attends causally at its stream offset."""
+        every = shard.gather_stream(self.latent(x)[0])  # [total, L + R]
+        spans = shard.attention_spans()
+        k0 = min(span[2] for span in spans)  # no query of this piece sees a key before k0
+        k, v = self._kv_heads(every[None, k0:shard.end])
+        o = self._span_attention(self._q_heads(x), k, v, [(a, b, c - k0, d - k0) for a, b, c, d in spans])
+        return self._finish(o[..., : self.vdim].transpose(1, 2), x)
+
+    def _q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> queries [B, H, T, nope + rope]."""
+        q_nope, q_rope = self.query(x)
+        return torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
+
+    def _kv_heads(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [B, S, L + R] -> keys [B, H, S, nope + rope] and values [B, H, S, nope + rope]
+        (v zero-padded past v_head_dim)."""
+        B, S, _ = lat.shape
+        H = self.num_heads
+        c, r = lat.split([self.lora, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c).unflatten(-1, (H, self.nope + self.vdim)).split([self.nope, self.vdim], -1)
+        k = torch.cat([k_nope, r[:, :, None, :].expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)
+        dqk = k.shape[-1]
+        if self.vdim < dqk:
+            # SDPA's fused (flash) kernels need equal q/k/v head dims; without them it materialises
+            # the [T, T] scores (16 GB at 32K tokens). Zero columns leave the output unchanged.
+            v = F.pad(v, (0, dqk - self.vdim))
+        return k, v
+
+    def _span_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        spans: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        """q [1, H, n, d]; k, v [1, H, S, d]; spans (q0, q1, k0, k1): queries [q0, q1) see keys
+        [k0, k1), query q0 + i the keys up to k1 - (q1 - q0) + i. Returns [1, H, n, d].
+
+        One fused causal call per span with no mask: a span whose keys begin before its queries
+        gets zero queries in front for those keys (square causal = aligned bottom right; their
+        outputs are dropped, so they add no gradient). A lower-right mask would cost [n, S] bytes
+        and SDPA's masked path converts it to floats: 8 GB at 32K x 64K."""
+        outs = []
+        for q0, q1, k0, k1 in spans:
+            if q1 == q0:
+                continue
+            past = (k1 - k0) - (q1 - q0)
+            qs = q[:, :, q0:q1]
+            if past:
+                qs = torch.cat([qs.new_zeros(*qs.shape[:2], past, qs.shape[-1]), qs], dim=2)
+            o = F.scaled_dot_product_attention(qs, k[:, :, k0:k1], v[:, :, k0:k1], is_causal=True, scale=self.scale)
+            outs.append(o[:, :, past:])
+        return torch.cat(outs, dim=2)

@@ -24,6 +24,7 @@ from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import GatedMLP, LatentMoE, RouterOutput
 from .norm import RMSNorm, rms_norm
+from .shard import SequenceShard
 
 
 class DecoderLayer(nn.Module):
@@ -37,10 +38,13 @@ class DecoderLayer(nn.Module):
         self.mlp = LatentMoE(cfg, idx) if self.is_moe else GatedMLP(cfg, cfg.hidden_size, cfg.intermediate_size)
         self.idx = idx
 
-    def attention(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: CacheBatch | None) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: CacheBatch | None,
+                  shard: SequenceShard | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
         if cache is not None:
             return self.self_attn.forward_cached(x, cache)
+        if shard is not None:
+            return self.self_attn.forward_shard(x, shard)
         if self.kind == "mla":
             return self.self_attn(x, cu_seqlens)
         return self.self_attn(x, cu_seqlens)[0]
@@ -75,53 +79,85 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: CacheBatch | None = None, collect_router: bool = False,
-                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[RouterOutput]]:
+                inputs_embeds: torch.Tensor | None = None,
+                shard: SequenceShard | None = None) -> tuple[torch.Tensor, list[RouterOutput]]:
         # inputs_embeds [B, T, D]: the token embeddings with media features spliced in
-        # (K3ForConditionalGeneration); default: the embedding of input_ids.
+        # (K3ForConditionalGeneration); default: the embedding of input_ids. With a shard,
+        # input_ids is the whole stream [1, total] and only the shard's tokens run.
+        if shard is not None:
+            input_ids = shard.local(input_ids)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         routers: list[RouterOutput] = []
+        n_moe = sum(1 for layer in self.layers if layer.is_moe)
 
         def run(l: int, x: torch.Tensor) -> torch.Tensor:
             layer = self.layers[l // 2]
             if l % 2 == 0:
-                return layer.attention(x, cu_seqlens, cache)
+                return layer.attention(x, cu_seqlens, cache, shard)
             out, r = layer.feed_forward(x)
             if r is not None and collect_router and len(routers) < n_moe:  # recompute in backward adds none
                 routers.append(r)
             return out
 
-        n_moe = sum(1 for layer in self.layers if layer.is_moe)
-
-        def sublayer(l: int, x: torch.Tensor) -> torch.Tensor:
-            if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
-                return torch.utils.checkpoint.checkpoint(run, l, x, use_reentrant=False)
-            return run(l, x)
-
+        # Training keeps only what backward cannot cheaply redo: the AttnRes mixing is always
+        # recomputed in backward (no bit changes; its fp32 copies of every block were the largest
+        # activation after the sub-layers'), and with gradient_checkpointing every sub-layer is.
+        training = self.training and cache is None and torch.is_grad_enabled()
+        recompute = training and self.gradient_checkpointing
         if self.attn_res is None:
             for l in range(2 * self.cfg.num_layers):
-                h = h + sublayer(l, h)
+                h = h + (checkpoint(run, l, h) if recompute else run(l, h))
             return self.norm(h), routers
+        return self._attn_res_stack(h, run, training, recompute), routers
 
+    def _attn_res_stack(self, h: torch.Tensor, run, training: bool, recompute: bool) -> torch.Tensor:
+        """The sub-layers over Block AttnRes (see attn_res.py); run(l, x) is sub-layer l."""
         ar, eps = self.attn_res, self.cfg.rms_norm_eps
         blocks, partial = [h], None
         stats, base = None, 0
+
+        def mixed(l: int, s: int, m, z, hs, partial) -> torch.Tensor:
+            return merge_partial(BlockStats(m, z, hs), s, partial, ar.queries[l], eps, h.dtype)
+
+        def mixed_run(l: int, s: int, m, z, hs, partial) -> torch.Tensor:
+            return run(l, mixed(l, s, m, z, hs, partial))
+
         for l in range(ar.num_sublayers):
             if ar.block_start(l):
                 blocks.append(partial)
                 partial = None
             if self.naive_attn_res:
-                x = mix_naive(blocks + ([partial] if partial is not None else []), ar.queries[l], eps)
+                out = run(l, mix_naive(blocks + ([partial] if partial is not None else []), ar.queries[l], eps))
             else:
                 if l == 0 or ar.block_start(l):
-                    V = torch.stack([b.float() for b in blocks])
-                    stats = BlockStats.compute(V, rms_norm(V, None, eps), ar.queries[ar.block_range(l).start:
-                                                                                      ar.block_range(l).stop])
+                    span = ar.block_range(l)
+                    queries = ar.queries[span.start:span.stop]
+                    stats = checkpoint(block_stats, queries, eps, *blocks) if training else \
+                        block_stats(queries, eps, *blocks)
                     base = l
-                x = merge_partial(stats, l - base, partial, ar.queries[l], eps, h.dtype)
-            out = sublayer(l, x)
+                if recompute:
+                    out = checkpoint(mixed_run, l, l - base, *stats, partial)
+                elif training:
+                    out = run(l, checkpoint(mixed, l, l - base, *stats, partial))
+                else:
+                    out = run(l, mixed(l, l - base, *stats, partial))
             partial = out if partial is None else partial + out
-        h = mix_naive(blocks + [partial], ar.queries[-1], eps)
-        return self.norm(h), routers
+        final = blocks + [partial]
+        if training:
+            return self.norm(checkpoint(lambda q, *b: mix_naive(list(b), q, eps), ar.queries[-1], *final))
+        return self.norm(mix_naive(final, ar.queries[-1], eps))
+
+
+def checkpoint(fn, *args):
+    """fn(*args), its activations recomputed in backward (non-reentrant: any outputs, kwargs-free)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def block_stats(queries: torch.Tensor, eps: float, *blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(m, z, h) of BlockStats for a block's sub-layers over the completed blocks."""
+    V = torch.stack([b.float() for b in blocks])
+    st = BlockStats.compute(V, rms_norm(V, None, eps), queries)
+    return st.m, st.z, st.h
 
 
 # Tensors a K3 model keeps in fp32 whatever dtype it is loaded in: the router (selection and
@@ -135,6 +171,40 @@ def load_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None) ->
     if name.endswith(FP32_TENSORS):
         return torch.float32
     return requested or stored
+
+
+# Rows whose logits the loss computes at once: [rows, vocab] fp32 of 64 MB (k3-tiny: 4096 rows,
+# K3: 102), about four such tensors live while a chunk's loss and gradient are computed; each
+# chunk's logits are recomputed in backward instead of kept.
+LOSS_CHUNK_BYTES = 64 << 20
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [B, T] -> (targets [B, T]: position t's is labels[t + 1], -100 at the end of each
+    row and, packed, of each sequence; the number of targets that are not -100)."""
+    target = torch.full_like(labels, -100)
+    target[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        target[0, (cu_seqlens[1:-1] - 1).clamp_min(0)] = -100  # no prediction across a boundary
+    return target, (target != -100).sum()
+
+
+def next_token_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, count) -> torch.Tensor:
+    """Cross-entropy of the head's logits (h [B, T, D] @ weight [V, D]^T, in fp32) against target
+    [B, T] (-100 ignored), summed and divided by count. The [rows, V] logits exist a chunk of rows
+    at a time, in forward and again in backward: the loss keeps only h."""
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    total = None
+    for i in range(0, flat_h.shape[0], rows):
+        args = (flat_h[i:i + rows], weight, flat_t[i:i + rows])
+        part = checkpoint(_chunk_ce, *args) if torch.is_grad_enabled() else _chunk_ce(*args)
+        total = part if total is None else total + part
+    return total / count
+
+
+def _chunk_ce(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), target, ignore_index=-100, reduction="sum")
 
 
 class K3ForCausalLM(nn.Module):
@@ -167,38 +237,48 @@ class K3ForCausalLM(nn.Module):
         logits_at: torch.Tensor | None = None,
         collect_router: bool = False,
         inputs_embeds: torch.Tensor | None = None,
+        shard: SequenceShard | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T] (or [1, T] packed with cu_seqlens [N + 1]).
 
         labels: same shape as input_ids; position t is trained to predict labels[t + 1]
         (-100 ignored; with packing, never across a sequence boundary).
         logits_at: flat token indices to compute logits for (e.g. each sequence's last token);
-        default all.
+        default all (training passes none: the loss needs no [T, vocab] logits).
         inputs_embeds: [B, T, hidden] embeddings to run instead of embedding input_ids (which
         still give the shape and the packing checks).
+        shard: this process's piece of a stream split over a group (context parallelism,
+        model/shard.py): input_ids and labels are the whole stream [1, total] (its documents are
+        the shard's, so no cu_seqlens), the outputs are the piece's, and the loss is the piece's
+        share of the stream's mean (the group's losses add up to it).
         """
         self._check(input_ids, cu_seqlens, labels, cache)
+        if shard is not None:
+            self._check_shard(input_ids, cu_seqlens, cache, inputs_embeds, shard)
         if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.cfg.hidden_size):
             raise ValueError(f"inputs_embeds must be [{input_ids.shape[0]}, {input_ids.shape[1]}, "
                              f"{self.cfg.hidden_size}], got {tuple(inputs_embeds.shape)}")
         h, routers = self.model(input_ids, cu_seqlens if cache is None else cache.cu_seqlens, cache, collect_router,
-                                inputs_embeds)
+                                inputs_embeds, shard)
         loss = None
         if labels is not None:
-            loss = self.loss(h, labels, cu_seqlens)
+            target, count = next_token_targets(labels, cu_seqlens) if shard is None else \
+                shard.next_token_targets(labels)
+            loss = next_token_loss(h, self.lm_head.weight, target, count)
         flat = h.reshape(-1, h.shape[-1])
         logits = self.lm_head(flat if logits_at is None else flat[logits_at])
         if logits_at is None:
             logits = logits.reshape(*h.shape[:2], -1)
         return CausalLMOutput(logits=logits, loss=loss, router=routers if collect_router else None)
 
-    def loss(self, h: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        target = torch.full_like(labels, -100)
-        target[:, :-1] = labels[:, 1:]
-        if cu_seqlens is not None:
-            target[0, (cu_seqlens[1:-1] - 1).clamp_min(0)] = -100  # no prediction across a boundary
-        logits = self.lm_head(h).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    @staticmethod
+    def _check_shard(input_ids, cu_seqlens, cache, inputs_embeds, shard: SequenceShard) -> None:
+        if cu_seqlens is not None or cache is not None or inputs_embeds is not None:
+            raise ValueError("a shard carries its stream's documents and runs text only: no cu_seqlens, cache or "
+                             "inputs_embeds with it")
+        if input_ids.shape != (1, shard.total):
+            raise ValueError(f"with a shard, input_ids is the whole stream [1, {shard.total}], got "
+                             f"{tuple(input_ids.shape)}")
 
     def _check(self, input_ids, cu_seqlens, labels, cache) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

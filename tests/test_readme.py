@@ -170,9 +170,14 @@ def test_block_runs_as_printed(block, reader):
     shown = f"{block.name} ({block.section}) failed:\n{block.code}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
     assert out.returncode == 0, shown
     assert not _openai_errors(out.stdout), shown
+    logs = out.stdout + out.stderr
     if "ray job submit" in block.code:  # the job trained and left its checkpoints where the README says
-        logs = out.stdout + out.stderr
+        name = re.search(r"--name (\S+)", block.code).group(1)
         assert "succeeded" in logs.lower() and "summary " in logs, shown
+        assert sorted((reader.root / "runs" / name).glob("checkpoint_*")), shown
+    if "--context-parallel 2" in block.code:
+        assert "context_parallel 2" in logs, shown
+    if "--name my-run" in block.code:
         losses = [float(loss) for loss in STEP_LOSS.findall(logs)]
         assert len(losses) >= 2 and losses[-1] < losses[0], f"the loss did not fall: {losses}"
         steps = [m.group(0) for m in re.finditer(r"step\s+\d+/\d+", logs)]
@@ -180,7 +185,6 @@ def test_block_runs_as_printed(block, reader):
         # DeepSpeed's ZeRO step calls a deprecated torch.distributed function every step: its
         # warning is shown once per worker (2), not at every interval
         assert logs.count("FutureWarning") <= 2, shown
-        assert sorted((reader.root / "runs" / "my-run").glob("checkpoint_*")), shown
     if "curl" in block.code and "/v1/" in block.code:  # an answer, not only a zero exit status
         assert '"choices"' in out.stdout, shown
     if "k3 report" in block.code:

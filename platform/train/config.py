@@ -47,8 +47,12 @@ class TrainConfig(BaseModel):
                       "file://, local://).")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one model shard each).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel ranks; must divide num_experts and num_workers.")
+    context_parallel: int = Field(1, ge=1, description="Ranks that split each step's sequences into contiguous "
+                                  "pieces (context parallelism; ranks = data-parallel x this); must divide num_workers "
+                                  "and the data's seq_len. Text presets only.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage.")
-    micro_batch: int = Field(8, ge=1, description="Sequences per worker per step.")
+    micro_batch: int = Field(8, ge=1, description="Sequences per worker per step (per context-parallel group: "
+                             "its ranks split the same sequences).")
     steps: int = Field(200, ge=1, description="Optimizer steps.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine).")
@@ -121,10 +125,11 @@ class TrainConfig(BaseModel):
         m = read_manifest(self.data)
         if m.vocab_size > mcfg.vocab_size:
             raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {mcfg.vocab_size}")
-        per_step = self.micro_batch * self.num_workers
+        self._check_context_parallel(mcfg, m.seq_len)
+        per_step = self.micro_batch * (self.num_workers // self.context_parallel)
         if per_step > m.num_sequences:
-            raise ValueError(f"micro_batch x num_workers = {per_step} sequences per step, but the data has only "
-                             f"{m.num_sequences}")
+            raise ValueError(f"micro_batch x num_workers / context_parallel = {per_step} sequences per step, but the "
+                             f"data has only {m.num_sequences}")
         if mcfg.vision_config is not None:
             if m.special_ids.get("media_pad") != mcfg.media_placeholder_token_id:
                 raise ValueError(f"the data's tokenizer has <|media_pad|> id {m.special_ids.get('media_pad')}, the "
@@ -134,3 +139,19 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"media_micro_batch x num_workers = {self.media_micro_batch * self.num_workers} "
                                  f"examples per step, but the media set has {info['counts']['train']['rows']}")
         return m
+
+    def _check_context_parallel(self, cfg: K3Config, seq_len: int) -> None:
+        """The layout rules of --context-parallel C: C divides the workers (ranks = DP x C) and the
+        sequence (equal pieces), each piece reaches back one piece only (KDA's conv window)."""
+        C = self.context_parallel
+        if self.num_workers % C:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} must divide num_workers (--num-workers) "
+                             f"= {self.num_workers}")
+        if seq_len % C:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} must divide the data's seq_len = {seq_len} "
+                             f"(prepare the data with a --seq-len that C divides)")
+        if C > 1 and seq_len // C < cfg.kda_conv_size - 1:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} cuts seq_len {seq_len} into pieces shorter "
+                             f"than the KDA conv window ({cfg.kda_conv_size - 1} tokens)")
+        if C > 1 and cfg.vision_config is not None:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} runs text presets only, not {self.preset}")

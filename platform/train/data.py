@@ -5,15 +5,20 @@ Input: a directory of text files (*.txt, *.py, *.md, ...), a JSONL file or direc
 standard library's source). Output directory:
 
     tokenizer.json
-    shard-00000.parquet ...    one column `tokens`: list<int32> of seq_len + 1 tokens per row
+    shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
+                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins
     manifest.json              tokenizer hash, input fingerprint, counts, shard list
 
 Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifted labels).
+Documents follow each other in the rows, each ended by <eos>; `doc_start` (asked for with
+doc_starts, for long rows that hold many documents) lets training keep them apart: the KDA
+state resets and MLA masks at each start (k3.platform.train.context_parallel.stream_cu_seqlens).
 A rerun with the same input and settings finds the manifest and does nothing. The directory is
 read from a path or a URI (k3.platform.train.storage); `prepare` writes a local directory.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections.abc import Iterator
@@ -172,33 +177,52 @@ def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None
     return texts
 
 
-def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> list[int]:
+def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[list[int], list[int]]:
+    """The documents' tokens end to end, each ended by eos; and the offsets where each begins."""
     stream: list[int] = []
+    starts: list[int] = []
     for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
         for enc in tok.encode_batch(texts[i:i + 256]):
+            starts.append(len(stream))
             stream.extend(enc.ids)
             stream.append(eos)
-    return stream
+    return stream, starts
 
 
-def _write_shards(stream: list[int], row: int, rows_per_shard: int, out: Path, progress: bool) -> list[str]:
-    """Rows of `row` tokens, `rows_per_shard` per Parquet file; returns the file names."""
+def _doc_start_rows(starts: list[int], first: int, n_rows: int, row: int) -> list[list[int]]:
+    """Rows [first, first + n_rows * row) of the stream as 0/1 flags: 1 where a document begins."""
+    flags = [0] * (n_rows * row)
+    for s in starts[bisect.bisect_left(starts, first):bisect.bisect_left(starts, first + n_rows * row)]:
+        flags[s - first] = 1
+    return [flags[r * row:(r + 1) * row] for r in range(n_rows)]
+
+
+def _write_shards(stream: list[int], starts: list[int] | None, row: int, rows_per_shard: int, out: Path,
+                  progress: bool) -> list[str]:
+    """Rows of `row` tokens, `rows_per_shard` per Parquet file (with their doc_start flags when
+    `starts` is given); returns the file names."""
     n_rows = len(stream) // row
     if n_rows == 0:
         raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
     shards = []
     for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
         rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
+        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
+        if starts is not None:
+            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
+                                            type=pa.list_(pa.int8()))
         shards.append(f"shard-{s:05d}.parquet")
-        pq.write_table(pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int32()))}), out / shards[-1])
+        pq.write_table(pa.table(columns), out / shards[-1])
     return shards
 
 
 def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: int = 256,
-            rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True) -> tuple[Manifest, bool]:
+            rows_per_shard: int = 1024, max_bytes: int | None = None, progress: bool = True,
+            doc_starts: bool = False) -> tuple[Manifest, bool]:
     """Tokenize a corpus into shards. Returns (manifest, whether anything was written). The new
     version is written beside `out_dir` and swapped in whole (k3.model.directory): a
-    prepare killed midway leaves the previous version as it was, and its rerun starts over."""
+    prepare killed midway leaves the previous version as it was, and its rerun starts over.
+    doc_starts: also write each row's `doc_start` column (see the module docstring)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if rows_per_shard < 1:
@@ -209,15 +233,18 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     # The special tokens are a setting: data made before a new one (the media tokens) is rebuilt.
     settings = {"vocab_size": vocab_size, "seq_len": seq_len, "rows_per_shard": rows_per_shard, "max_bytes": max_bytes,
                 "special_tokens": SPECIAL_TOKENS}
+    if doc_starts:  # only when asked: data prepared before the option stays up to date
+        settings["doc_starts"] = True
     current = _up_to_date(out, fp, settings)
     if current is not None:
         return current, False
     texts = _read_texts(source, kind, files, max_bytes)
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
-    stream = _token_stream(tok, texts, ids["eos"], progress)
+    stream, starts = _token_stream(tok, texts, ids["eos"], progress)
     with write_beside(out, stale=_is_shard) as stage:  # the old version's shards never outlive it
-        shards = _write_shards(stream, seq_len + 1, rows_per_shard, stage, progress)
+        shards = _write_shards(stream, starts if doc_starts else None, seq_len + 1, rows_per_shard, stage,
+                               progress)
         tok.save(str(stage / "tokenizer.json"))
         n_rows = len(stream) // (seq_len + 1)
         m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",

@@ -79,14 +79,16 @@ def start_coordinator(cfg: TrainConfig, run: str):
 
 
 def data_splits(cfg: TrainConfig) -> list:
-    """Deterministic, equal splits of the token shards, one per worker."""
+    """Deterministic, equal splits of the token shards, one per data-parallel group (the ranks of
+    a context-parallel group read the same one)."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     manifest = read_manifest(cfg.data)
-    return ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers, equal=True)
+    return ray.data.read_parquet(manifest.shard_paths(cfg.data)).split(cfg.num_workers // cfg.context_parallel,
+                                                                       equal=True)
 
 
 def worker_env(cfg: TrainConfig) -> dict[str, str]:

@@ -5,7 +5,8 @@ The Trainer assumes torch.distributed is initialised (Ray Train's worker, or a t
 processes) and knows nothing of Ray Data or reporting: the worker loop in
 k3.platform.train.worker feeds it batches and reports what `train_step` returns. Its model holds
 only this rank's experts (k3.model.build / k3.model.load), expert parallelism is applied from
-outside (k3.platform.train.expert_parallel), DeepSpeed sits behind one adapter
+outside (k3.platform.train.expert_parallel), so is context parallelism (k3.platform.train.context_parallel:
+ranks = DP x CP, the ranks of a CP group run pieces of the same sequences), DeepSpeed sits behind one adapter
 (k3.platform.train.ds_adapter: the dense parameters' ZeRO optimizer, the experts' AdamW, one
 global gradient norm) and balancing is one strategy object (k3.platform.balance.strategies).
 """
@@ -26,11 +27,15 @@ from k3.model import training_checkpoint as ckpt
 from k3.model.moe import is_expert_param
 from k3.platform.balance.strategies import make_strategy
 
+from .context_parallel import ContextParallel, cp_groups, stream_cu_seqlens
 from .data import read_manifest, read_tokenizer
 from .ds_adapter import DeepSpeedAdapter
 from .expert_parallel import apply_expert_parallel, ep_groups
 from .optim import cosine_lr
 from .vision_data import ExampleEncoder, MediaSchedule, collate, read_vision_rows
+
+
+NO_LOGITS = torch.zeros(0, dtype=torch.long)  # logits_at for training: the loss alone, no [T, vocab] logits
 
 
 def initial_model(cfg, mcfg, ep_rank: int, ep_size: int, device: torch.device):
@@ -64,7 +69,9 @@ class Trainer:
         self.device = torch.device(device)
         self.ep_size = cfg.ep_size
         self.ep_rank, self.edp_rank = rank % self.ep_size, rank // self.ep_size
-        self.model = self.ds = self.ep = self.balance = None
+        self.cp_size = cfg.context_parallel
+        self.dp_rank = rank // self.cp_size  # which sequences this rank's group reads
+        self.model = self.ds = self.ep = self.cp = self.balance = None
         self.pad_id = 0  # padding of media batches (masked out of the loss); media_schedule sets it
 
     # -- build ----------------------------------------------------------------------------------
@@ -78,6 +85,8 @@ class Trainer:
         model.model.gradient_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)
         self.ep = apply_expert_parallel(model, ep_group, edp_group, self.world)
+        cp_group = cp_groups(self.rank, self.world, self.cp_size)
+        self.cp = ContextParallel(cp_group, self.cp_size, self.rank % self.cp_size)
         self.ds = DeepSpeedAdapter(cfg, model, self.ep)
         self.model = model
         num_moe = sum(layer.is_moe for layer in model.model.layers)
@@ -111,8 +120,10 @@ class Trainer:
         """A data-loader batch -> the model's inputs on the device.
 
         Text: {"tokens": [B, T+1] int64} -> {"input_ids": [B, T'], "labels": [B, T']}
-        (labels[t + 1] is the target of position t). Media: {"examples": [Example, ...]} ->
-        right-padded input_ids/labels (-100 on padding) plus pixel_values [N, 3, p, p] and
+        (labels[t + 1] is the target of position t); with {"doc_start": [B, T+1]} (documents
+        inside rows) or context parallelism, the rows become one stream [1, B (T+1)] with its
+        documents in "cu_seqlens", or in "shard" (this rank's piece, k3.model.shard).
+        Media: {"examples": [Example, ...]} -> right-padded input_ids/labels (-100 on padding) plus pixel_values [N, 3, p, p] and
         grid_thws [M, 3] for the tower."""
         if "examples" in raw:
             b = collate(raw["examples"], pad_id=self.pad_id)
@@ -123,13 +134,22 @@ class Trainer:
         tokens = raw["tokens"].to(self.device, torch.long)
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got {tuple(tokens.shape)}")
+        doc_start = raw["doc_start"].to(self.device) if "doc_start" in raw else None
+        if self.cp_size > 1:
+            stream, shard = self.cp.shard(tokens, doc_start)
+            return {"input_ids": stream, "labels": stream, "shard": shard}
+        if doc_start is not None:  # documents inside rows: one packed stream
+            stream = tokens.reshape(1, -1)
+            return {"input_ids": stream, "labels": stream, "cu_seqlens": stream_cu_seqlens(tokens, doc_start)}
         return {"input_ids": tokens, "labels": tokens}
 
     def forward(self, batch: dict[str, torch.Tensor]):
         """The model on one batch -> CausalLMOutput with router outputs. A multimodal model runs
         its tower on text batches too (zero-weighted), so every rank's gradients match."""
         media = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
-        return self.ds(batch["input_ids"], labels=batch["labels"], collect_router=True, **media)
+        text = {k: batch[k] for k in ("cu_seqlens", "shard") if k in batch}
+        return self.ds(batch["input_ids"], labels=batch["labels"], collect_router=True, logits_at=NO_LOGITS, **text,
+                       **media)
 
     @torch.no_grad()
     def router_pass(self, batch: dict[str, torch.Tensor]):
@@ -144,7 +164,8 @@ class Trainer:
 
         @torch.no_grad()
         def run() -> list:
-            return self.model.model(batch["input_ids"], collect_router=True, inputs_embeds=embeds)[1]
+            return self.model.model(batch["input_ids"], batch.get("cu_seqlens"), collect_router=True,
+                                    inputs_embeds=embeds, shard=batch.get("shard"))[1]
 
         return run
 
@@ -161,6 +182,9 @@ class Trainer:
         out = self.forward(batch)
         routers = out.router or []
         loss = out.loss
+        # DeepSpeed and the expert reduction average gradients over all DP x CP ranks, and the C
+        # ranks of a group hold shares of one mean: C times each share makes that average right.
+        loss = loss * self.cp_size if self.cp_size > 1 else loss
         extra = self.balance.extra_loss(routers)
         if extra is not None:
             loss = loss + extra
@@ -181,8 +205,9 @@ class Trainer:
         loads = stats[1:].reshape(len(routers), -1) if routers else torch.zeros(0, 0)
         maxvio = (loads.max(1).values / loads.mean(1) - 1).tolist() if routers else []
         self.balance.after_step(self.model, step, loads)
-        return StepResult(loss=float(stats[0]) / self.world, grad_norm=grad_norm, lr=lr, maxvio=maxvio,
-                          tokens=batch["input_ids"].numel() * self.world, step_s=time.perf_counter() - t0,
+        dp = self.world // self.cp_size  # a CP group's shares add up to its batch's mean loss
+        return StepResult(loss=float(stats[0]) / dp, grad_norm=grad_norm, lr=lr, maxvio=maxvio,
+                          tokens=batch["input_ids"].numel() * dp, step_s=time.perf_counter() - t0,
                           wait_s=wait_s, all_to_all_s=self.ep.all_to_all_seconds(),
                           extra=self.balance.metrics(self.model))
 

@@ -231,7 +231,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             st = trainer.load(Path(d))
         start_step, history, restored_at = st["step"], st["history"], [*st.get("restored_at", []), st["step"]]
     trainer.start()
-    data = StepData(trainer, loop_config["splits"][rank], start_step)
+    data = StepData(trainer, loop_config["splits"][trainer.dp_rank], start_step)  # a CP group reads one split
     drill = FaultDrill(cfg, rank, world, restored=ckpt is not None)
     log = StepLog(trainer, start_step, history, restored_at, drill)
     for step in range(start_step, cfg.steps):

@@ -72,3 +72,21 @@ def test_prepare_refuses_a_directory_that_holds_something_else(tmp_path):
     with pytest.raises(ValueError, match="holds other files"):
         prepare(str(src), out, seq_len=16, **SETTINGS)
     assert tree_bytes(out) == {"todo.txt": b"mine"}
+
+
+@pytest.mark.parametrize("seq_len", [15, 64])
+def test_doc_starts_mark_the_first_token_of_every_document(tmp_path, seq_len):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i, n in enumerate([3, 40, 1, 17, 90]):  # documents shorter and longer than a row
+        (src / f"d{i}.txt").write_text(f"document {i} says " + "words and more words " * n)
+    m, _ = prepare(str(src), tmp_path / "data", seq_len=seq_len, doc_starts=True, **SETTINGS)
+    tables = [pq.read_table(p) for p in m.shard_paths(tmp_path / "data")]  # the rows, in stream order
+    stream = [t for table in tables for row in table.column("tokens").to_pylist() for t in row]
+    flags = [f for table in tables for row in table.column("doc_start").to_pylist() for f in row]
+    eos = m.special_ids["eos"]
+    want = [int(p == 0 or stream[p - 1] == eos) for p in range(len(stream))]
+    assert flags == want and 2 <= sum(flags) <= 5
+    # asked-for only: data prepared without it has no such column and stays up to date
+    plain, _ = prepare(str(src), tmp_path / "plain", seq_len=seq_len, **SETTINGS)
+    assert pq.read_table(plain.shard_paths(tmp_path / "plain")[0]).column_names == ["tokens"]

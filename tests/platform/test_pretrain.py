@@ -111,6 +111,11 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
         (dict(preset="k5"), "preset"),
         (dict(balance={"method": "quantile"}), "quantile_hist"),
         (dict(fail_at_step=2, fail_in="save"), "fail_in='save' needs a checkpoint at the end of step 2"),
+        # context parallelism: C divides the workers and the sequence, pieces hold a conv window
+        (dict(context_parallel=3), r"context_parallel \(--context-parallel\) = 3 must divide num_workers"),
+        (dict(context_parallel=3, num_workers=3), r"\(--context-parallel\) = 3 must divide the data's seq_len = 64"),
+        (dict(context_parallel=32, num_workers=32), "pieces shorter than the KDA conv window"),
+        (dict(context_parallel=2, preset="k3-tiny-vl"), "text presets only"),
     ]
     for change, match in cases:
         kw = {"data": str(data_dir), **change}
@@ -121,6 +126,9 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
     out = subprocess.run([sys.executable, "jobs/pretrain.py", "--data", str(data_dir), "--ep-size", "4"],
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode != 0 and "must divide num_workers" in out.stderr
+    out = subprocess.run([sys.executable, "jobs/pretrain.py", "--data", str(data_dir), "--num-workers", "4",
+                          "--context-parallel", "3"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode != 0 and "(--context-parallel) = 3 must divide num_workers" in out.stderr
     assert time.time() - t < 60 and "ray" not in out.stdout.lower()
 
 
