@@ -51,6 +51,8 @@ from pathlib import Path
 
 import yaml
 
+from .process_group import group_alive
+
 NO_AGENT = "No available agent"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
 
@@ -337,15 +339,7 @@ class LocalRayHead:
 
     def alive(self) -> bool:
         """Whether any process of the head's process group still runs."""
-        if self.pid is None:
-            return False
-        if self.proc is not None:
-            self.proc.poll()  # reap the leader once it has exited, so the group check below is true
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return group_alive(self.pid, self.proc)
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the head's process group (SIGKILL to what is left after `grace_s`); a no-op

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from .process_group import group_alive
+
 REPO = Path(__file__).resolve().parents[2]
 CACHED_BINARY = REPO / ".cache" / "prometheus" / "root" / "usr" / "bin" / "prometheus"
 SD_FILE = "prom_metrics_service_discovery.json"
@@ -187,15 +189,8 @@ class Prometheus:
         return prom
 
     def alive(self) -> bool:
-        if self.pid is None:
-            return False
-        if self.proc is not None:
-            self.proc.poll()  # reap our own child once it exits
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        """Whether any process of the server's process group still runs."""
+        return group_alive(self.pid, self.proc)
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 30 s; a no-op when not running."""

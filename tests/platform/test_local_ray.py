@@ -66,3 +66,27 @@ def test_bad_attempt_count_is_refused_before_anything_starts(tmp_path, attempts)
     with pytest.raises(ValueError, match="attempts"):
         head.start(attempts=attempts)
     assert head.pid is None and not head.alive()
+
+
+def test_a_group_whose_leader_exited_is_not_alive_though_nobody_waited_for_it():
+    # A head or Prometheus handle rebuilt from a state file has no Popen: the exited leader, a
+    # zombie child of this process, used to keep its group "alive" until a stop's grace ran out.
+    import subprocess
+    import time
+
+    from k3.platform.ops.process_group import group_alive
+
+    leader = subprocess.Popen(["sleep", "0.2"], start_new_session=True)
+    pid = leader.pid
+    leader.returncode = 0  # forget it, as a handle rebuilt from a state file has no Popen to poll
+    deadline = time.time() + 10
+    while group_alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(pid), "an exited, unreaped leader still reads as a live group"
+    live = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert group_alive(live.pid) and group_alive(live.pid, live)
+    finally:
+        live.kill()
+        live.wait()
+    assert not group_alive(live.pid, live) and not group_alive(None)
