@@ -130,7 +130,7 @@ def _itemise_worker(rank: int, T: int, out: str, preset: str) -> None:
     result = {"T": T, "saved_bytes_per_token": {k: round(v / T) for k, v in sorted(saved.items())},
               "saved_mb": round(sum(saved.values()) / 2**20)}
     for ckpt in (False, True):
-        model.model.gradient_checkpointing = ckpt
+        model.model.activation_checkpointing = ckpt
         base_kb = _status_kb("VmRSS")
         _reset_peak()
         model(ids, labels=ids, logits_at=torch.zeros(0, dtype=torch.long)).loss.backward()
@@ -152,7 +152,7 @@ def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdo
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=C,
                             timeout=datetime.timedelta(hours=2))
     model = k3.model.build(get_preset(preset), seed=0).train()
-    model.model.gradient_checkpointing = True
+    model.model.activation_checkpointing = True
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     cp = ContextParallel(cp_groups(rank, C, C), C, rank)

@@ -74,8 +74,7 @@ class K3Model(nn.Module):
             BlockAttnRes(cfg.hidden_size, cfg.num_layers, cfg.attn_res_block_size, cfg.rms_norm_eps)
             if cfg.attn_res_block_size is not None else None
         )
-        self.naive_attn_res = False  # tests flip this to run the one-softmax reference
-        self.gradient_checkpointing = False  # recompute each sub-layer in backward (training memory)
+        self.activation_checkpointing = False  # recompute each sub-layer in backward (training memory)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache: CacheBatch | None = None, collect_router: bool = False,
@@ -101,9 +100,9 @@ class K3Model(nn.Module):
 
         # Training keeps only what backward cannot cheaply redo: the AttnRes mixing is always
         # recomputed in backward (no bit changes; its fp32 copies of every block were the largest
-        # activation after the sub-layers'), and with gradient_checkpointing every sub-layer is.
+        # activation after the sub-layers'), and with activation_checkpointing every sub-layer is.
         training = self.training and cache is None and torch.is_grad_enabled()
-        recompute = training and self.gradient_checkpointing
+        recompute = training and self.activation_checkpointing
         if self.attn_res is None:
             for l in range(2 * self.cfg.num_layers):
                 h = h + (checkpoint(run, l, h) if recompute else run(l, h))
@@ -126,21 +125,18 @@ class K3Model(nn.Module):
             if ar.block_start(l):
                 blocks.append(partial)
                 partial = None
-            if self.naive_attn_res:
-                out = run(l, mix_naive(blocks + ([partial] if partial is not None else []), ar.queries[l], eps))
+            if l == 0 or ar.block_start(l):
+                span = ar.block_range(l)
+                queries = ar.queries[span.start:span.stop]
+                stats = checkpoint(block_stats, queries, eps, *blocks) if training else \
+                    block_stats(queries, eps, *blocks)
+                base = l
+            if recompute:
+                out = checkpoint(mixed_run, l, l - base, *stats, partial)
+            elif training:
+                out = run(l, checkpoint(mixed, l, l - base, *stats, partial))
             else:
-                if l == 0 or ar.block_start(l):
-                    span = ar.block_range(l)
-                    queries = ar.queries[span.start:span.stop]
-                    stats = checkpoint(block_stats, queries, eps, *blocks) if training else \
-                        block_stats(queries, eps, *blocks)
-                    base = l
-                if recompute:
-                    out = checkpoint(mixed_run, l, l - base, *stats, partial)
-                elif training:
-                    out = run(l, checkpoint(mixed, l, l - base, *stats, partial))
-                else:
-                    out = run(l, mixed(l, l - base, *stats, partial))
+                out = run(l, mixed(l, l - base, *stats, partial))
             partial = out if partial is None else partial + out
         final = blocks + [partial]
         if training:

@@ -82,7 +82,7 @@ class Trainer:
         mcfg = cfg.model_cfg()
         wait_for_extension_locks()  # DeepSpeed may build an op below: never on a dead build's lock
         model = initial_model(cfg, mcfg, self.ep_rank, self.ep_size, self.device).train()
-        model.model.gradient_checkpointing = cfg.activation_checkpointing
+        model.model.activation_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)
         self.ep = apply_expert_parallel(model, ep_group, edp_group, self.world)
         cp_group = cp_groups(self.rank, self.world, self.cp_size)

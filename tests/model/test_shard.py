@@ -66,7 +66,7 @@ def test_a_one_piece_shard_runs_as_the_packed_stream(ckpt):
     cfg = get_preset("k3-tiny", num_layers=4, layer_types=["kda", "kda", "kda", "mla"],
                      mlp_types=["dense", "moe", "moe", "moe"])
     model = k3.model.build(cfg, seed=1).train()
-    model.model.gradient_checkpointing = ckpt
+    model.model.activation_checkpointing = ckpt
     ids = torch.randint(0, cfg.vocab_size, (1, 300))
     docs = torch.tensor([0, 100, 101, 300])
     ref = model(ids, cu_seqlens=docs, labels=ids)

@@ -71,7 +71,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     for C in (2, 4):
         model = k3.model.build(_cfg(), rank % EP, EP, seed=5).train()
         _fixed_routing(model)
-        model.model.gradient_checkpointing = C == 4
+        model.model.activation_checkpointing = C == 4
         ep = apply_expert_parallel(model, *ep_groups(rank, WORLD, EP), world=WORLD)
         cp = ContextParallel(cp_groups(rank, WORLD, C), C, rank % C)
         s = rank // C  # the stream of this rank's data-parallel group

@@ -29,7 +29,7 @@ CONFIGS = {
 def saved_bytes_per_token(cfg, dtype: torch.dtype, checkpointing: bool, tokens: int = 128) -> float:
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(dtype).train()
-    model.model.gradient_checkpointing = checkpointing
+    model.model.activation_checkpointing = checkpointing
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     total = 0
 
