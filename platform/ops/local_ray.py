@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from pathlib import Path
 
 import yaml
 
-from .process_group import group_alive
+from .process_group import group_alive, stop_group
 
 NO_AGENT = "No available agent"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
@@ -344,16 +343,7 @@ class LocalRayHead:
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the head's process group (SIGKILL to what is left after `grace_s`); a no-op
         when nothing of it runs."""
-        if not self.alive():
-            return
-        os.killpg(self.pid, signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while self.alive() and time.time() < deadline:
-            time.sleep(0.5)
-        if self.alive():
-            os.killpg(self.pid, signal.SIGKILL)
-            while self.alive() and time.time() < deadline + 10:
-                time.sleep(0.2)
+        stop_group(self.pid, self.proc, grace_s)
 
     def __enter__(self) -> "LocalRayHead":
         return self.start()

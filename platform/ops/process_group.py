@@ -3,7 +3,9 @@ while any process of the group is, stopped by signalling the group, never by nam
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 
 
 def group_alive(pid: int | None, proc: subprocess.Popen | None = None) -> bool:
@@ -24,3 +26,18 @@ def group_alive(pid: int | None, proc: subprocess.Popen | None = None) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: float = 30.0) -> None:
+    """SIGTERM to the group, SIGKILL to what is left of it after `grace_s` (then up to 10 s more
+    for it to go); a no-op when nothing of it runs."""
+    deadline = time.time() + grace_s
+    for sig, until in ((signal.SIGTERM, deadline), (signal.SIGKILL, deadline + 10)):
+        if not group_alive(pid, proc):
+            return
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:  # went between the check and the signal
+            return
+        while group_alive(pid, proc) and time.time() < until:
+            time.sleep(0.2)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from .process_group import group_alive
+from .process_group import group_alive, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 CACHED_BINARY = REPO / ".cache" / "prometheus" / "root" / "usr" / "bin" / "prometheus"
@@ -194,14 +193,7 @@ class Prometheus:
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 30 s; a no-op when not running."""
-        if not self.alive():
-            return
-        os.killpg(self.pid, signal.SIGTERM)
-        deadline = time.time() + 30
-        while self.alive() and time.time() < deadline:
-            time.sleep(0.2)
-        if self.alive():
-            os.killpg(self.pid, signal.SIGKILL)
+        stop_group(self.pid, self.proc, grace_s=30.0)
 
     def __enter__(self) -> "Prometheus":
         return self.start()

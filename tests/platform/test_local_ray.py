@@ -90,3 +90,18 @@ def test_a_group_whose_leader_exited_is_not_alive_though_nobody_waited_for_it():
         live.kill()
         live.wait()
     assert not group_alive(live.pid, live) and not group_alive(None)
+
+
+def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm():
+    import subprocess
+    import time
+
+    from k3.platform.ops.process_group import group_alive, stop_group
+
+    # a leader that ignores SIGTERM, with a child in its group: both go, by SIGKILL after the grace
+    proc = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    t = time.time()
+    stop_group(proc.pid, proc, grace_s=1.0)
+    assert not group_alive(proc.pid, proc) and time.time() - t < 8
+    stop_group(proc.pid, proc)  # stopping what is gone is a no-op
