@@ -16,6 +16,12 @@ from typing import Any
 
 from .vision_config import K3VisionConfig, k3_vision, tiny_vision
 
+# Rows whose logits the training loss computes at once: [rows, vocab] fp32 of 64 MB (k3-tiny:
+# 4096 rows, K3: 102); about four such tensors live while a chunk's loss and gradient are
+# computed, and each chunk's logits are recomputed in backward instead of kept (model/model.py).
+# Here, not in model.py, so the capacity planner reads it without torch.
+LOSS_CHUNK_BYTES = 64 << 20
+
 LAYER_KINDS = ("kda", "mla")
 MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("situ_glu", "swiglu")

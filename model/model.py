@@ -18,7 +18,7 @@ from k3.kernels import eager
 
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
 from .cache import CacheBatch
-from .config import K3Config
+from .config import LOSS_CHUNK_BYTES, K3Config
 from .directory import Source
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
@@ -167,12 +167,6 @@ def load_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None) ->
     if name.endswith(FP32_TENSORS):
         return torch.float32
     return requested or stored
-
-
-# Rows whose logits the loss computes at once: [rows, vocab] fp32 of 64 MB (k3-tiny: 4096 rows,
-# K3: 102), about four such tensors live while a chunk's loss and gradient are computed; each
-# chunk's logits are recomputed in backward instead of kept.
-LOSS_CHUNK_BYTES = 64 << 20
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ Tinv, u, w). `backend` picks which ("cpu" or "triton").
 """
 from __future__ import annotations
 
-from k3.model.config import K3Config
+from k3.model.config import LOSS_CHUNK_BYTES, K3Config
 
 F = 4  # fp32
 I64 = 8
@@ -119,35 +119,35 @@ def sublayers(cfg: K3Config, b: int, backend: str) -> list[int]:
 
 
 def residuals(cfg: K3Config, b: int, checkpointing: bool) -> int:
-    """What the residual path keeps outside the sub-layers: with Block AttnRes, each block's
-    completed-block statistics (the stacked blocks in fp32, their norms, the per-sub-layer weighted
-    sums) and each sub-layer's online merge with the partial sum; the final mixture and norm;
-    with checkpointing, each sub-layer's input (what `torch.utils.checkpoint` keeps)."""
+    """What the residual path keeps outside the sub-layers. With Block AttnRes the mixing is
+    recomputed in backward (model/model.py), so what stays is each sub-layer's block statistics
+    (max, normaliser and weighted sum over the completed blocks, fp32), the embedding's output, and
+    each partial sum a later sub-layer merges with (a block's last one is the block); checkpointing
+    adds nothing there. With standard residuals, checkpointing keeps each sub-layer's input. Then
+    the final norm."""
     D, L = cfg.hidden_size, cfg.num_layers
     n = I64  # the embedding's ids
-    if checkpointing:
-        n += 2 * L * D * b
+    final_norm = _rms_norm(D, b, True) + (D * F if b == F else 0)
     if cfg.attn_res_block_size is None:
-        return n + _rms_norm(D, b, True) + (D * F if b == F else 0)
+        return n + (2 * L * D * b if checkpointing else 0) + final_norm
     per_block = 2 * cfg.attn_res_block_size
-    blocks = -(-2 * L // per_block)
-    for i in range(blocks):
-        sources = i + 1  # the embedding and the blocks completed before this one
+    n += D * b  # the embedding's output: the first source of every mixture
+    for i in range(-(-2 * L // per_block)):
         S = min(per_block, 2 * L - i * per_block)
-        n += 2 * sources * D * F + sources * F  # stacked blocks, their norms, the roots
-        n += 2 * S * sources * F + S * F + S * D * F + S * F  # logits, exp, max, weighted sums, normalisers
-        n += (S - 1) * (3 * D * F + 5 * F)  # merges with the partial sum (fp32 partial, its norm, the sum)
-    sources = blocks + 1
-    n += 2 * sources * D * F + 2 * sources * F  # the final mixture over every block
-    return n + _rms_norm(D, b, True) + (D * F if b == F else 0)
+        n += S * (2 * F + D * F)  # per sub-layer: the logits' max, the normaliser, the weighted sum
+        n += S * D * b  # the partial sums merged with, the last of them the completed block
+    return n + final_norm
 
 
 def loss(cfg: K3Config, b: int) -> int:
-    """lm_head's input and the log-softmax over the vocabulary (fp32) that cross-entropy keeps."""
-    return cfg.hidden_size * b + cfg.vocab_size * F + I64
+    """lm_head's input and the targets: the loss computes a chunk of rows' logits at a time and
+    recomputes them in backward (model/model.py `next_token_loss`), so no logits are kept."""
+    return cfg.hidden_size * b + I64
 
 
-def loss_transient(cfg: K3Config, b: int) -> int:
-    """Beside what the loss keeps, at its peak: the logits in the model dtype and in fp32 while the
-    log-softmax is computed (forward), or the log-softmax's gradient and the logits' (backward)."""
-    return cfg.vocab_size * (b + F) if b != F else 2 * cfg.vocab_size * F
+def loss_transient(cfg: K3Config, b: int, tokens: int) -> int:
+    """The loss's peak beside what it keeps, for `tokens` tokens: one chunk of rows at a time
+    (LOSS_CHUNK_BYTES of fp32 logits), each row's logits in the model dtype and in fp32 while the
+    loss is computed, or their gradients in backward."""
+    rows = min(tokens, max(1, LOSS_CHUNK_BYTES // (F * cfg.vocab_size)))
+    return rows * cfg.vocab_size * ((b + F) if b != F else 2 * F)

@@ -142,12 +142,12 @@ def activation_parts(s: TrainSetup, tokens: int) -> dict[str, int]:
     or one sub-layer recomputed with its gradients about as large)."""
     b = s.precision.weight
     layers = act.sublayers(s.cfg, b, s.backend)
-    transient = act.loss_transient(s.cfg, b)
+    transient = act.loss_transient(s.cfg, b, tokens)
     if s.checkpointing:
-        transient = max(transient, 2 * max(layers))
+        transient = max(transient, tokens * 2 * max(layers))
     return {"residual_path": tokens * act.residuals(s.cfg, b, s.checkpointing),
             "sublayers": 0 if s.checkpointing else tokens * sum(layers),
-            "loss": tokens * act.loss(s.cfg, b), "transient": tokens * transient}
+            "loss": tokens * act.loss(s.cfg, b), "transient": transient}
 
 
 def all_to_all_bytes(cfg: K3Config, tokens: int, ep: int, dtype_bytes: int, checkpointing: bool) -> float:
