@@ -265,12 +265,9 @@ def chunk() -> dict:
 
 def vs_transformers() -> dict:
     """Engine decode vs transformers' generate on the same Kimi-Linear-shaped weights."""
-    import sys
     import tempfile
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from helpers import kimi_linear_torch_only
+    from k3.model.hf_kimi import kimi_linear_torch_only
 
     kimi_linear_torch_only()  # transformers' own torch path (never fla's GPU kernels)
     import transformers

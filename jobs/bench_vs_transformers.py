@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 
+from k3.model.hf_kimi import kimi_linear_torch_only, load_kimi_linear
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from helpers import kimi_linear_torch_only  # noqa: E402
 
 kimi_linear_torch_only()  # transformers' own torch path (never fla's GPU kernels)
 import transformers  # noqa: E402
 
-from k3.model.hf_kimi import load_kimi_linear  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=4096, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, linear_head_dim=64,

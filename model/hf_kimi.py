@@ -264,3 +264,31 @@ def save_kimi_linear(model: K3ForCausalLM, path: str | Path, overwrite: bool = F
     with write_beside(path, stale=owned(MODEL_FILES)) as new:
         save_file(out, str(new / "model.safetensors"), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+
+
+def kimi_linear_torch_only():
+    """transformers' Kimi Linear module with its own torch paths.
+
+    transformers decides at import time whether `chunk_kda` and friends come from fla (Triton,
+    GPU only) or from its torch fallback; on a CPU-only machine with fla installed that choice
+    is wrong. Import the module with fla and causal_conv1d hidden, then unhide them.
+    """
+    import importlib
+    import sys
+
+    name = "transformers.models.kimi_linear.modeling_kimi_linear"
+    if name in sys.modules:
+        mod = sys.modules[name]
+    else:
+        hidden = {k: sys.modules.get(k) for k in ("fla", "causal_conv1d")}
+        try:
+            for k in hidden:
+                sys.modules[k] = None  # makes `import k` raise ImportError
+            mod = importlib.import_module(name)
+        finally:
+            for k, v in hidden.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+    return mod

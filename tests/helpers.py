@@ -18,34 +18,6 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.0e}"
 
 
-def kimi_linear_torch_only():
-    """transformers' Kimi Linear module with its own torch paths.
-
-    transformers decides at import time whether `chunk_kda` and friends come from fla (Triton,
-    GPU only) or from its torch fallback; on a CPU-only machine with fla installed that choice
-    is wrong. Import the module with fla and causal_conv1d hidden, then unhide them.
-    """
-    import importlib
-    import sys
-
-    name = "transformers.models.kimi_linear.modeling_kimi_linear"
-    if name in sys.modules:
-        mod = sys.modules[name]
-    else:
-        hidden = {k: sys.modules.get(k) for k in ("fla", "causal_conv1d")}
-        try:
-            for k in hidden:
-                sys.modules[k] = None  # makes `import k` raise ImportError
-            mod = importlib.import_module(name)
-        finally:
-            for k, v in hidden.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
-    return mod
-
-
 def run_killed_midway(call: str, target: str, after: int, cwd=None):
     """Run the Python source `call` in a fresh interpreter in which `target` ("module:attr" or
     "module:Class.attr", e.g. "pyarrow.parquet:write_table") SIGKILLs the process right after its

@@ -115,7 +115,7 @@ def _checkout(dest: Path) -> Path:
 
 def _kimi_linear_checkpoint(path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from helpers import kimi_linear_torch_only
+    from k3.model.hf_kimi import kimi_linear_torch_only
 
     kimi_linear_torch_only()
     cfg = transformers.KimiLinearConfig(

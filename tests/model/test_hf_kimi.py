@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3.model import SamplingConfig, generate, get_preset, K3ForCausalLM
-from helpers import kimi_linear_torch_only
+from k3.model.hf_kimi import kimi_linear_torch_only
 from k3.model.hf_kimi import load_kimi_linear, save_kimi_linear
 import k3.model
 
