@@ -189,12 +189,15 @@ class PrefillServer(EngineHost):
 
     async def _from_pool(self, prompt: list[int], spans: list) -> None:
         """Load the prompt's prefix from the pool when it holds more than this replica does."""
-        hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
+        # only pages that end before the prompt's last token: a request resumes strictly inside its
+        # prompt (the last token's logits are computed), so a snapshot at the prompt's end is no use
+        ps = self.config.engine.page_size
+        hashes = page_hashes(prompt, ps, media=spans)[: (len(prompt) - 1) // ps]
         # what this replica holds and what the pool holds, asked at once
         local, depth = await asyncio.gather(self.engine.cached_prefix_tokens(prompt, spans),
                                             self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
-        if depth * self.config.engine.page_size <= local:
+        if depth * ps <= local:
             return
         pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
         got = await self.engine.import_prefix(prompt, pages, spans)

@@ -379,9 +379,11 @@ class Handoff:
 
     # -- the prefix pool (call these in the engine's step thread) --------------------------------------
     def cached_prefix_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
-        """Prompt tokens this engine could start from its own prefix cache."""
+        """Prompt tokens this engine could start from its own prefix cache: a request resumes
+        strictly inside its prompt (its last token's logits are computed), as the scheduler's
+        `find_prefix(..., limit=len(prompt))` does."""
         ps = self.cache.page_size
-        return self.cache.prefix_depth(prompt, page_hashes(prompt, ps, media=media)) * ps
+        return self.cache.prefix_depth(prompt, page_hashes(prompt, ps, media=media)[: (len(prompt) - 1) // ps]) * ps
 
     def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
                       only: set[bytes] | None = None) -> list[PoolPage]:
@@ -410,7 +412,7 @@ class Handoff:
         for p, (latents, snap) in zip(pages, loaded):
             if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, latents, snap):
                 break
-        return self.cache.prefix_depth(prompt, hashes) * ps
+        return self.cached_prefix_tokens(prompt, media)
 
     def _check_page(self, j: int, p: PoolPage, hashes: list[bytes],
                     prompt: list[int]) -> tuple[Latents, KDAStates | None]:
