@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from k3.serve.router import prefix_route_key, rank_replicas, rendezvous_order, route_key_of
+from k3.serve.router import DEFAULT_MAX_IMBALANCE, prefix_route_key, rank_replicas, rendezvous_order, route_key_of
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 KEYS = [f"{i:032x}" for i in range(300)]
@@ -192,7 +192,8 @@ def test_calls_made_inside_one_request_are_all_routed(serve_session, keyed):
             t0 = time.perf_counter()
             landed = handle.remote(n, KEYS[3] if keyed else None).result(timeout_s=30)
             assert len(landed) == n and time.perf_counter() - t0 < 10, (n, time.perf_counter() - t0)
-            if keyed:  # one prompt, one replica
-                assert len(set(landed)) == 1
+            if keyed:  # one prompt, one replica, until it is more than max_imbalance requests ahead
+                most = max(landed.count(r) for r in set(landed))
+                assert most >= min(n, DEFAULT_MAX_IMBALANCE + 1), landed
     finally:
         serve.delete("fan_test")
