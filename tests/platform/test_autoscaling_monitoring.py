@@ -100,12 +100,15 @@ def test_the_handoff_crosses_nodes_and_answers_as_one_engine(scenario):
     assert len(before) >= 40 and all(status == 200 for _, status, _ in before)
 
 
-def test_a_prefill_node_removed_mid_request_is_retried_never_a_hang(scenario):
+def test_a_prefill_node_removed_mid_request_never_hangs_and_answers_alike(scenario):
     reqs = scenario["serve"]["requests"]
     assert reqs["hung_clients"] == 0 and not reqs["broken"], reqs
     # every answer is the engine's tokens, or an OpenAI-style error body
     assert reqs["identical"] == reqs["ok"] and all(msg for _, msg in reqs["clean_errors"]), reqs
-    assert sum(scenario["serve"]["retries"].values()) >= 1, "no handoff was retried: nothing was in flight there"
+    # Whether the removal catches a handoff in flight is timing (requests take < 1 s here; in two of
+    # three runs none was): the retry itself is proven where the kill is aimed,
+    # tests/serve/test_app.py::test_a_prefill_replica_killed_mid_request_gives_a_retry_or_a_clean_error.
+    # Here: whatever was in flight, no hang, every answer the engine's tokens, the replica replaced.
     assert len(scenario["killed"]["pids"]) >= 3, "the prefill node's raylet, agents and workers"
     after = scenario["placement_after"]["PrefillServer"]
     assert scenario["killed"]["node"] not in after and len(set(after)) == 2, after  # replaced on a new node
