@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from k3.jobs.proc_memory import reset_peak, status_kb
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--only", nargs="*", default=["kda", "situ", "mla"], choices=["kda", "situ", "mla"])
 p.add_argument("--T", nargs="*", type=int, default=[1024, 4096, 16384], help="KDA sequence lengths")
@@ -61,23 +63,6 @@ args = p.parse_args()
 
 # ---------------------------------------------------------------------------------------------
 # Worker: one implementation, one shape, one mode; prints one JSON line.
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:  # Linux: writing 5 resets VmHWM, the peak RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
 
 def _load_fla_naive():
     """fla's naive KDA functions, loaded from the file alone: importing the fla package pulls in
@@ -211,8 +196,8 @@ def run_worker(spec):
         # per-token tensors) would otherwise be reused without raising RSS, and go uncounted.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     gc.collect()
-    reset_ok = _reset_peak()
-    base_kb = _status_kb("VmRSS")
+    reset_ok = reset_peak()
+    base_kb = status_kb("VmRSS")
     t = time.perf_counter()
     out = once()
     times = [time.perf_counter() - t]
@@ -222,7 +207,7 @@ def run_worker(spec):
             t = time.perf_counter()
             out = once()
             times.append(time.perf_counter() - t)
-    peak_kb = _status_kb("VmHWM") if reset_ok else __import__("resource").getrusage(0).ru_maxrss
+    peak_kb = status_kb("VmHWM") if reset_ok else __import__("resource").getrusage(0).ru_maxrss
     gen = torch.Generator().manual_seed(99)
     probe = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     if spec["measure"] == "time":

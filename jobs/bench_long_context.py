@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from k3.jobs.proc_memory import reset_peak, status_kb
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65536], help="sequence lengths")
 p.add_argument("--C", nargs="*", type=int, default=[1, 2], help="context-parallel sizes")
@@ -42,19 +44,6 @@ p.add_argument("--json", help="also write the result here")
 p.add_argument("--plot", help="plot tokens/s and step peak memory per rank against T, one line per C (PNG)")
 p.add_argument("--include", nargs="*", default=[], help="earlier --json results whose runs the plot also shows")
 args = p.parse_args()
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: writing 5 resets VmHWM, the peak RSS
-        f.write("5")
 
 
 def _forward_breakdown(model, ids, shard) -> dict[str, float]:
@@ -131,11 +120,11 @@ def _itemise_worker(rank: int, T: int, out: str, preset: str) -> None:
               "saved_mb": round(sum(saved.values()) / 2**20)}
     for ckpt in (False, True):
         model.model.activation_checkpointing = ckpt
-        base_kb = _status_kb("VmRSS")
-        _reset_peak()
+        base_kb = status_kb("VmRSS")
+        reset_peak()
         model(ids, labels=ids, logits_at=torch.zeros(0, dtype=torch.long)).loss.backward()
         model.zero_grad(set_to_none=True)
-        result[f"step_peak_mb_checkpointing_{'on' if ckpt else 'off'}"] = round((_status_kb("VmHWM") - base_kb) / 1024)
+        result[f"step_peak_mb_checkpointing_{'on' if ckpt else 'off'}"] = round((status_kb("VmHWM") - base_kb) / 1024)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
 
@@ -159,8 +148,8 @@ def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdo
     stream, shard = cp.shard(tokens)
     sh = shard if C > 1 else None
     dist.barrier()
-    base_kb = _status_kb("VmRSS")
-    _reset_peak()
+    base_kb = status_kb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     loss = model(stream, labels=stream, shard=sh, logits_at=torch.zeros(0, dtype=torch.long)).loss * C
     loss.backward()
@@ -171,8 +160,8 @@ def _worker(rank: int, C: int, T: int, port: int, out: str, preset: str, breakdo
     dist.barrier()
     step_s = time.perf_counter() - t0
     result = {"T": T, "C": C, "rank": rank, "tokens": shard.end - shard.start, "step_s": round(step_s, 2),
-              "tokens_per_s": round(T / step_s, 1), "step_peak_mb": round((_status_kb("VmHWM") - base_kb) / 1024),
-              "peak_rss_mb": round(_status_kb("VmHWM") / 1024), "loss": float(loss.detach()) / C}
+              "tokens_per_s": round(T / step_s, 1), "step_peak_mb": round((status_kb("VmHWM") - base_kb) / 1024),
+              "peak_rss_mb": round(status_kb("VmHWM") / 1024), "loss": float(loss.detach()) / C}
     if breakdown and C == 1:  # a property of T: a shard's attention runs outside the module hooks
         result["forward_s"] = _forward_breakdown(model, stream, sh)
     with open(f"{out}/rank{rank}.json", "w") as f:
