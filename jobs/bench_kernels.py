@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from k3.jobs.proc_memory import reset_peak, status_kb
+from k3.platform.ops.proc_memory import reset_peak, status_kb
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--only", nargs="*", default=["kda", "situ", "mla"], choices=["kda", "situ", "mla"])

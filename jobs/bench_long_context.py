@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from k3.jobs.proc_memory import reset_peak, status_kb
+from k3.platform.ops.proc_memory import reset_peak, status_kb
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65536], help="sequence lengths")

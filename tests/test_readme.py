@@ -34,6 +34,7 @@ PLACEHOLDERS = {
     "/tmp/export": "export",
 }
 STEP_LOSS = re.compile(r"step\s+\d+/\d+\s+loss\s+([0-9.]+)")  # the job's line per --log-every steps
+FAULT = re.compile(r"FATAL|SIGSEGV|Segmentation fault|core dumped|Killed|OOM|MemoryError|Cannot load|Fatal Python")
 PLACEHOLDER_LIKE = re.compile(r"<[A-Za-z][\w -]*>")  # `<gcs address>`: something only the reader knows
 
 
@@ -90,6 +91,17 @@ class Reader:
                                  env=self.env, capture_output=True, text=True, timeout=1200)
         self.log.append(f"--- {block.name}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
         return out
+
+    def ray_worker_faults(self) -> str:
+        """The lines of the README cluster's worker logs that say why a process died (a failed
+        job's output says only that an actor died)."""
+        state = self.root / ".cache" / "k3-cluster" / "state.json"
+        if not state.is_file():
+            return ""
+        logs = Path(json.loads(state.read_text()).get("session_dir", "/nonexistent")) / "logs"
+        faults = [f"{f.name}: {line}" for f in sorted(logs.glob("*.err")) + sorted(logs.glob("*.out"))
+                  for line in f.read_text(errors="replace").splitlines() if FAULT.search(line)]
+        return "\n".join(faults[-40:])
 
     def stop_what_the_readme_started(self) -> None:
         for args in (["monitor", "down"], ["cluster", "down"]):
@@ -168,6 +180,8 @@ def _openai_errors(stdout: str) -> list[str]:
 def test_block_runs_as_printed(block, reader):
     out = reader.run(block)
     shown = f"{block.name} ({block.section}) failed:\n{block.code}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
+    if out.returncode != 0 and "ray job submit" in block.code:
+        shown += f"\n--- faults in the cluster's worker logs\n{reader.ray_worker_faults()}"
     assert out.returncode == 0, shown
     assert not _openai_errors(out.stdout), shown
     logs = out.stdout + out.stderr
