@@ -18,6 +18,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # in-process tests, spawned processes, Ray Train workers and `ray job submit` jobs all inherit it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
+import session_env  # noqa: E402,F401  (the environment before any test module is imported)
+
 _passed = 0
 
 

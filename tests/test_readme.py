@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import session_env
 from readme_blocks import RUNNABLE, Block, read_blocks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +70,8 @@ class Reader:
 
     def __init__(self, root: Path, tmp: Path):
         self.root, self.tmp = root, tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST_"))}
+        # a new terminal's environment, not what earlier tests of the session left in os.environ
+        self.env = {k: v for k, v in session_env.START.items() if not k.startswith(("RAY_", "PYTEST_"))}
         self.env_file = tmp / "env"
         self.log: list[str] = []
 
@@ -182,6 +184,8 @@ def test_block_runs_as_printed(block, reader):
     shown = f"{block.name} ({block.section}) failed:\n{block.code}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
     if out.returncode != 0 and "ray job submit" in block.code:
         shown += f"\n--- faults in the cluster's worker logs\n{reader.ray_worker_faults()}"
+        shown += f"\n--- variables the session's tests changed (kept out of the reader's shell): " \
+                 f"{session_env.changed_since_start()}"
     assert out.returncode == 0, shown
     assert not _openai_errors(out.stdout), shown
     logs = out.stdout + out.stderr

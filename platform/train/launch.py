@@ -20,6 +20,21 @@ from .export import registered_checkpoints
 from .worker import summarize, train_loop_per_worker
 
 
+# Ray Train restarts failed workers (max_failures), never its controller: a controller whose
+# process dies while it is being created has run nothing, so the run starts again that often.
+CONTROLLER_STARTS = 3
+
+
+def controller_never_started(e: BaseException) -> bool:
+    """Whether `e` says Ray Train's TrainController actor died before its creation finished
+    (its process crashed on start: no worker, step or checkpoint of the run exists yet)."""
+    import ray.exceptions
+
+    text = str(e)
+    return (isinstance(e, ray.exceptions.ActorDiedError) and not e.actor_init_failed
+            and "class_name: TrainController" in text and "never ran" in text)
+
+
 def fit(cfg: TrainConfig) -> dict:
     """Run (or resume) a pretraining run; raises ValueError for a bad config before any worker
     starts and RuntimeError when training fails after its allowed restarts."""
@@ -33,10 +48,16 @@ def fit(cfg: TrainConfig) -> dict:
     check_every_node_sees_the_run(cfg, run)
     coordinator = start_coordinator(cfg, run)
     try:
-        try:
-            result = make_trainer(cfg, data_splits(cfg)).fit()
-        except Exception as e:  # Ray Train raises once max_failures restarts are used up
-            raise RuntimeError(f"training failed: {e}") from e
+        for attempt in range(1, CONTROLLER_STARTS + 1):
+            try:
+                result = make_trainer(cfg, data_splits(cfg)).fit()
+                break
+            except Exception as e:  # Ray Train raises once max_failures restarts are used up
+                if attempt < CONTROLLER_STARTS and controller_never_started(e):
+                    print(f"pretrain: Ray Train's controller process died before it started (attempt {attempt} of "
+                          f"{CONTROLLER_STARTS}; nothing had run): starting the run again", flush=True)
+                    continue
+                raise RuntimeError(f"training failed: {e}") from e
         summary = run_summary(cfg, run, result)
         if coordinator is not None:
             summary["coordinator"] = {k: v for k, v in ray.get(coordinator.metrics.remote()).items() if k != "layers"}

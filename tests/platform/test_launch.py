@@ -1,0 +1,72 @@
+"""The driver's restart of a run whose Ray Train controller died while it was being created."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from ray.core.generated.common_pb2 import ActorDiedErrorContext
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from k3.platform.train import launch
+from k3.platform.train.config import TrainConfig
+from k3.platform.train.data import prepare
+
+
+def died(class_name: str = "TrainController", never_started: bool = True) -> ActorDiedError:
+    """The error Ray raises for an actor whose process exited (here: as the README job's
+    controller did, "Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so" on start)."""
+    return ActorDiedError(ActorDiedErrorContext(
+        class_name=class_name, actor_id=os.urandom(16), pid=4614, node_ip_address="127.0.0.1",
+        error_message="Worker unexpectedly exits with a connection error code 2. End of file.",
+        never_started=never_started))
+
+
+def test_only_a_controller_that_never_started_counts():
+    assert launch.controller_never_started(died())
+    assert not launch.controller_never_started(died(never_started=False))  # it had run: steps may be lost
+    assert not launch.controller_never_started(died(class_name="RayTrainWorker"))  # max_failures' business
+    init_error = ActorDiedError(RayTaskError("__init__", "Traceback ...", ValueError("bad config")))
+    assert init_error.actor_init_failed and not launch.controller_never_started(init_error)
+    assert not launch.controller_never_started(RuntimeError("class_name: TrainController never ran"))
+
+
+class Trainer:
+    def __init__(self, errors: list):
+        self.errors = errors
+
+    def fit(self):
+        if self.errors:
+            raise self.errors.pop(0)
+        return "result"
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("launch")
+    prepare("bundled", tmp_path / "data", vocab_size=4096, seq_len=64, rows_per_shard=64, max_bytes=200_000,
+            progress=False)
+    return TrainConfig(data=str(tmp_path / "data"), storage_path=str(tmp_path / "runs"), name="r", num_workers=2,
+                       micro_batch=2, steps=2, balance={"method": "none"})
+
+
+@pytest.mark.parametrize("errors, outcome", [
+    ([died()], "result"),                                 # one crash on start: started again, trained
+    ([died(), died()], "result"),                         # CONTROLLER_STARTS = 3
+    ([died(), died(), died()], "training failed"),       # then the job fails with Ray's reason
+    ([died(never_started=False)], "training failed"),    # a controller that had run is not restarted
+])
+def test_fit_starts_a_run_again_when_its_controller_died_on_start(cfg, monkeypatch, capsys, errors, outcome):
+    starts = []
+    monkeypatch.setattr(launch, "check_every_node_sees_the_run", lambda cfg, run: None)
+    monkeypatch.setattr(launch, "start_coordinator", lambda cfg, run: None)
+    monkeypatch.setattr(launch, "data_splits", lambda cfg: [])
+    monkeypatch.setattr(launch, "make_trainer", lambda cfg, splits: starts.append(1) or Trainer(errors))
+    monkeypatch.setattr(launch, "run_summary", lambda cfg, run, result: {"result": result})
+    n = len(errors)
+    if outcome == "result":
+        assert launch.fit(cfg) == {"result": "result"} and len(starts) == n + 1
+        assert capsys.readouterr().out.count("controller process died before it started") == n
+    else:
+        with pytest.raises(RuntimeError, match="(?s)training failed: The actor died unexpectedly.*TrainController"):
+            launch.fit(cfg)
+        assert len(starts) == min(n, launch.CONTROLLER_STARTS)
