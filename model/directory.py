@@ -1,7 +1,8 @@
 """Writing a directory of user data without ever leaving less than was there, and knowing which
 directory a loaded model is read from. Every k3 writer of user data goes through `write_beside`:
 the model writers (save_k3, save_kimi_linear, save_model_dir, export_model), prepared data and
-its media set, the Grafana dashboards, and each training worker's checkpoint stage.
+its media set, the Grafana dashboards, the alert rules, run reports, and each training worker's
+checkpoint stage.
 
     with write_beside("data/bundled", stale=lambda rel: rel.startswith("shard-")) as stage:
         ...  # write the new version into `stage`

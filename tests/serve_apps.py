@@ -2,7 +2,11 @@
 instance, the `apps` fixture in tests/serve/conftest.py) and helpers to call them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+CONFIG_YAML = Path(__file__).resolve().parents[1] / "serve" / "config.yaml"
 
 KEY = "sk-test-k3"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -22,6 +26,36 @@ def app_config(tok_path, disaggregated):
     return {"model_id": "k3-tiny", "model": {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok_path},
             "engine": ENGINE, "disaggregated": disaggregated, "prefill": small, "decode": decode, "llm": small,
             "ingress": ingress, "api_key_env": "K3_TEST_API_KEY"}
+
+
+def config_yaml_apps(path: Path = CONFIG_YAML, num_cpus: float = 0.05) -> list[tuple[str, str, object, dict]]:
+    """The applications `serve run <path>` deploys, built the way Serve's controller builds them
+    (the YAML validated as a ServeDeploySchema, each import_path called with its args by Serve's own
+    builder call): [(name, route_prefix, bound app, args)].
+
+    The one thing changed is what the 2-CPU test cluster cannot give: every replica's CPU share
+    becomes num_cpus. Host and port are the test session's Serve (loopback, a free port) instead of
+    the file's http_options. Per-deployment overrides or a runtime_env in the file would be applied
+    by `serve run` and are not here: they are refused rather than silently dropped."""
+    import yaml
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    spec = ServeDeploySchema.model_validate(yaml.safe_load(Path(path).read_text()))
+    out = []
+    for a in spec.applications:
+        if a.deployments or a.runtime_env:
+            raise ValueError(f"{path}: application {a.name!r} has `deployments` or `runtime_env`, which "
+                             "config_yaml_apps does not apply: extend it before relying on them")
+        args = dict(a.args)
+        for name in ("prefill", "decode", "llm", "ingress"):
+            dep = dict(args.get(name) or {})
+            dep["ray_actor_options"] = {**dep.get("ray_actor_options", {}), "num_cpus": num_cpus}
+            args[name] = dep
+        out.append((a.name, a.route_prefix, call_user_app_builder_with_args_if_necessary(import_attr(a.import_path),
+                                                                                          args), args))
+    return out
 
 
 def client(base):

@@ -5,7 +5,10 @@ one entry per step with loss, tokens, step seconds, per-layer MaxVio and router 
 the run's config) and writes one HTML page with PNG plots: loss, tokens/s, a per-layer MaxVio
 heatmap and the bias spread per layer over time; then the run's config, its checkpoints and the
 tail of the job's log (`<run>/job.log`, or `--log FILE`: e.g. `ray job logs ID > runs/x/job.log`).
-The page is static: no script, nothing fetched from the network.
+The page is static: no script, nothing fetched from the network. The folder is written beside
+and swapped in whole (k3.model.directory.write_beside): a report written over an earlier one never
+leaves a page whose plots are another run's or missing, and a failed write leaves the earlier
+report as it was.
 
     k3 report runs/my-run            # writes runs/my-run/report/index.html (+ PNGs), prints its path
 """
@@ -17,8 +20,13 @@ import os
 import time
 from pathlib import Path
 
+from k3.model.directory import owned, write_beside
+
 ZERO_COLOUR = "#b0b0b0"  # heatmap cells exactly 0: grey, outside the colour map's range
 LOG_TAIL_LINES = 60
+# What a report owns in its folder: the page and its plots. An earlier report's plot that this one
+# does not draw (a run without bias spread) goes; anything else a user put there stays.
+REPORT_FILES = ("index.html", "*.png")
 
 
 def _checkpoints(run: Path) -> list[Path]:
@@ -173,25 +181,24 @@ STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1500px}th{text-align:
          "summary{font-weight:bold;cursor:pointer}")
 
 
-def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 log: str | os.PathLike | None = None) -> Path:
-    """Write index.html and its PNGs (to `<run_dir>/report` by default); returns the HTML path.
-    `log`: the job's log (default `<run_dir>/job.log` when it exists)."""
-    run = Path(run_dir)
-    history, config = read_run(run)
-    log_path = Path(log) if log is not None else run / "job.log"
-    if log is not None and not log_path.is_file():
-        raise ValueError(f"{log_path}: no such log file")
-    out = Path(out_dir) if out_dir else run / "report"
-    out.mkdir(parents=True, exist_ok=True)
+def _save_plots(history: list[dict], folder: Path) -> list[str]:
+    """Write the run's plots into folder; their <figure> elements."""
     import matplotlib.pyplot as plt
 
+    plots = figures(history)
     figs = []
-    for name, (caption, fig) in figures(history).items():
-        fig.savefig(out / name, format="png")
-        plt.close(fig)
-        figs.append(f'<figure><img src="{name}" alt="{html.escape(caption)}" width="700" height="360">'
-                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    try:
+        for name, (caption, fig) in plots.items():
+            fig.savefig(folder / name, format="png")
+            figs.append(f'<figure><img src="{name}" alt="{html.escape(caption)}" width="700" height="360">'
+                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    finally:
+        for _, fig in plots.values():
+            plt.close(fig)
+    return figs
+
+
+def _page(run: Path, history: list[dict], config: dict, figs: list[str], log_path: Path) -> str:
     tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log_path.is_file() else None
     sections = [f"<h1>k3 run report</h1>{_table(_summary(run, history, config).items())}",
                 f"<div class='plots'>{''.join(figs)}</div>",
@@ -202,8 +209,22 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                                        f"(<code>ray job logs JOB_ID &gt; {html.escape(str(log_path))}</code>) or "
                                        "pass <code>--log FILE</code></p>"),
                 f"<details open><summary>Run config</summary>{_table(sorted(_flat(config).items()))}</details>"]
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>k3 run report: {html.escape(run.name)}</title>"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>k3 run report: {html.escape(run.name)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n")
-    path = out / "index.html"
-    path.write_text(page)
-    return path
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 log: str | os.PathLike | None = None) -> Path:
+    """Write index.html and its PNGs (to `<run_dir>/report` by default); returns the HTML path.
+    `log`: the job's log (default `<run_dir>/job.log` when it exists). The folder changes only
+    when the whole report is written (write_beside); other files in it are kept."""
+    run = Path(run_dir)
+    history, config = read_run(run)
+    log_path = Path(log) if log is not None else run / "job.log"
+    if log is not None and not log_path.is_file():
+        raise ValueError(f"{log_path}: no such log file")
+    out = Path(out_dir) if out_dir else run / "report"
+    with write_beside(out, stale=owned(REPORT_FILES)) as stage:
+        figs = _save_plots(history, stage)
+        (stage / "index.html").write_text(_page(run, history, config, figs, log_path))
+    return out / "index.html"

@@ -13,7 +13,9 @@ is queried at random moments; wait until the nodes go; deploy k3's disaggregated
 its prefill replicas on worker nodes and the decode replica on the head, so each request's hybrid
 cache state moves between two object stores; check its tokens against one engine in this
 process, measure the handoff, then remove a prefill replica's node (its raylet and workers killed,
-as the fake provider removes a node) while requests are in flight; write `k3 report` for the run;
+as the fake provider removes a node) at a moment its replica has a request in flight (long prompts
+are sent just before, so a prefill takes seconds), recording how many it had and how many handoffs
+the decode replica retried; write `k3 report` for the run;
 stop everything it started. The observations go to --out as JSON; the test asserts.
 
 A process of its own because the driver here connects to a cluster of its own (a test session's
@@ -36,7 +38,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scenario_tools import (  # noqa: E402
-    NodeWatch, PanelSampler, Since, Traffic, alive_nodes, dashboard_get, kill_node, panels_over, sessions_seen)
+    NodeWatch, PanelSampler, Since, Traffic, alive_nodes, dashboard_get, kill_processes, node_processes, panels_over,
+    sessions_seen)
 
 from k3.platform.ops import cluster  # noqa: E402
 from k3.platform.ops.cli import main  # noqa: E402
@@ -175,6 +178,51 @@ def placement() -> dict:
     return where
 
 
+def prefill_replica_on(node_id: str):
+    """The actor of the k3 app's PrefillServer replica on node_id."""
+    import ray
+    from ray.util.state import list_actors
+
+    names = [a.name for a in list_actors(address=head.address, filters=[("state", "=", "ALIVE")], limit=1000,
+                                         timeout=60)
+             if a.class_name == "ServeReplica:k3:PrefillServer" and a.node_id == node_id]
+    if not names:
+        raise RuntimeError(f"no PrefillServer replica on node {node_id}")
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def handoff_retries() -> int:
+    """Prefill attempts the decode replica (one, on the head) made again after one failed."""
+    from ray import serve
+
+    return serve.get_deployment_handle("DecodeServer", app_name="k3").handoff_stats.remote().result(
+        timeout_s=60)["handoff_retries"]
+
+
+def remove_mid_request(victim: str, traffic: Traffic) -> dict:
+    """Remove the node victim at a moment its prefill replica works on a request: send the long
+    prompts, wait until the replica reports one in flight (Serve's own count, read the way its router
+    reads it), then kill the node's processes (found beforehand: the kill is a few signals). Returns
+    the evidence: requests in flight there at the removal, the decode side's retries before."""
+    import ray
+
+    replica = prefill_replica_on(victim)
+    retries_before = handoff_retries()
+    traffic.burst()
+    time.sleep(1.0)  # the long prompts reach the prefill replicas (each prefill then takes seconds)
+    pids = node_processes(head.pid, victim, head_node_id())
+    in_flight, deadline = 0, time.time() + 60
+    while in_flight == 0 and time.time() < deadline:
+        in_flight = ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)
+        if in_flight == 0:
+            time.sleep(0.02)
+    t_read = time.time()
+    kill_processes(pids)
+    t_kill = time.time()
+    return {"node": victim, "pids": pids, "in_flight": in_flight, "read_to_kill_s": round(t_kill - t_read, 4),
+            "retries_before": retries_before, "t": t_kill}
+
+
 def head_node_id() -> str:
     import ray
 
@@ -206,14 +254,16 @@ def serve_phase() -> None:
         wait_for(lambda: traffic.finished >= 40, 600, "40 requests through the handoff")
         result["handoff"] = handoff_stats()
         victim = where["PrefillServer"][0]
-        t_kill = time.time()
-        result["killed"] = {"node": victim, "pids": kill_node(head.pid, victim, head_node_id())}
-        event(f"prefill node {victim[-5:]} removed ({len(result['killed']['pids'])} processes)")
+        result["killed"] = remove_mid_request(victim, traffic)
+        t_kill = result["killed"].pop("t")
+        event(f"prefill node {victim[-5:]} removed ({len(result['killed']['pids'])} processes, "
+              f"{result['killed']['in_flight']} requests in flight on its replica)")
         # recovered: Serve replaced the replica (on a node the autoscaler added) and it answers again
         result["recovery_s"] = wait_for(lambda: len(set(placement().get("PrefillServer", [])) - {victim}) == 2,
                                         600, "a second prefill replica again")
         event(f"prefill replica replaced {result['recovery_s']:.0f} s after the removal")
         time.sleep(15)  # traffic on the replaced replica, a metrics report and a scrape
+        result["killed"]["retries_after"] = handoff_retries()
     result["serve"] = {"max_nodes": w.max, "requests": traffic.summary(t_kill),
                        "retries": {s["metric"].get("error", "?"): float(s["value"][1])
                                    for s in prom.client.query("ray_k3_serve_handoff_retries_total")}}

@@ -113,11 +113,12 @@ def panels_over(prom, dashboards: list[str], start: float) -> dict:
     return out
 
 
-def kill_node(pgid: int, node_id: str, head_node_id: str) -> list[int]:
-    """Remove one fake worker node the way Ray's fake provider does: kill every process of it (its
-    raylet, agents and workers carry the node id the provider gave them in their environment).
+def node_processes(pgid: int, node_id: str, head_node_id: str) -> list[int]:
+    """Every process of one fake worker node, found the way Ray's fake provider would remove it
+    (its raylet, agents and workers carry the node id the provider gave them in their environment).
     Only processes of the head's process group are looked at; the head itself is refused (its
-    processes carry the fake head's id, and without its GCS the whole cluster goes)."""
+    processes carry the fake head's id, and without its GCS the whole cluster goes). Found ahead of
+    the removal, so that the removal itself is a few signals (it is aimed at a request in flight)."""
     if node_id == head_node_id:
         raise ValueError(f"node {node_id} is the head: remove a worker node")
     marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
@@ -142,17 +143,22 @@ def kill_node(pgid: int, node_id: str, head_node_id: str) -> list[int]:
         if not more:
             break
         pids |= more
-    for pid in sorted(pids):
+    return sorted(pids)
+
+
+def kill_processes(pids: list[int]) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    return sorted(pids)
 
 
 class Traffic:
     """Clients that send /v1/completions requests (distinct prompts of 400 tokens, greedy, 8 tokens)
-    in a loop, each answer checked against the same prompt run by one LLMEngine in this process."""
+    in a loop, each answer checked against the same prompt run by one LLMEngine in this process;
+    and, on demand, a burst of long prompts (a prefill of seconds: in flight when a node goes)."""
 
-    def __init__(self, url: str, config: dict, seed_prompts: int = 24, prompt_len: int = 400):
+    def __init__(self, url: str, config: dict, seed_prompts: int = 24, prompt_len: int = 400,
+                 long_prompts: int = 4, long_len: int = 2000):
         import torch
         from tokenizers import Tokenizer
 
@@ -165,6 +171,8 @@ class Traffic:
         shared = torch.randint(3, 4000, (64,), generator=g).tolist()  # a common prefix: local and pool hits
         self.prompts = [shared + torch.randint(3, 4000, (prompt_len - 64,), generator=g).tolist()
                         for _ in range(seed_prompts)]
+        self.n_short = seed_prompts  # the looping clients send these; the burst the long ones after them
+        self.prompts += [torch.randint(3, 4000, (long_len,), generator=g).tolist() for _ in range(long_prompts)]
         model = k3.model.build(k3.model.get_preset(config["model"]["preset"]), seed=0).eval()
         tokenizer = Tokenizer.from_file(config["model"]["tokenizer_path"])
         engine = LLMEngine(model, EngineConfig(**config["engine"]), tokenizer)
@@ -180,6 +188,7 @@ class Traffic:
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     @property
     def finished(self) -> int:
@@ -194,8 +203,9 @@ class Traffic:
         try:
             r = httpx.post(self.url, json=body, timeout=300)
         except httpx.HTTPError as e:  # a broken connection: neither an answer nor a clean error
-            return {"i": i, "t": t, "s": time.time() - t, "status": None, "broken": repr(e)}
-        out = {"i": i, "t": t, "s": time.time() - t, "status": r.status_code}
+            return {"i": i, "long": i >= self.n_short, "t": t, "s": time.time() - t, "status": None,
+                    "broken": repr(e)}
+        out = {"i": i, "long": i >= self.n_short, "t": t, "s": time.time() - t, "status": r.status_code}
         if r.status_code == 200:
             choice = r.json()["choices"][0]
             text, lp = self.want[i]
@@ -209,26 +219,38 @@ class Traffic:
                 out["error"] = None  # not an OpenAI-style error body
         return out
 
+    def _record(self, i: int) -> None:
+        res = self._one(i)
+        with self._lock:
+            self.results.append(res)
+
     def _client(self):
         while not self._stop.is_set():
             with self._lock:
-                i, self._next = self._next % len(self.prompts), self._next + 1
-            res = self._one(i)
-            with self._lock:
-                self.results.append(res)
+                i, self._next = self._next % self.n_short, self._next + 1
+            self._record(i)
+
+    def _start(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def burst(self) -> None:
+        """Send every long prompt once, all at once, beside the looping clients (inside running())."""
+        for i in range(self.n_short, len(self.prompts)):
+            self._start(self._record, i)
 
     @contextlib.contextmanager
     def running(self, clients: int):
-        threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
-        for t in threads:
-            t.start()
+        for _ in range(clients):
+            self._start(self._client)
         try:
             yield self
         finally:
             self._stop.set()
-            for t in threads:
+            for t in self._threads:
                 t.join(timeout=320)
-            self.hung = sum(t.is_alive() for t in threads)
+            self.hung = sum(t.is_alive() for t in self._threads)
 
     def summary(self, t0: float) -> dict:
         """Outcomes; the timeline's times are seconds from t0."""
@@ -238,7 +260,11 @@ class Traffic:
                 "clean_errors": [(r["status"], r["error"]) for r in rs if r["status"] not in (200, None)],
                 "broken": [r["broken"] for r in rs if r["status"] is None],
                 "max_s": max((r["s"] for r in rs), default=0.0), "hung_clients": getattr(self, "hung", None),
-                "timeline": [(round(r["t"] - t0, 1), r["status"], round(r["s"], 2)) for r in rs]}
+                "timeline": [(round(r["t"] - t0, 1), r["status"], round(r["s"], 2)) for r in rs],
+                # what the clients had in flight at t0: how each ended (a retried one answers alike)
+                "in_flight_at_t0": [{"long": r["long"], "status": r["status"], "identical": bool(r.get("identical")),
+                                     "error": r.get("error"), "s": round(r["s"], 2)}
+                                    for r in rs if r["t"] < t0 < r["t"] + r["s"]]}
 
 
 class Since:

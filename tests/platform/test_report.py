@@ -48,6 +48,45 @@ def test_report_draws_the_latest_history_with_config_checkpoints_and_log(tmp_pat
     assert "<script" not in text and "http" not in text  # static: nothing runs, nothing is fetched
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_report_over_an_earlier_one_is_whole_and_keeps_the_users_files(tmp_path):
+    out = tmp_path / "out"
+    write_report(fake_run(tmp_path / "a", steps=12, layers=3), out)  # 4 plots
+    (out / "notes.txt").write_text("mine")
+    page = write_report(fake_run(tmp_path / "b", steps=8, layers=2, with_bias=False), out)  # 3 plots
+    text = page.read_text()
+    assert text.rstrip().endswith("</html>") and "final loss</td><td>1.0000" in text
+    drawn = {src.split('"')[0] for src in text.split('<img src="')[1:]}
+    assert drawn == {"loss.png", "tokens_per_s.png", "maxvio.png"}
+    assert set(snapshot(out)) == drawn | {"index.html", "notes.txt"}  # a's bias plot went with a's page
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]  # no stage left beside
+
+
+def test_a_report_that_fails_midway_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    out = tmp_path / "out"
+    write_report(fake_run(tmp_path / "a", steps=12, layers=3), out)
+    before = snapshot(out)
+    save, calls = Figure.savefig, []
+
+    def disk_full_at_the_second_plot(fig, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", disk_full_at_the_second_plot)
+    with pytest.raises(OSError, match="No space left"):
+        write_report(fake_run(tmp_path / "b", steps=8, layers=2), out)
+    assert len(calls) == 2 and snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]
+
+
 def test_report_without_a_log_says_how_to_get_one(tmp_path):
     text = write_report(fake_run(tmp_path, steps=4, layers=2)).read_text()
     assert "no log: save the job's output as" in text and "ray job logs JOB_ID" in text

@@ -59,6 +59,24 @@ def apps(serve_session, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def default_app(serve_session):
+    """serve/config.yaml's application as `serve run serve/config.yaml` deploys it on a fresh clone
+    (tests/serve_apps.config_yaml_apps: only the CPU shares and the port differ), under the file's
+    own name and route; {"url": its base URL, "model": its model_id}. A change to the file that
+    breaks text or chat fails the tests that use it."""
+    from ray import serve
+
+    from serve_apps import config_yaml_apps
+
+    [(name, prefix, app, args)] = config_yaml_apps()
+    serve.run(app, name=name, route_prefix=prefix)
+    try:
+        yield {"url": serve_session + prefix.rstrip("/"), "model": args["model_id"]}
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="session")
 def engine_model():
     from k3.model import build
 

@@ -217,32 +217,18 @@ def test_streaming_sse_ends_with_done(apps):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_the_default_config_serves_text_and_chat_out_of_the_box(serve_session):
-    """serve/config.yaml as a fresh clone has it (a preset, no tokenizer given): text prompts and
-    chat answer (k3's bundled tokenizer), where they were refused as "deployed without a
-    tokenizer". Only the replicas' CPU shares shrink to fit the test cluster."""
-    from pathlib import Path
-
-    import yaml
-    from ray import serve
-
-    from k3.serve.builder import app_builder
-
-    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "serve" / "config.yaml").read_text())
-    args = spec["applications"][0]["args"]
-    for name in ("prefill", "decode", "ingress"):
-        args[name]["ray_actor_options"] = {"num_cpus": 0.05}
-    serve.run(app_builder(args), name="default", route_prefix="/default")
-    try:
-        c = openai.OpenAI(base_url=f"{serve_session}/default/v1", api_key="unused", max_retries=0, timeout=120)
-        text = c.completions.create(model=args["model_id"], prompt="def main():", max_tokens=8, temperature=0)
-        assert text.usage.prompt_tokens >= 3 and text.usage.completion_tokens == 8 and text.choices[0].text
-        pieces = [ev.choices[0].delta.content or "" for ev in c.chat.completions.create(
-            model=args["model_id"], stream=True, max_tokens=8, temperature=0,
-            messages=[{"role": "user", "content": "hello"}]) if ev.choices]
-        assert "".join(pieces)
-    finally:
-        serve.delete("default")
+def test_the_default_config_serves_text_and_chat_out_of_the_box(default_app):
+    """serve/config.yaml as a fresh clone has it (a preset, no tokenizer given), deployed as `serve run`
+    builds it: text prompts and chat answer (k3's bundled tokenizer), where they were refused as
+    "deployed without a tokenizer"."""
+    c = openai.OpenAI(base_url=f"{default_app['url']}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = default_app["model"]
+    text = c.completions.create(model=model, prompt="def main():", max_tokens=8, temperature=0)
+    assert text.usage.prompt_tokens >= 3 and text.usage.completion_tokens == 8 and text.choices[0].text
+    pieces = [ev.choices[0].delta.content or "" for ev in c.chat.completions.create(
+        model=model, stream=True, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "hello"}]) if ev.choices]
+    assert "".join(pieces)
 
 
 def _replica_actor(app: str, deployment: str):

@@ -1,7 +1,8 @@
 """The OpenAI API of both Serve applications beyond the happy path: what a replica refuses or
 fails reaches the client as its reason (no Ray internals), the request fields OpenAI has
 (batch prompts, developer role, penalties, logit_bias, ...), the deliberate refusals, and
-schemathesis' conformance checks against each app's own OpenAPI document."""
+schemathesis' conformance checks against each app's own OpenAPI document, serve/config.yaml's
+app included."""
 from __future__ import annotations
 
 import json
@@ -127,12 +128,21 @@ def test_penalties_and_logit_bias_are_the_same_both_ways(apps, engine_model, tok
     assert [post(apps[a], body).json()["choices"][0]["text"] for a in ("pd", "agg")] == [want.text] * 2
 
 
-def _bounded(case):
+def _served(request, app):
+    """(base URL, model id) of a shared app: "pd" and "agg" (tests/serve_apps.py) or "default"
+    (serve/config.yaml as `serve run` deploys it); only the apps a test asks for are deployed."""
+    if app == "default":
+        d = request.getfixturevalue("default_app")
+        return d["url"], d["model"]
+    return request.getfixturevalue("apps")[app], "k3-tiny"
+
+
+def _bounded(case, model):
     """A generated valid request for the served model, kept cheap on a CPU: few tokens, choices, prompts."""
     body = case.body
     if not isinstance(body, dict):
         return
-    body["model"] = "k3-tiny"  # a random name is a 404 before anything runs
+    body["model"] = model  # a random name is a 404 before anything runs
     for k in ("max_tokens", "max_completion_tokens"):
         v = body.get(k)
         if k in body and (v is None or isinstance(v, int) and not isinstance(v, bool) and v > 4):
@@ -146,7 +156,7 @@ def _bounded(case):
         body["prompt"] = batch[:2]
 
 
-def _conformance_failures(base, op, mode, max_examples):
+def _conformance_failures(base, model, op, mode, max_examples):
     """Run generated cases of one operation against base; what failed schemathesis' checks."""
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import not_a_server_error
@@ -163,7 +173,7 @@ def _conformance_failures(base, op, mode, max_examples):
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
         if mode.name == "POSITIVE":
-            _bounded(case)
+            _bounded(case, model)
         case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
         r = case.call(base_url=base, timeout=120)
         try:
@@ -175,22 +185,23 @@ def _conformance_failures(base, op, mode, max_examples):
     return failures
 
 
-@pytest.mark.parametrize("app", ["pd", "agg"])
-def test_schemathesis_finds_no_server_error_or_schema_violation(apps, app):
+@pytest.mark.parametrize("app", ["pd", "agg", "default"])
+def test_schemathesis_finds_no_server_error_or_schema_violation(request, app):
     """Requests generated from the app's own OpenAPI document, valid and invalid: no 5xx, every
     status and body as the document declares, and every invalid request refused."""
     import schemathesis
     from schemathesis.generation import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{apps[app]}/openapi.json")
+    base, model = _served(request, app)
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     failures = []
     for result in schema.get_all_operations():
         op = result.ok()
         if op.method.upper() == "GET":  # no parameters: nothing to vary, nothing invalid to send
-            failures += _conformance_failures(apps[app], op, GenerationMode.POSITIVE, 3)
+            failures += _conformance_failures(base, model, op, GenerationMode.POSITIVE, 3)
             continue
         for mode, examples in ((GenerationMode.POSITIVE, 30), (GenerationMode.NEGATIVE, 15)):
-            failures += _conformance_failures(apps[app], op, mode, examples)
+            failures += _conformance_failures(base, model, op, mode, examples)
     assert not failures, failures[:3]
 
 
