@@ -55,6 +55,17 @@ class GenerateRequest:
     # prompt fetches the patches
     media: list | None = None
     arrival: float = field(default_factory=time.time)
+    # {stamp: time.time()} when the client asked for the request's path to be traced: every hop
+    # adds its stamps (`stamp`) and the first output carries them back (RequestOutput.trace)
+    trace: dict[str, float] | None = None
+
+
+def stamp(trace: dict[str, float] | None, name: str) -> None:
+    """Note the wall-clock time of a point on a traced request's path (nothing when not traced).
+    Wall clocks, because the stamps come from several processes (one host's clock, or clocks
+    kept in sync across hosts)."""
+    if trace is not None:
+        trace[name] = time.time()
 
 
 async def engine_stream(outputs: AsyncIterator[RequestOutput], input_checked: bool = False
@@ -140,8 +151,15 @@ class EngineHost:
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
+        media = await fetch_media(req)
+        stamp(req.trace, "engine_in")
+        first = True
         async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
-                                                            media=await fetch_media(req))):
+                                                            media=media)):
+            if first and req.trace is not None:
+                first = False
+                stamp(req.trace, "engine_first")
+                out.trace = req.trace
             yield out
 
 
@@ -151,6 +169,7 @@ class LLMServer(EngineHost):
     role = "llm"
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stamp(req.trace, "server_in")
         async for out in self._stream(req):
             yield out
 
@@ -232,6 +251,7 @@ class PrefillServer(EngineHost):
         request, "nbytes"}."""
         import ray
 
+        stamp(req.trace, "prefill_in")
         self._start_reporting()
         media = await fetch_media(req)
         spans = []
@@ -241,20 +261,27 @@ class PrefillServer(EngineHost):
                 await self._from_pool(req.prompt_token_ids, spans)
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
+            stamp(req.trace, "pool_done")
         final = None
+        stamp(req.trace, "engine_in")
         async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
                                                             prefill_only=True, media=media)):
             final = out
+        stamp(req.trace, "engine_first")
+        final.trace = req.trace
         state, final.cache_state = final.cache_state, None
         if self.pool is not None:  # after the reply is on its way; a failed publish loses only sharing
             task = asyncio.get_running_loop().create_task(self._publish(req.prompt_token_ids, spans))
             self._publishing.add(task)
             task.add_done_callback(self._publishing.discard)
         if state is None:
+            stamp(req.trace, "prefill_out")
             return {"output": final, "state": None, "nbytes": 0}
         # Nested in a list: Serve resolves only top-level refs, and the decode side must fetch it
         # itself (so the bytes go object store to object store, and an owner death is visible).
-        return {"output": final, "state": [ray.put(state)], "nbytes": state.nbytes}
+        ref = ray.put(state)
+        stamp(req.trace, "prefill_out")
+        return {"output": final, "state": [ref], "nbytes": state.nbytes}
 
 
 class DecodeServer(EngineHost):
@@ -286,6 +313,7 @@ class DecodeServer(EngineHost):
                                type(last).__name__, last)
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
+                stamp(reply["output"].trace, "decode_reply")
                 if reply["state"] is None:
                     return reply["output"], None
                 t_fetch = time.perf_counter()
@@ -304,10 +332,13 @@ class DecodeServer(EngineHost):
                           f"attempts; retry the request", status=503, type="server_error", code="handoff_failed")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stamp(req.trace, "server_in")
         self._start_reporting()
         if req.route_key is None:
             req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids, self.config.engine.page_size))
+        stamp(req.trace, "prefill_call")
         first, state = await self._handoff(req)
+        stamp(first.trace, "server_out")
         if state is None:  # the first token ended it
             yield first
             return

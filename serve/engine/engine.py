@@ -59,6 +59,10 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None
     cache_state: HybridCacheState | None = None
+    # wall-clock stamps of the Serve path ({hop: time.time()}), only when a request asked for them
+    # (serve/servers.py fills it; the engine never does)
+    trace: dict[str, float] | None = None
+
 
 
 class LLMEngine:
