@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -44,8 +45,8 @@ from k3.serve.chat_media import ChatMedia
 from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatDelta,
                                ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
-                               CompletionStreamResponse, ModelCard, ModelList, UsageInfo, new_id, sse_error,
-                               sse_event)
+                               CompletionStreamResponse, ModelCard, ModelList, TextChunks, UsageInfo, new_id,
+                               sse_error, sse_event)
 from k3.serve.servers import GenerateRequest, stamp
 import k3.model
 
@@ -156,7 +157,9 @@ class Ingress:
 
     async def _choices(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs as they come, tagged with the choice index. The first output of
-        each choice is awaited before anything is yielded, so a refused request is still a 4xx."""
+        each choice is awaited before anything is yielded, so a refused request is still a 4xx.
+        Outputs of one choice that arrived while the reader was away come as one (a slow client
+        gets one chunk per read, not one per engine step)."""
         for r in reqs:
             stamp(r.trace, "ingress_call")
         gens = [self.server.generate.remote(r) for r in reqs]
@@ -186,9 +189,20 @@ class Ingress:
             raise client_error(e) from e
         tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         done = 0
+        held: deque = deque()  # taken from the queue, not yet yielded
         try:
             while done < len(reqs):
-                i, item = await queue.get()
+                if not held:
+                    held.append(await queue.get())
+                while not queue.empty():
+                    held.append(queue.get_nowait())
+                i, item = held.popleft()
+                while not isinstance(item, BaseException) and not item.finished:
+                    j = next((k for k, (c, _) in enumerate(held) if c == i), None)
+                    if j is None or isinstance(held[j][1], BaseException):
+                        break
+                    item = item.followed_by(held[j][1])
+                    del held[j]
                 if isinstance(item, BaseException):
                     raise client_error(item) from item
                 if item.finished:
@@ -291,6 +305,7 @@ class Ingress:
         times: dict[int, list[float]] = {i: [] for i in range(n)}
         offsets = [0] * n
         created = int(time.time())
+        text_chunks = TextChunks(rid, model, chat, created)
         item = first
         try:
             while item is not None:
@@ -298,9 +313,12 @@ class Ingress:
                 started = not per[i]
                 per[i].append(out)
                 times[i].append(time.perf_counter())
-                yield sse_event(self._chunk(rid, model, created, chat, i, out, started, offsets))
-                if started:  # resumed once the first chunk was handed to the connection
-                    stamp(out.trace, "sse_first")
+                if not started and not out.finished and not out.logprobs:
+                    yield text_chunks.event(i, out.text_delta)
+                else:
+                    yield sse_event(self._chunk(rid, model, created, chat, i, out, started, offsets))
+                    if started:  # resumed once the first chunk was handed to the connection
+                        stamp(out.trace, "sse_first")
                 if not chat:
                     offsets[i] += len(out.text_delta)
                 try:

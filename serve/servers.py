@@ -32,7 +32,7 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
 from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
-from k3.serve.engine import AsyncEngine, LLMEngine, RequestFailed, RequestOutput, SamplingParams
+from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFailed, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool
@@ -187,11 +187,8 @@ class PrefixPoolServer:
     def publish(self, pages: list) -> int:
         return self.pool.publish(pages)
 
-    def lookup(self, hashes: list[bytes]) -> int:
-        return self.pool.lookup(hashes)
-
-    def fetch(self, hashes: list[bytes], last_snapshot_only: bool = False) -> list:
-        return self.pool.fetch(hashes, last_snapshot_only)
+    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list:
+        return self.pool.fetch_deeper(hashes, have_pages)
 
     def stats(self) -> dict:
         return self.pool.stats()
@@ -212,13 +209,15 @@ class PrefillServer(EngineHost):
         # prompt (the last token's logits are computed), so a snapshot at the prompt's end is no use
         ps = self.config.engine.page_size
         hashes = page_hashes(prompt, ps, media=spans)[: (len(prompt) - 1) // ps]
-        # what this replica holds and what the pool holds, asked at once
-        local, depth = await asyncio.gather(self.engine.cached_prefix_tokens(prompt, spans),
-                                            self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
-        if depth * ps <= local:
+        # what this replica holds (in process, between two steps), then one round trip to the pool
+        # that brings the pages only when it holds more; none when this replica holds all it could
+        local = await self.engine.cached_prefix_tokens(prompt, spans)
+        if local >= len(hashes) * ps:
             return
-        pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
+        pages = await self.pool.fetch_deeper.remote(hashes, local // ps)
+        if not pages:
+            return
         got = await self.engine.import_prefix(prompt, pages, spans)
         if got > local:
             self.pool_hit_tokens += got - local
@@ -296,13 +295,17 @@ class DecodeServer(EngineHost):
     def handoff_stats(self) -> dict:
         return {"handoffs": self.handoffs, "handoff_retries": self.handoff_retries}
 
-    async def _handoff(self, req: GenerateRequest):
-        """(first output or None, state or None) from a prefill replica, retrying on failures that
-        lose the state (its owner died, the replica died), never waiting without a bound."""
+    async def _handoff(self, req: GenerateRequest) -> AsyncIterator[RequestOutput | HybridCacheState]:
+        """The prompt's first output as soon as a prefill replica answers, then its cache state
+        (nothing more when the first token ended the request), retrying on failures that lose the
+        state (its owner died, the replica died), never waiting without a bound. A retry after the
+        first token went out must choose the same token (greedy and seeded requests do); one that
+        does not fails the request rather than decode from a token the client never saw."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
         lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
         last: Exception | None = None
+        sent: RequestOutput | None = None
         t0 = time.perf_counter()
         self.handoffs += 1
         for attempt in range(self.config.handoff_attempts):
@@ -311,21 +314,35 @@ class DecodeServer(EngineHost):
                 self.metrics.inc("k3_serve_handoff_retries", error=type(last).__name__)
                 logger.warning("handoff attempt %d of %d failed, retrying (%s: %s)", attempt, self.config.handoff_attempts,
                                type(last).__name__, last)
+                if not isinstance(last, asyncio.TimeoutError):  # let Serve notice and replace the replica
+                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
-                stamp(reply["output"].trace, "decode_reply")
-                if reply["state"] is None:
-                    return reply["output"], None
-                t_fetch = time.perf_counter()
+            except (*lost, asyncio.TimeoutError) as e:
+                last = e
+                continue
+            first = reply["output"]
+            if sent is None:
+                stamp(first.trace, "decode_reply")
+                sent = first
+                # not finished unless the first token ended it: the engine's import goes on from here
+                yield first if reply["state"] is None else dataclasses.replace(first, finished=False)
+            elif first.new_token_ids != sent.new_token_ids:
+                raise OpenAIError("the prompt's prefill was lost after its first token went out, and the retry "
+                                  "chose another token; retry the request", status=503, type="server_error",
+                                  code="handoff_failed")
+            if reply["state"] is None:
+                return
+            t_fetch = time.perf_counter()
+            try:
                 state = await asyncio.wait_for(reply["state"][0], self.config.handoff_timeout_s)
-                state.timings["fetch_s"] = time.perf_counter() - t_fetch
-                self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
-                return reply["output"], state
-            except lost as e:
+            except (*lost, asyncio.TimeoutError) as e:
                 last = e
-                await asyncio.sleep(min(0.5 * 2 ** attempt, 4.0))  # let Serve notice and replace the replica
-            except asyncio.TimeoutError as e:
-                last = e
+                continue
+            state.timings["fetch_s"] = time.perf_counter() - t_fetch
+            self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
+            yield state
+            return
         logger.error("handoff failed after %d attempts (%.1f s); last error: %s: %s", self.config.handoff_attempts,
                      time.perf_counter() - t0, type(last).__name__, last)
         raise OpenAIError(f"no prefill replica delivered the prompt's cache state in {self.config.handoff_attempts} "
@@ -337,14 +354,20 @@ class DecodeServer(EngineHost):
         if req.route_key is None:
             req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids, self.config.engine.page_size))
         stamp(req.trace, "prefill_call")
-        first, state = await self._handoff(req)
-        stamp(first.trace, "server_out")
+        # The first token goes out as soon as the prefill replica answers, while the state is
+        # fetched, checked and loaded (time to first token waits for none of it); the engine's own
+        # first output repeats it.
+        first = state = None
+        async with contextlib.aclosing(self._handoff(req)) as handoff:
+            async for item in handoff:
+                if isinstance(item, RequestOutput):
+                    first = item
+                    stamp(first.trace, "server_out")
+                    yield first
+                else:
+                    state = item
         if state is None:  # the first token ended it
-            yield first
             return
-        # The first token goes out now, while the state is checked and loaded (time to first
-        # token does not wait for the import); the engine's own first output repeats it.
-        yield dataclasses.replace(first, finished=False, cache_state=None)
         params = SamplingParams(**req.sampling)
         first_out = True
         async for out in engine_stream(self.engine.import_request(req.prompt_token_ids, state, params),

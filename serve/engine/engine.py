@@ -21,6 +21,7 @@ never sampled (its embedding is a picture's, not a token's).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -63,6 +64,14 @@ class RequestOutput:
     # (serve/servers.py fills it; the engine never does)
     trace: dict[str, float] | None = None
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output saying what this one and the `later` one of the same request say (a stream
+        reader that fell behind sends the steps it missed as one chunk)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge outputs of requests {self.request_id!r} and {later.request_id!r}")
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   text_delta=self.text_delta + later.text_delta,
+                                   logprobs=self.logprobs + later.logprobs, trace=self.trace or later.trace)
 
 
 class LLMEngine:
