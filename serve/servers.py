@@ -36,7 +36,7 @@ from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFai
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool
-from k3.serve.router import prefix_route_key
+from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
 import k3.model
 
 logger = logging.getLogger("ray.serve")
@@ -352,7 +352,9 @@ class DecodeServer(EngineHost):
         stamp(req.trace, "server_in")
         self._start_reporting()
         if req.route_key is None:
-            req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids, self.config.engine.page_size))
+            # the key needs only the first pages' chain hashes: hash those, not the whole prompt
+            ps = self.config.engine.page_size
+            req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids[:DEFAULT_ROUTE_PAGES * ps], ps))
         stamp(req.trace, "prefill_call")
         # The first token goes out as soon as the prefill replica answers, while the state is
         # fetched, checked and loaded (time to first token waits for none of it); the engine's own
