@@ -145,6 +145,17 @@ BAD_PAGES = {  # case -> f(model, prompt, its good last page) -> (the page to im
 }
 
 
+def test_a_non_finite_page_inside_the_prefix_is_named_and_nothing_is_loaded(tiny_model):
+    prompt = rand(32, 6) + [1]
+    pages = pages_of(tiny_model, prompt)
+    pages[1] = dataclasses.replace(pages[1], latents=changed_latents(pages[1], np.inf)).seal(KEY)
+    b = LLMEngine(tiny_model, CFG)
+    before = b.stats()
+    with pytest.raises(ValueError, match="pool page 2: .*latents holds non-finite"):
+        b.import_prefix(prompt, pages)
+    assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
+
+
 @pytest.mark.parametrize("case", list(BAD_PAGES))
 def test_pool_pages_the_engine_cannot_trust_are_refused_and_nothing_is_loaded(tiny_model, case):
     prompt = rand(32, 6) + [1]
