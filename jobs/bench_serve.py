@@ -18,6 +18,11 @@ through the object store, the prefix pool on) and "agg" (Ingress -> LLMServer). 
    of each, as the client measured it; the pool's hit tokens are read back from the replica to
    show the hits were pool hits.
 
+Every request is traced (header X-K3-Trace: 1): the servers stamp the wall clock at each point on
+the way to the first token and send the stamps back, so `trace_ms` says, per app and per pool
+case, where the time to first token went hop by hop, the engine's own share, and the overhead
+(TTFT minus the engine's time). One host, one clock.
+
 Everything runs on this machine: one torch thread per replica; the 1-minute load average is
 written beside the numbers.
 """
@@ -36,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from k3.platform.ops.local_ray import free_port, init_local_ray
-from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request
+from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request, trace_summary
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model-path", default=None, help="a k3 model directory (default: k3-tiny, random weights)")
@@ -81,6 +86,7 @@ async def pool_run(base: str, prefill) -> dict:
                       num_prompts=3 * args.pool_groups, output_len=args.output_len, ignore_eos=True, seed=7)
     prompts = make_prompts(cfg)  # prompt i is group i % groups: three prompts per group, other suffixes
     ttft: dict[str, list[float]] = {"miss": [], "pool_hit": [], "local_hit": []}
+    traces: dict[str, list[dict]] = {k: [] for k in ttft}
     pool_tokens = []
     async with httpx.AsyncClient(timeout=600) as client:
         url = f"{base}/v1/completions"
@@ -89,18 +95,21 @@ async def pool_run(base: str, prefill) -> dict:
                 if kind == "pool_hit":
                     await asyncio.sleep(1.5)  # the replica publishes to the pool after replying
                     before = (await prefill.pool_stats.remote())["pool_hit_tokens"]
-                    await prefill.drop_local_prefix_cache.remote()
-                r = await stream_request(client, url, request_body(cfg, "k3", prompts[i]), {})
+                    await prefill.reset_prefix_cache.remote()
+                r = await stream_request(client, url, request_body(cfg, "k3", prompts[i]), {}, trace=True)
                 if not r.ok:
                     raise SystemExit(f"pool run: {kind} request of group {g} failed: {r.error}")
                 ttft[kind].append(r.ttft_s * 1e3)
+                if r.trace:
+                    traces[kind].append(r.trace)
                 if kind == "pool_hit":
                     pool_tokens.append((await prefill.pool_stats.remote())["pool_hit_tokens"] - before)
     med = {k: round(statistics.median(v), 1) for k, v in ttft.items()}
     return {"ttft_ms": {k: [round(x, 1) for x in v] for k, v in ttft.items()}, "ttft_ms_median": med,
             "pool_hit_tokens_per_request": pool_tokens,
             "miss_over_pool_hit": round(med["miss"] / med["pool_hit"], 2),
-            "miss_over_local_hit": round(med["miss"] / med["local_hit"], 2)}
+            "miss_over_local_hit": round(med["miss"] / med["local_hit"], 2),
+            "trace_ms": {k: trace_summary(v) for k, v in traces.items() if v}}
 
 
 def main() -> dict:
@@ -123,7 +132,7 @@ def main() -> dict:
         load_before = os.getloadavg()[0]
         cfg = BenchConfig(base_url=base, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                           input_len=args.prompt_words, output_len=args.output_len, ignore_eos=True,
-                          metrics_urls=[f"http://127.0.0.1:{metrics_port}/metrics"])
+                          metrics_urls=[f"http://127.0.0.1:{metrics_port}/metrics"], trace=True)
         t0 = time.perf_counter()
         side = asyncio.run(run_side_by_side(cfg, {"pd": f"{base}/pd", "agg": f"{base}/agg"}))
         out = {"side_by_side": side}

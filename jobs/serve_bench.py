@@ -51,6 +51,8 @@ p.add_argument("--metrics-url", dest="metrics_urls", action="append", default=[]
                help="a Prometheus endpoint of the servers (Ray's per-node metrics export; repeat per node): "
                     "the k3_serve_* deltas and the handoff's share of TTFT join the JSON")
 p.add_argument("--metrics-settle-s", type=float, default=12.0, help="wait before the last scrape")
+p.add_argument("--trace", action="store_true",
+               help="a k3 server: ask for each request's path (X-K3-Trace: 1); trace_ms says where TTFT went per hop")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 p.add_argument("--no-progress", action="store_true", help="no progress bar")
 args = p.parse_args()

@@ -62,6 +62,8 @@ class BenchConfig(BaseModel):
                                     "metrics export) scraped before and after the run for the k3_serve_* deltas.")
     metrics_settle_s: float = Field(12.0, ge=0, description="Wait before the last scrape: Ray reports metrics "
                                                             "every few seconds.")
+    trace: bool = Field(False, description="Ask a k3 server for each request's path (header X-K3-Trace: 1) "
+                                           "and report where the time to first token went, hop by hop.")
 
     @model_validator(mode="after")
     def _check(self):
@@ -82,6 +84,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     output_tokens: int = 0
     error: str | None = None
+    # wall-clock stamps of the request's path to its first token (TRACE_STAMPS), when traced
+    trace: dict[str, float] | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -140,6 +144,21 @@ def _error_text(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {msg}"
 
 
+# The stamps of a traced request, in the order its first token passes them: the client's, then the
+# servers' (serve/servers.py, serve/ingress.py); "pd" passes all, "agg" skips the prefill hops.
+TRACE_STAMPS = ("client_send", "ingress_in", "ingress_call", "server_in", "prefill_call", "prefill_in", "pool_done",
+                "engine_in", "engine_first", "prefill_out", "decode_reply", "server_out", "ingress_first",
+                "sse_first", "client_first")
+TRACE_HEADER = {"X-K3-Trace": "1"}
+
+
+def trace_hops(trace: dict[str, float]) -> dict[str, float]:
+    """Seconds between consecutive stamps of one traced request, {"a->b": s} in path order; they
+    add up to the client's time to first token."""
+    present = [k for k in TRACE_STAMPS if k in trace]
+    return {f"{a}->{b}": trace[b] - trace[a] for a, b in zip(present, present[1:])}
+
+
 def _chunk_text(chunk: dict, chat: bool) -> str:
     choices = chunk.get("choices") or []
     if not choices:
@@ -149,12 +168,18 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str],
+                         trace: bool = False) -> RequestResult:
     """Send one streaming request and time its chunks; never raises for a failed request (the
-    failure is in the result)."""
+    failure is in the result). With `trace`, the server's stamps of the first choice's path (the
+    stream's `: k3-trace` comment) go into `result.trace` with the client's own."""
     chat = "messages" in body
+    if trace:
+        headers = {**headers, **TRACE_HEADER}
+    sent = time.time()
     start = time.perf_counter()
     res = RequestResult(ok=False, start_s=start)
+    first_wall = None
     last = start
     chunks = 0
     try:
@@ -164,6 +189,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                 res.e2e_s = time.perf_counter() - start
                 return res
             async for line in resp.aiter_lines():
+                if line.startswith(": k3-trace ") and trace:
+                    stamps = json.loads(line[len(": k3-trace "):])
+                    if first_wall is not None and stamps and stamps[0]:
+                        res.trace = {"client_send": sent, **stamps[0], "client_first": first_wall}
+                    continue
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
@@ -179,6 +209,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                     chunks += 1
                     if res.ttft_s is None:
                         res.ttft_s = now - start
+                        first_wall = time.time()
                     else:
                         res.itl_s.append(now - last)
                     last = now
@@ -234,10 +265,10 @@ async def run_benchmark(cfg: BenchConfig, progress: Callable[[], None] | None = 
 
         async def one(prompt: str) -> RequestResult:
             if sem is None:
-                r = await stream_request(client, url, request_body(cfg, model, prompt), headers)
+                r = await stream_request(client, url, request_body(cfg, model, prompt), headers, cfg.trace)
             else:
                 async with sem:
-                    r = await stream_request(client, url, request_body(cfg, model, prompt), headers)
+                    r = await stream_request(client, url, request_body(cfg, model, prompt), headers, cfg.trace)
             if progress is not None:
                 progress()
             return r
@@ -344,6 +375,25 @@ def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
             "p99": round(float(p99), 3)}
 
 
+def trace_summary(traces: Sequence[dict[str, float]]) -> dict:
+    """Where the time to first token went over traced requests (ms, mean and p50): each hop
+    (`trace_hops`), the engine's own time to the first token (engine_in->engine_first: its queue,
+    prefill steps and sampling, inside the replica), and the Serve path's overhead (the time to
+    first token minus the engine's)."""
+    def mean_p50(values_s: list[float]) -> dict:
+        s = stats_ms(values_s)
+        return {"mean": s["mean"], "p50": s["p50"]}
+
+    per = [trace_hops(t) for t in traces]
+    names = list(dict.fromkeys(k for h in per for k in h))
+    engine = [t["engine_first"] - t["engine_in"] for t in traces]
+    total = [t["client_first"] - t["client_send"] for t in traces]
+    return {"requests": len(traces),
+            "hops": {k: mean_p50([h[k] for h in per if k in h]) for k in names},
+            "engine": mean_p50(engine), "ttft": mean_p50(total),
+            "overhead": mean_p50([a - b for a, b in zip(total, engine)])}
+
+
 def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None) -> dict:
     """The run's numbers: counts, errors by message, throughput, latency statistics (ms) and goodput.
@@ -371,8 +421,15 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: 
         "tpot_ms": stats_ms(tpots),
         "itl_ms": stats_ms([x for r in ok for x in r.itl_s]),
         "e2e_ms": stats_ms([r.e2e_s for r in ok]),
+        # the gap after the first token apart from the others: a disaggregated server loads the
+        # prompt's state there
+        "itl_first_ms": stats_ms([r.itl_s[0] for r in ok if r.itl_s]),
+        "itl_rest_ms": stats_ms([x for r in ok for x in r.itl_s[1:]]),
         "goodput": None,
     }
+    traced = [r.trace for r in ok if r.trace]
+    if traced:
+        summary["trace_ms"] = trace_summary(traced)
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         def meets(r: RequestResult) -> bool:
             if slo_ttft_ms is not None and (r.ttft_s is None or r.ttft_s * 1e3 > slo_ttft_ms):

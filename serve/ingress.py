@@ -22,11 +22,13 @@ the request, which aborts it in its engine.
 # parameters (a string annotation is read as a body field).
 
 import asyncio
+import json
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from ray import serve
@@ -43,9 +45,9 @@ from k3.serve.chat_media import ChatMedia
 from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatDelta,
                                ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
-                               CompletionStreamResponse, ModelCard, ModelList, UsageInfo, new_id, sse_error,
-                               sse_event)
-from k3.serve.servers import GenerateRequest
+                               CompletionStreamResponse, ModelCard, ModelList, TextChunks, UsageInfo, new_id,
+                               sse_error, sse_event)
+from k3.serve.servers import GenerateRequest, stamp
 import k3.model
 
 
@@ -138,8 +140,10 @@ class Ingress:
         check_token_ids(ids, self.vocab_size, "prompt")
         return ids
 
-    def _requests(self, body, prompts: list[list[int]], media: list | None = None) -> list[GenerateRequest]:
-        """One engine request per prompt and choice, prompt-major: choice j of prompt i is i * n + j."""
+    def _requests(self, body, prompts: list[list[int]], media: list | None = None,
+                  trace: dict[str, float] | None = None) -> list[GenerateRequest]:
+        """One engine request per prompt and choice, prompt-major: choice j of prompt i is i * n + j
+        (each with its own copy of `trace`, when the request is traced)."""
         reqs = []
         for i, ids in enumerate(prompts):
             for j in range(body.n):
@@ -147,12 +151,17 @@ class Ingress:
                                      vocab_size=self.vocab_size, choice_index=i * body.n + j)
                 if isinstance(body, ChatCompletionRequest):
                     kw["stop"] = list(dict.fromkeys(kw["stop"] + self.chat.stop))
-                reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media))
+                reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media,
+                                            trace=dict(trace) if trace is not None else None))
         return reqs
 
     async def _choices(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs as they come, tagged with the choice index. The first output of
-        each choice is awaited before anything is yielded, so a refused request is still a 4xx."""
+        each choice is awaited before anything is yielded, so a refused request is still a 4xx.
+        Outputs of one choice that arrived while the reader was away come as one (a slow client
+        gets one chunk per read, not one per engine step)."""
+        for r in reqs:
+            stamp(r.trace, "ingress_call")
         gens = [self.server.generate.remote(r) for r in reqs]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -171,6 +180,7 @@ class Ingress:
             firsts = []
             for g in gens:
                 firsts.append(await g.__anext__())
+                stamp(firsts[-1].trace, "ingress_first")
         except BaseException as e:  # noqa: BLE001
             for g in gens:
                 g.cancel()
@@ -179,9 +189,20 @@ class Ingress:
             raise client_error(e) from e
         tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         done = 0
+        held: deque = deque()  # taken from the queue, not yet yielded
         try:
             while done < len(reqs):
-                i, item = await queue.get()
+                if not held:
+                    held.append(await queue.get())
+                while not queue.empty():
+                    held.append(queue.get_nowait())
+                i, item = held.popleft()
+                while not isinstance(item, BaseException) and not item.finished:
+                    j = next((k for k, (c, _) in enumerate(held) if c == i), None)
+                    if j is None or isinstance(held[j][1], BaseException):
+                        break
+                    item = item.followed_by(held[j][1])
+                    del held[j]
                 if isinstance(item, BaseException):
                     raise client_error(item) from item
                 if item.finished:
@@ -211,23 +232,26 @@ class Ingress:
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.config.model_id, max_model_len=self.max_len)])
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
+        trace = _trace(request)
         require_model(body.model, [self.config.model_id])
-        return await self._respond(body, [self._prompt_ids(p) for p in body.prompts()], chat=False)
+        return await self._respond(body, [self._prompt_ids(p) for p in body.prompts()], chat=False, trace=trace)
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        trace = _trace(request)
         require_model(body.model, [self.config.model_id])
         if body.media():
             import ray
 
             # decoding and resizing is CPU work: off the event loop, which serves every other request
             ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.tokenizer)
-            return await self._respond(body, [ids], chat=True, media=[ray.put(items)])
+            return await self._respond(body, [ids], chat=True, media=[ray.put(items)], trace=trace)
         ids = self._encode(self.chat.render(body.messages), "messages")
-        return await self._respond(body, [ids], chat=True)
+        return await self._respond(body, [ids], chat=True, trace=trace)
 
-    async def _respond(self, body, prompts: list[list[int]], chat: bool, media: list | None = None):
-        reqs = self._requests(body, prompts, media)
+    async def _respond(self, body, prompts: list[list[int]], chat: bool, media: list | None = None,
+                       trace: dict[str, float] | None = None):
+        reqs = self._requests(body, prompts, media, trace)
         prompt_tokens = sum(len(ids) for ids in prompts)
         t0 = time.perf_counter()
         stream = self._choices(reqs)
@@ -239,7 +263,8 @@ class Ingress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(rid, body.model, chat, first, stream, len(reqs), prompt_tokens,
-                                               include_usage, t0), media_type="text/event-stream")
+                                               include_usage, t0, traced=trace is not None),
+                                     media_type="text/event-stream")
         per = await self._collect(first, stream, len(reqs), t0)
         usage = UsageInfo.of(prompt_tokens, sum(len(per[i][-1].token_ids) for i in per))
         if chat:
@@ -275,10 +300,12 @@ class Ingress:
             return lambda t: str(t).encode()
         return self.token_bytes
 
-    async def _sse(self, rid, model, chat, first, stream, n, prompt_len, include_usage, t0):
+    async def _sse(self, rid, model, chat, first, stream, n, prompt_len, include_usage, t0, traced=False):
         per: dict[int, list[RequestOutput]] = {i: [] for i in range(n)}
         times: dict[int, list[float]] = {i: [] for i in range(n)}
         offsets = [0] * n
+        created = int(time.time())
+        text_chunks = TextChunks(rid, model, chat, created)
         item = first
         try:
             while item is not None:
@@ -286,18 +313,14 @@ class Ingress:
                 started = not per[i]
                 per[i].append(out)
                 times[i].append(time.perf_counter())
-                if chat:
-                    delta = ChatDelta(role="assistant" if started else None, content=out.text_delta)
-                    lp = chat_logprobs(out.logprobs, self._bytes()) if out.logprobs else None
-                    chunk = ChatCompletionStreamResponse(id=rid, model=model, choices=[ChatCompletionStreamChoice(
-                        index=i, delta=delta, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)])
+                if not started and not out.finished and not out.logprobs:
+                    yield text_chunks.event(i, out.text_delta)
                 else:
-                    lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i]) if out.logprobs else None
+                    yield sse_event(self._chunk(rid, model, created, chat, i, out, started, offsets))
+                    if started:  # resumed once the first chunk was handed to the connection
+                        stamp(out.trace, "sse_first")
+                if not chat:
                     offsets[i] += len(out.text_delta)
-                    chunk = CompletionStreamResponse(id=rid, model=model, choices=[CompletionChoice(
-                        index=i, text=out.text_delta, logprobs=lp,
-                        finish_reason=out.finish_reason if out.finished else None)])
-                yield sse_event(chunk)
                 try:
                     item = await stream.__anext__()
                 except StopAsyncIteration:
@@ -305,7 +328,10 @@ class Ingress:
             if include_usage:
                 usage = UsageInfo.of(prompt_len, sum(len(v[-1].token_ids) for v in per.values() if v))
                 cls = ChatCompletionStreamResponse if chat else CompletionStreamResponse
-                yield sse_event(cls(id=rid, model=model, choices=[], usage=usage))
+                yield sse_event(cls(id=rid, model=model, created=created, choices=[], usage=usage))
+            if traced:
+                # an SSE comment: OpenAI clients skip it; the benchmark reads the path's stamps from it
+                yield f": k3-trace {json.dumps([v[0].trace for v in per.values() if v])}\n\n"
         except OpenAIError as e:
             yield sse_error(e)
         finally:
@@ -314,3 +340,24 @@ class Ingress:
                 self._observe(t0, per[i], times[i])
         yield SSE_DONE
 
+    def _chunk(self, rid, model, created, chat, i, out: RequestOutput, started: bool, offsets: list[int]):
+        """The stream chunk of one choice's output (its first, its last, or one with logprobs)."""
+        if chat:
+            delta = ChatDelta(role="assistant" if started else None, content=out.text_delta)
+            lp = chat_logprobs(out.logprobs, self._bytes()) if out.logprobs else None
+            return ChatCompletionStreamResponse(id=rid, model=model, created=created, choices=[
+                ChatCompletionStreamChoice(index=i, delta=delta, logprobs=lp,
+                                           finish_reason=out.finish_reason if out.finished else None)])
+        lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i]) if out.logprobs else None
+        return CompletionStreamResponse(id=rid, model=model, created=created, choices=[CompletionChoice(
+            index=i, text=out.text_delta, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)])
+
+
+def _trace(request: Request) -> dict[str, float] | None:
+    """The request's trace stamps, begun here, when the client sent `X-K3-Trace: 1` (the stream
+    then ends with a `: k3-trace [...]` comment holding each choice's stamps); else None."""
+    if request.headers.get("x-k3-trace") != "1":
+        return None
+    trace: dict[str, float] = {}
+    stamp(trace, "ingress_in")
+    return trace

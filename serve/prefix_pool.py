@@ -94,5 +94,14 @@ class PrefixPool:
                    for i, p in enumerate(out)]
         return out
 
+    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list[PoolPage]:
+        """For a replica that holds the first `have_pages` of these pages itself, in one round
+        trip: the pages of the deepest resumable prefix (`lookup`) when it is deeper than that, with
+        only the last page's snapshot (`fetch`); else []."""
+        depth = self.lookup(hashes)
+        if depth <= have_pages:
+            return []
+        return self.fetch(hashes[:depth], last_snapshot_only=True)
+
     def stats(self) -> dict:
         return {"pages": len(self.pages), "bytes": self.bytes, "budget_bytes": self.budget, **self.counts}

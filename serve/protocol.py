@@ -468,3 +468,32 @@ def sse_error(err: OpenAIError) -> str:
     """The event a stream sends when it fails after the 200 went out (vLLM's way): the error body;
     send SSE_DONE after it."""
     return sse_event(err.body())
+
+
+class TextChunks:
+    """The events of one stream's chunks that only add text to a choice (no role, logprobs or
+    finish reason: every chunk between a choice's first and last), written from a template made
+    once per choice with only the text JSON-escaped, instead of a response model built and
+    serialized per token. The bytes are the model's (`sse_event`); the stream's other chunks use
+    the same `created`, so every chunk of a stream says the same time, as OpenAI's do."""
+
+    def __init__(self, rid: str, model: str, chat: bool, created: int) -> None:
+        self.rid, self.model, self.chat, self.created = rid, model, chat, created
+        self._templates: dict[int, tuple[str, str]] = {}
+
+    def chunk(self, index: int, text: str) -> BaseModel:
+        """The response model of such a chunk (what the template is made from)."""
+        if self.chat:
+            return ChatCompletionStreamResponse(id=self.rid, model=self.model, created=self.created, choices=[
+                ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=text))])
+        return CompletionStreamResponse(id=self.rid, model=self.model, created=self.created,
+                                        choices=[CompletionChoice(index=index, text=text)])
+
+    def event(self, index: int, text: str) -> str:
+        """`sse_event(self.chunk(index, text))`, without building the chunk."""
+        t = self._templates.get(index)
+        if t is None:
+            # the text is the choice's last string field: split the empty chunk's JSON around it
+            head, key, tail = sse_event(self.chunk(index, "")).rpartition('"content":""' if self.chat else '"text":""')
+            t = self._templates[index] = (head + key[:-2], tail)
+        return t[0] + json.dumps(text, ensure_ascii=False) + t[1]

@@ -32,11 +32,11 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration, get_preset
 from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
-from k3.serve.engine import AsyncEngine, LLMEngine, RequestFailed, RequestOutput, SamplingParams
+from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFailed, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool
-from k3.serve.router import prefix_route_key
+from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
 import k3.model
 
 logger = logging.getLogger("ray.serve")
@@ -55,6 +55,17 @@ class GenerateRequest:
     # prompt fetches the patches
     media: list | None = None
     arrival: float = field(default_factory=time.time)
+    # {stamp: time.time()} when the client asked for the request's path to be traced: every hop
+    # adds its stamps (`stamp`) and the first output carries them back (RequestOutput.trace)
+    trace: dict[str, float] | None = None
+
+
+def stamp(trace: dict[str, float] | None, name: str) -> None:
+    """Note the wall-clock time of a point on a traced request's path (nothing when not traced).
+    Wall clocks, because the stamps come from several processes (one host's clock, or clocks
+    kept in sync across hosts)."""
+    if trace is not None:
+        trace[name] = time.time()
 
 
 async def engine_stream(outputs: AsyncIterator[RequestOutput], input_checked: bool = False
@@ -140,8 +151,15 @@ class EngineHost:
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
+        media = await fetch_media(req)
+        stamp(req.trace, "engine_in")
+        first = True
         async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
-                                                            media=await fetch_media(req))):
+                                                            media=media)):
+            if first and req.trace is not None:
+                first = False
+                stamp(req.trace, "engine_first")
+                out.trace = req.trace
             yield out
 
 
@@ -151,6 +169,7 @@ class LLMServer(EngineHost):
     role = "llm"
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stamp(req.trace, "server_in")
         async for out in self._stream(req):
             yield out
 
@@ -168,11 +187,8 @@ class PrefixPoolServer:
     def publish(self, pages: list) -> int:
         return self.pool.publish(pages)
 
-    def lookup(self, hashes: list[bytes]) -> int:
-        return self.pool.lookup(hashes)
-
-    def fetch(self, hashes: list[bytes], last_snapshot_only: bool = False) -> list:
-        return self.pool.fetch(hashes, last_snapshot_only)
+    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list:
+        return self.pool.fetch_deeper(hashes, have_pages)
 
     def stats(self) -> dict:
         return self.pool.stats()
@@ -193,13 +209,15 @@ class PrefillServer(EngineHost):
         # prompt (the last token's logits are computed), so a snapshot at the prompt's end is no use
         ps = self.config.engine.page_size
         hashes = page_hashes(prompt, ps, media=spans)[: (len(prompt) - 1) // ps]
-        # what this replica holds and what the pool holds, asked at once
-        local, depth = await asyncio.gather(self.engine.cached_prefix_tokens(prompt, spans),
-                                            self.pool.lookup.remote(hashes))
         self.metrics.inc("k3_serve_prefix_cache_queries", len(prompt), source="pool")
-        if depth * ps <= local:
+        # what this replica holds (in process, between two steps), then one round trip to the pool
+        # that brings the pages only when it holds more; none when this replica holds all it could
+        local = await self.engine.cached_prefix_tokens(prompt, spans)
+        if local >= len(hashes) * ps:
             return
-        pages = await self.pool.fetch.remote(hashes[:depth], last_snapshot_only=True)
+        pages = await self.pool.fetch_deeper.remote(hashes, local // ps)
+        if not pages:
+            return
         got = await self.engine.import_prefix(prompt, pages, spans)
         if got > local:
             self.pool_hit_tokens += got - local
@@ -232,6 +250,7 @@ class PrefillServer(EngineHost):
         request, "nbytes"}."""
         import ray
 
+        stamp(req.trace, "prefill_in")
         self._start_reporting()
         media = await fetch_media(req)
         spans = []
@@ -241,20 +260,27 @@ class PrefillServer(EngineHost):
                 await self._from_pool(req.prompt_token_ids, spans)
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
+            stamp(req.trace, "pool_done")
         final = None
+        stamp(req.trace, "engine_in")
         async for out in engine_stream(self.engine.generate(req.prompt_token_ids, SamplingParams(**req.sampling),
                                                             prefill_only=True, media=media)):
             final = out
+        stamp(req.trace, "engine_first")
+        final.trace = req.trace
         state, final.cache_state = final.cache_state, None
         if self.pool is not None:  # after the reply is on its way; a failed publish loses only sharing
             task = asyncio.get_running_loop().create_task(self._publish(req.prompt_token_ids, spans))
             self._publishing.add(task)
             task.add_done_callback(self._publishing.discard)
         if state is None:
+            stamp(req.trace, "prefill_out")
             return {"output": final, "state": None, "nbytes": 0}
         # Nested in a list: Serve resolves only top-level refs, and the decode side must fetch it
         # itself (so the bytes go object store to object store, and an owner death is visible).
-        return {"output": final, "state": [ray.put(state)], "nbytes": state.nbytes}
+        ref = ray.put(state)
+        stamp(req.trace, "prefill_out")
+        return {"output": final, "state": [ref], "nbytes": state.nbytes}
 
 
 class DecodeServer(EngineHost):
@@ -269,13 +295,17 @@ class DecodeServer(EngineHost):
     def handoff_stats(self) -> dict:
         return {"handoffs": self.handoffs, "handoff_retries": self.handoff_retries}
 
-    async def _handoff(self, req: GenerateRequest):
-        """(first output or None, state or None) from a prefill replica, retrying on failures that
-        lose the state (its owner died, the replica died), never waiting without a bound."""
+    async def _handoff(self, req: GenerateRequest) -> AsyncIterator[RequestOutput | HybridCacheState]:
+        """The prompt's first output as soon as a prefill replica answers, then its cache state
+        (nothing more when the first token ended the request), retrying on failures that lose the
+        state (its owner died, the replica died), never waiting without a bound. A retry after the
+        first token went out must choose the same token (greedy and seeded requests do); one that
+        does not fails the request rather than decode from a token the client never saw."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
         lost = (OwnerDiedError, ObjectLostError, ActorDiedError, RayActorError, ActorUnavailableError)
         last: Exception | None = None
+        sent: RequestOutput | None = None
         t0 = time.perf_counter()
         self.handoffs += 1
         for attempt in range(self.config.handoff_attempts):
@@ -284,36 +314,62 @@ class DecodeServer(EngineHost):
                 self.metrics.inc("k3_serve_handoff_retries", error=type(last).__name__)
                 logger.warning("handoff attempt %d of %d failed, retrying (%s: %s)", attempt, self.config.handoff_attempts,
                                type(last).__name__, last)
+                if not isinstance(last, asyncio.TimeoutError):  # let Serve notice and replace the replica
+                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(req), self.config.handoff_timeout_s)
-                if reply["state"] is None:
-                    return reply["output"], None
-                t_fetch = time.perf_counter()
+            except (*lost, asyncio.TimeoutError) as e:
+                last = e
+                continue
+            first = reply["output"]
+            if sent is None:
+                stamp(first.trace, "decode_reply")
+                sent = first
+                # not finished unless the first token ended it: the engine's import goes on from here
+                yield first if reply["state"] is None else dataclasses.replace(first, finished=False)
+            elif first.new_token_ids != sent.new_token_ids:
+                raise OpenAIError("the prompt's prefill was lost after its first token went out, and the retry "
+                                  "chose another token; retry the request", status=503, type="server_error",
+                                  code="handoff_failed")
+            if reply["state"] is None:
+                return
+            t_fetch = time.perf_counter()
+            try:
                 state = await asyncio.wait_for(reply["state"][0], self.config.handoff_timeout_s)
-                state.timings["fetch_s"] = time.perf_counter() - t_fetch
-                self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
-                return reply["output"], state
-            except lost as e:
+            except (*lost, asyncio.TimeoutError) as e:
                 last = e
-                await asyncio.sleep(min(0.5 * 2 ** attempt, 4.0))  # let Serve notice and replace the replica
-            except asyncio.TimeoutError as e:
-                last = e
+                continue
+            state.timings["fetch_s"] = time.perf_counter() - t_fetch
+            self.metrics.observe("k3_serve_handoff_bytes", reply["nbytes"])
+            yield state
+            return
         logger.error("handoff failed after %d attempts (%.1f s); last error: %s: %s", self.config.handoff_attempts,
                      time.perf_counter() - t0, type(last).__name__, last)
         raise OpenAIError(f"no prefill replica delivered the prompt's cache state in {self.config.handoff_attempts} "
                           f"attempts; retry the request", status=503, type="server_error", code="handoff_failed")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stamp(req.trace, "server_in")
         self._start_reporting()
         if req.route_key is None:
-            req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids, self.config.engine.page_size))
-        first, state = await self._handoff(req)
+            # the key needs only the first pages' chain hashes: hash those, not the whole prompt
+            ps = self.config.engine.page_size
+            req.route_key = prefix_route_key(page_hashes(req.prompt_token_ids[:DEFAULT_ROUTE_PAGES * ps], ps))
+        stamp(req.trace, "prefill_call")
+        # The first token goes out as soon as the prefill replica answers, while the state is
+        # fetched, checked and loaded (time to first token waits for none of it); the engine's own
+        # first output repeats it.
+        first = state = None
+        async with contextlib.aclosing(self._handoff(req)) as handoff:
+            async for item in handoff:
+                if isinstance(item, RequestOutput):
+                    first = item
+                    stamp(first.trace, "server_out")
+                    yield first
+                else:
+                    state = item
         if state is None:  # the first token ended it
-            yield first
             return
-        # The first token goes out now, while the state is checked and loaded (time to first
-        # token does not wait for the import); the engine's own first output repeats it.
-        yield dataclasses.replace(first, finished=False, cache_state=None)
         params = SamplingParams(**req.sampling)
         first_out = True
         async for out in engine_stream(self.engine.import_request(req.prompt_token_ids, state, params),

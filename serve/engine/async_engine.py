@@ -11,6 +11,7 @@ once (the engine returns nothing more of it). A request that fails ends its own 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from .engine import LLMEngine, RequestOutput
@@ -21,6 +22,10 @@ from .params import SamplingParams
 
 class RequestFailed(RuntimeError):
     """The engine ended this request with an error (the message says why)."""
+
+
+def _mergeable(item) -> bool:
+    return isinstance(item, RequestOutput) and item.error is None
 
 
 class AsyncEngine:
@@ -66,9 +71,20 @@ class AsyncEngine:
         self._queues[rid] = q
         self._ensure_loop()
         done = False
+        first = True
+        waiting: deque = deque()  # taken from the queue, not yet yielded
         try:
             while not done:
-                item = await q.get()
+                if not waiting:
+                    waiting.append(await q.get())
+                while not q.empty():
+                    waiting.append(q.get_nowait())
+                item = waiting.popleft()
+                # Steps that ended while the reader was away go out as one output (one chunk per
+                # read, not per step); the first output is never held back for a later one.
+                while not first and waiting and _mergeable(item) and _mergeable(waiting[0]):
+                    item = item.followed_by(waiting.popleft())
+                first = False
                 if isinstance(item, Exception):
                     raise item
                 done = item.finished

@@ -21,6 +21,7 @@ never sampled (its embedding is a picture's, not a token's).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -59,6 +60,18 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None
     cache_state: HybridCacheState | None = None
+    # wall-clock stamps of the Serve path ({hop: time.time()}), only when a request asked for them
+    # (serve/servers.py fills it; the engine never does)
+    trace: dict[str, float] | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output saying what this one and the `later` one of the same request say (a stream
+        reader that fell behind sends the steps it missed as one chunk)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge outputs of requests {self.request_id!r} and {later.request_id!r}")
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   text_delta=self.text_delta + later.text_delta,
+                                   logprobs=self.logprobs + later.logprobs, trace=self.trace or later.trace)
 
 
 class LLMEngine:

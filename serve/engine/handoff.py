@@ -359,16 +359,35 @@ class Handoff:
 
     def _latents(self, lat: dict, n: int, where: str) -> Latents:
         """{layer: [n, latent]} as tensors, every MLA layer there, shaped, typed and finite."""
+        return {l: self._finite(a, self.cache.dtype, f"MLA layer {l} latents", where)
+                for l, a in self._latent_arrays(lat, n, where).items()}
+
+    def _latent_arrays(self, lat: dict, n: int, where: str) -> dict[int, np.ndarray]:
+        """{layer: [n, latent]}, every MLA layer there, shaped and typed (not yet checked finite)."""
         want = [s.layer_idx for s in self.cache.mla_specs]
         if sorted(lat) != want:
             _refuse(f"MLA layers {sorted(lat)} != {want}", where)
-        out = {}
         for s in self.cache.mla_specs:
             a = lat[s.layer_idx]
             if a.shape != (n, s.latent_dim) or a.dtype != self._np_dtype:
                 _refuse(f"MLA layer {s.layer_idx} latents {a.shape} {a.dtype}, expected {(n, s.latent_dim)} "
                         f"{self._np_dtype}", where)
-            out[s.layer_idx] = self._finite(a, self.cache.dtype, f"MLA layer {s.layer_idx} latents", where)
+        return {l: lat[l] for l in want}
+
+    def _pages_latents(self, pages: list[dict[int, np.ndarray]]) -> Latents:
+        """Consecutive pages' latents as one tensor per MLA layer, [pages * page_size, latent],
+        checked finite in one pass per layer (a pool import of a 2K-token prefix is ~140 pages:
+        one check per page and layer cost more than the rest of the import); a refusal names the
+        first page that is not."""
+        ps = self.cache.page_size
+        out = {}
+        for l in self._latent_arrays(pages[0], ps, "pool page 1: "):
+            t = to_torch(np.concatenate([p[l] for p in pages]), self.cache.dtype, self.device)
+            finite = torch.isfinite(t).all(dim=1)
+            if not bool(finite.all()):
+                _refuse(f"MLA layer {l} latents holds non-finite values",
+                        f"pool page {int((~finite).nonzero()[0]) // ps + 1}: ")
+            out[l] = t
         return out
 
     def _finite(self, a: np.ndarray, dtype: torch.dtype, name: str, where: str) -> torch.Tensor:
@@ -408,15 +427,21 @@ class Handoff:
         key, or does not fit this model is refused with a ValueError and nothing is loaded."""
         ps = self.cache.page_size
         hashes = page_hashes(prompt, ps, media=media)
-        loaded = [self._check_page(j, p, hashes, prompt) for j, p in enumerate(pages)]
-        for p, (latents, snap) in zip(pages, loaded):
-            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, latents, snap):
+        checked = [self._check_page(j, p, hashes, prompt) for j, p in enumerate(pages)]
+        if not checked:
+            return self.cached_prefix_tokens(prompt, media)
+        latents = self._pages_latents([lat for lat, _ in checked])
+        for j, (p, (_, snap)) in enumerate(zip(pages, checked)):
+            page_latents = {l: t[j * ps:(j + 1) * ps] for l, t in latents.items()}
+            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, page_latents, snap):
                 break
         return self.cached_prefix_tokens(prompt, media)
 
     def _check_page(self, j: int, p: PoolPage, hashes: list[bytes],
-                    prompt: list[int]) -> tuple[Latents, KDAStates | None]:
-        """One pool page, checked on a private copy as a handed-over state is; its tensors."""
+                    prompt: list[int]) -> tuple[dict[int, np.ndarray], KDAStates | None]:
+        """One pool page, checked on a private copy as a handed-over state is: its latents (shaped
+        and typed; `_pages_latents` checks them finite, all pages at once) and its snapshot's
+        tensors."""
         ps, where = self.cache.page_size, f"pool page {j + 1}: "
         if not isinstance(p, PoolPage) or j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
                 not isinstance(p.tokens, (tuple, list)) or tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
@@ -432,7 +457,7 @@ class Handoff:
         if not p.verified(self._secret):
             _refuse("its digest does not verify under this engine's handoff_key (sealed with another key, or "
                     "changed after sealing)", where)
-        latents = self._latents(p.latents, ps, where)
+        latents = self._latent_arrays(p.latents, ps, where)
         if p.snapshot is None:
             return latents, None
         return latents, self._kda_states({k: c for k, (c, _) in p.snapshot.items()},

@@ -11,7 +11,7 @@ import pytest
 
 from k3.model import SamplingConfig, generate
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_apps import ENGINE, KEY, app_config, client, rand
+from serve_apps import AUTH, ENGINE, KEY, app_config, client, rand
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.ray
@@ -215,6 +215,51 @@ def test_streaming_sse_ends_with_done(apps):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _sse_lines(url: str, body: dict, headers: dict) -> list[str]:
+    with httpx.stream("POST", url, json=body, headers={**AUTH, **headers}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [line for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("app", ["pd", "agg"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_traced_stream_carries_its_path_and_an_untraced_one_does_not(apps, app, endpoint):
+    """X-K3-Trace: 1 adds one SSE comment (clients skip it) with each choice's stamps in path
+    order; the events are the untraced stream's, and without the header nothing is added."""
+    from k3.serve.bench import TRACE_STAMPS
+
+    body = {"model": "k3-tiny", "max_tokens": 12, "temperature": 0, "stream": True, "n": 2,
+            **({"prompt": rand(40, 5)} if endpoint == "completions" else
+               {"messages": [{"role": "user", "content": "say something"}]})}
+    url = f"{apps[app]}/v1/{endpoint}"
+    plain = _sse_lines(url, body, {})
+    traced = _sse_lines(url, body, {"X-K3-Trace": "1"})
+    assert all(line.startswith("data: ") for line in plain) and plain[-1] == "data: [DONE]"
+    comments = [line for line in traced if not line.startswith("data: ")]
+    assert len(comments) == 1 and comments[0].startswith(": k3-trace ") and traced[-2] == comments[0]
+
+    def content(lines):  # each choice's text and finish reason (chunking may differ: coalesced when behind)
+        out: dict = {}
+        for line in lines[:-1]:
+            for c in json.loads(line[6:])["choices"] if line.startswith("data: ") else []:
+                text, finish = out.get(c["index"], ("", None))
+                piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+                out[c["index"]] = (text + piece, c["finish_reason"] or finish)
+        return out
+
+    assert content(traced) == content(plain)
+    stamps = json.loads(comments[0][len(": k3-trace "):])
+    assert len(stamps) == 2
+    for t in stamps:
+        names = [k for k in TRACE_STAMPS if k in t]
+        assert set(names) == set(t)  # no stamp outside the path
+        assert {"ingress_in", "ingress_call", "server_in", "engine_in", "engine_first", "ingress_first",
+                "sse_first"} <= set(names)
+        assert ("prefill_in" in names) == (app == "pd")
+        times = [t[k] for k in names]
+        assert all(b >= a - 0.005 for a, b in zip(times, times[1:])), t  # one host's clock, in path order
 
 
 def test_the_default_config_serves_text_and_chat_out_of_the_box(default_app):

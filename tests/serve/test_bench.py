@@ -3,6 +3,7 @@ streams with known delays and fails on request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import threading
@@ -16,7 +17,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from k3.platform.ops.local_ray import free_port
 from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_prometheus, run_benchmark,
-                            run_side_by_side, summarize)
+                            run_side_by_side, summarize, trace_hops, trace_summary)
 from k3.serve.errors import OpenAIError, install_error_handlers
 from k3.serve.protocol import (
     SSE_DONE,
@@ -55,7 +56,9 @@ class FakeServer:
         self.app.post("/v1/chat/completions")(self.handle)
 
     async def handle(self, request: Request):
+        arrived = time.time()
         body = await request.json()
+        traced = request.headers.get("x-k3-trace") == "1"
         self.count += 1
         if self.count in self.fail:
             raise OpenAIError("overloaded, try later", status=503, type="server_error")
@@ -73,12 +76,16 @@ class FakeServer:
             if chat:  # OpenAI's first chat chunk carries the role and no text: not a token
                 yield sse_event(ChatCompletionStreamResponse(id="c", model="fake", choices=[
                     ChatCompletionStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
-            await asyncio.sleep(TTFT_S)
+            stamps = {"ingress_in": arrived, "engine_in": time.time()}
+            await asyncio.sleep(TTFT_S)  # the "engine"
+            stamps["engine_first"] = time.time()
             for i in range(TOKENS):
                 if i:
                     await asyncio.sleep(ITL_S)
                 yield chunk(f" t{i}", "length" if i == TOKENS - 1 else None)
             yield chunk(None, usage=UsageInfo.of(7, TOKENS))
+            if traced:  # as k3's ingress sends a traced request's stamps
+                yield f": k3-trace {json.dumps([stamps])}\n\n"
             self.served += 1
             yield SSE_DONE
 
@@ -143,6 +150,28 @@ def test_bench_measures_the_known_delays(fake, endpoint):
     assert (s["total_output_tokens"], s["total_input_tokens"]) == (5 * TOKENS, 5 * 7)  # from usage
     assert s["goodput"]["good_requests"] == 5 and s["goodput"]["fraction"] == round(5 / 6, 4)
     assert s["request_throughput"] == pytest.approx(5 / s["duration_s"], rel=0.01)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_traced_run_says_where_the_time_to_first_token_went(fake, endpoint):
+    s = asyncio.run(run_benchmark(bench_config(fake, endpoint=endpoint, trace=True)))
+    t = s["trace_ms"]
+    assert t["requests"] == 6 and list(t["hops"]) == ["client_send->ingress_in", "ingress_in->engine_in",
+                                                      "engine_in->engine_first", "engine_first->client_first"]
+    assert TTFT_S * 1e3 <= t["engine"]["mean"] <= (TTFT_S + SLACK_S) * 1e3
+    assert abs(sum(h["mean"] for h in t["hops"].values()) - t["ttft"]["mean"]) < 0.01
+    assert abs(t["ttft"]["mean"] - t["engine"]["mean"] - t["overhead"]["mean"]) < 0.01
+    assert abs(t["ttft"]["mean"] - s["ttft_ms"]["mean"]) < 5  # the client's two clocks agree
+    assert "trace_ms" not in asyncio.run(run_benchmark(bench_config(fake, endpoint=endpoint)))
+
+
+def test_trace_hops_follow_the_path_and_skip_what_a_request_did_not_pass():
+    t = {"client_first": 9.0, "engine_first": 7.0, "client_send": 0.0, "ingress_in": 1.0, "engine_in": 3.0}
+    assert trace_hops(t) == {"client_send->ingress_in": 1.0, "ingress_in->engine_in": 2.0,
+                             "engine_in->engine_first": 4.0, "engine_first->client_first": 2.0}
+    s = trace_summary([t, {**t, "client_first": 11.0}])
+    assert s["engine"] == {"mean": 4000.0, "p50": 4000.0} and s["overhead"]["mean"] == 6000.0
+    assert s["hops"]["engine_first->client_first"] == {"mean": 3000.0, "p50": 3000.0}
 
 
 def test_bench_poisson_rate_spreads_the_requests(fake):

@@ -273,6 +273,28 @@ def test_async_engine_streams_and_aborts(tiny_model):
     assert "gone" not in aeng.engine.seqs
 
 
+def test_a_reader_that_falls_behind_gets_the_steps_it_missed_as_one_output(tiny_model, tokenizer):
+    aeng = AsyncEngine(LLMEngine(tiny_model, tokenizer=tokenizer))
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+
+    async def run():
+        stream = aeng.generate([5, 6, 7, 8], params)
+        outs = [await stream.__anext__()]
+        while aeng.engine.has_unfinished():  # every later step ends while nobody reads
+            await asyncio.sleep(0.01)
+        outs += [o async for o in stream]
+        return outs
+
+    outs = asyncio.run(run())
+    ref = LLMEngine(tiny_model, tokenizer=tokenizer).generate([[5, 6, 7, 8]], params)[0]
+    assert len(outs) == 2 and len(outs[0].new_token_ids) == 1  # the first token is never held back
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids == outs[-1].token_ids
+    assert "".join(o.text_delta for o in outs) == ref.text == outs[-1].text
+    assert [e["token"] for o in outs for e in o.logprobs] == ref.token_ids and outs[-1].finished
+    with pytest.raises(ValueError, match="cannot merge"):
+        outs[0].followed_by(dataclasses.replace(outs[1], request_id="other"))
+
+
 @pytest.mark.slow
 def test_long_context_32k_memory_grows_only_with_mla(tiny_model):
     # One-shot prefill (chunked prefill over a cache is covered above at smaller sizes; at 32K its

@@ -104,6 +104,17 @@ def test_budget_and_lru(tiny_model):
         PrefixPool(0)
 
 
+@pytest.mark.parametrize("have_pages, fetched", [(0, 4), (2, 4), (3, 4), (4, 0), (9, 0)])
+def test_fetch_deeper_brings_the_resumable_prefix_only_when_it_is_deeper(tiny_model, have_pages, fetched):
+    prompt = rand(32, 3) + [1]
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    pool.publish(pages_of(tiny_model, prompt))  # 4 pages, snapshots at 2 and 4
+    hashes = [p.hash for p in pages_of(tiny_model, prompt)]
+    got = pool.fetch_deeper(hashes + [b"not held"], have_pages)
+    assert [p.hash for p in got] == hashes[:fetched]
+    assert [p.snapshot is not None for p in got] == [False] * (fetched - 1) + [True] * (fetched > 0)
+
+
 
 KEY = CFG.handoff_key.get_secret_value()  # what a holder of the key could reseal a changed page with
 
@@ -132,6 +143,17 @@ BAD_PAGES = {  # case -> f(model, prompt, its good last page) -> (the page to im
     "conv state not finite": lambda m, prompt, p: (
         dataclasses.replace(p, snapshot=changed_snapshot(p, np.inf)).seal(KEY), "conv state holds non-finite"),
 }
+
+
+def test_a_non_finite_page_inside_the_prefix_is_named_and_nothing_is_loaded(tiny_model):
+    prompt = rand(32, 6) + [1]
+    pages = pages_of(tiny_model, prompt)
+    pages[1] = dataclasses.replace(pages[1], latents=changed_latents(pages[1], np.inf)).seal(KEY)
+    b = LLMEngine(tiny_model, CFG)
+    before = b.stats()
+    with pytest.raises(ValueError, match="pool page 2: .*latents holds non-finite"):
+        b.import_prefix(prompt, pages)
+    assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
 
 
 @pytest.mark.parametrize("case", list(BAD_PAGES))

@@ -30,6 +30,7 @@ from k3.serve.protocol import (
     ImageURLPart,
     ModelCard,
     ModelList,
+    TextChunks,
     TopLogprob,
     UsageInfo,
     VideoURLPart,
@@ -257,6 +258,18 @@ def test_stream_chunks_frame_as_sse():
     assert sse_event({"a": 1}) == 'data: {"a":1}\n\n'
     assert SSE_DONE == "data: [DONE]\n\n"
     assert json.loads(sse_error(OpenAIError("boom", status=500))[6:])["error"]["message"] == "boom"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("text", ["", "plain", ' "quoted" \\ back', "é ß 😀 \u2028\u2029", "\x00\x01\x1f\x7f",
+                                  "\n\t\r\b\f", '"content":"" "text":""'])
+def test_a_text_chunk_from_its_template_is_the_models_bytes(chat, text):
+    chunks = TextChunks("cmpl-1", 'm "content":""', chat, created=1700000000)
+    for index in (0, 3, 0):
+        assert chunks.event(index, text) == sse_event(chunks.chunk(index, text))
+        d = json.loads(chunks.event(index, text)[len("data: "):])
+        assert d["choices"][0]["index"] == index and d["created"] == 1700000000
+        assert (d["choices"][0]["delta"]["content"] if chat else d["choices"][0]["text"]) == text
 
 
 def test_model_list_shape():

@@ -119,6 +119,17 @@ def test_prefix_route_key_covers_the_first_pages_only():
         prefix_route_key(chain(a), num_pages=0)
 
 
+def test_the_route_key_of_a_prompts_first_pages_is_the_whole_prompts():
+    """The decode replica hashes only the first DEFAULT_ROUTE_PAGES pages for the key."""
+    from k3.serve.engine.cache_manager import page_hashes
+    from k3.serve.router import DEFAULT_ROUTE_PAGES
+
+    prompt = list(range(3, 1000))
+    for ps in (8, 16):
+        head = prompt[:DEFAULT_ROUTE_PAGES * ps]
+        assert prefix_route_key(page_hashes(head, ps)) == prefix_route_key(page_hashes(prompt, ps))
+
+
 # ---- on Ray Serve -------------------------------------------------------------------------------
 
 @pytest.mark.ray
