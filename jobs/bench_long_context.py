@@ -20,6 +20,10 @@ checkpointing: the bytes of every tensor autograd keeps for backward (each stora
 parameters not counted), by the kind of the outermost layer that saved it (KDA, MLA, MoE, the
 dense MLP; "other": embeddings, norms, the AttnRes mixing, the loss), per token; and the step's
 peak RSS with and without activation checkpointing.
+
+Beside each measured step peak stands `k3 plan`'s prediction of it (`planned`), and at the end a
+markdown table of the runs (and of the forward's split by kind) goes to stderr. With no --T the
+script runs nothing and plots or tabulates the --include files.
 """
 from __future__ import annotations
 
@@ -34,16 +38,19 @@ import time
 
 from k3.platform.ops.proc_memory import reset_peak, status_kb
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65536], help="sequence lengths")
-p.add_argument("--C", nargs="*", type=int, default=[1, 2], help="context-parallel sizes")
-p.add_argument("--preset", default="k3-tiny")
-p.add_argument("--no-breakdown", action="store_true", help="skip the per-kind forward timing")
-p.add_argument("--itemise", type=int, metavar="T", help="itemise a step's memory at T tokens instead (see above)")
-p.add_argument("--json", help="also write the result here")
-p.add_argument("--plot", help="plot tokens/s and step peak memory per rank against T, one line per C (PNG)")
-p.add_argument("--include", nargs="*", default=[], help="earlier --json results whose runs the plot also shows")
-args = p.parse_args()
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--T", nargs="*", type=int, default=[4096, 8192, 16384, 32768, 65536], help="sequence lengths")
+    p.add_argument("--C", nargs="*", type=int, default=[1, 2], help="context-parallel sizes")
+    p.add_argument("--preset", default="k3-tiny")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-kind forward timing")
+    p.add_argument("--itemise", type=int, metavar="T", help="itemise a step's memory at T tokens instead (see above)")
+    p.add_argument("--json", help="also write the result here")
+    p.add_argument("--plot", help="plot tokens/s and step peak memory per rank against T, one line per C (PNG)")
+    p.add_argument("--include", nargs="*", default=[],
+                   help="earlier --json results whose runs the plot and the table also show")
+    return p.parse_args(argv)
 
 
 def _forward_breakdown(model, ids, shard) -> dict[str, float]:
@@ -175,6 +182,7 @@ def main() -> None:
 
     from k3.platform.ops.local_ray import free_port
 
+    args = parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by each spawned process's glibc
     result = {"date": datetime.date.today().isoformat(), "machine": {
         "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
@@ -192,6 +200,9 @@ def main() -> None:
                 mp.spawn(_worker, args=(C, T, free_port(), out, args.preset, not args.no_breakdown), nprocs=C,
                          join=True)
                 runs = [json.load(open(f"{out}/rank{r}.json")) for r in range(C)]
+            plan = planned(args.preset, T, C)
+            for r in runs:
+                r["planned_step_mb"], r["planned_parts_mb"] = plan["step_mb"], plan["parts_mb"]
             result["runs"].extend(runs)
             print(json.dumps(runs), file=sys.stderr, flush=True)
     result["machine"]["loadavg_after"] = os.getloadavg()
@@ -200,29 +211,129 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    runs = result["runs"] + [r for path in args.include for r in load_runs(path)]
+    if runs:
+        print(table(runs), file=sys.stderr)
+        if any("forward_s" in r for r in runs):
+            print(breakdown_table(runs), file=sys.stderr)
     if args.plot:
-        runs = result["runs"] + [r for path in args.include for r in json.load(open(path))["runs"]]
         plot(runs, args.plot)
 
 
+MB = 2**20  # the step peaks are read in kB / 1024 (MiB); the planner's bytes are divided alike
+
+
+def planned(preset: str, T: int, C: int) -> dict:
+    """`k3 plan`'s prediction of a run's step peak per rank (MiB): the activations it keeps and
+    recomputes for T / C tokens (activation checkpointing, fp32, the CPU KDA kernel) plus the
+    gradients. Those are what a step adds to the RSS before it at the backward's end: the model and
+    inputs exist before the step, and AdamW's moments are made in opt.step, after the activations
+    are freed (k3-tiny's 2x 14 MiB, far below them). Layout: one sequence over C ranks (CP = C),
+    every rank holding every expert (EP 1), as the workers above run it."""
+    from k3.model import get_preset
+    from k3.platform.ops.plan.hardware import get_gpu
+    from k3.platform.ops.plan.planner import count
+    from k3.platform.ops.plan.training import PRECISIONS, Layout, TrainSetup, activation_parts, plan_layout
+
+    cfg = get_preset(preset)
+    s = TrainSetup(cfg, count(cfg), get_gpu("h200"), context=T, micro_batch=1, zero_stage=1, checkpointing=True,
+                   precision=PRECISIONS["fp32"], backend="cpu")
+    plan = plan_layout(s, Layout(1, C, 1), utilisation=1.0)
+    parts = activation_parts(s, plan.tokens_per_gpu) | {"gradients": plan.memory["gradients"]}
+    return {"step_mb": round((plan.memory["activations"] + plan.memory["gradients"]) / MB),
+            "parts_mb": {k: round(v / MB) for k, v in parts.items()}}
+
+
+def load_runs(path: str) -> list[dict]:
+    """The runs of an earlier --json result, with the planner's prediction filled in where the
+    result predates it."""
+    result = json.load(open(path))
+    for r in result["runs"]:
+        if "planned_step_mb" not in r:
+            plan = planned(result["preset"], r["T"], r["C"])
+            r["planned_step_mb"], r["planned_parts_mb"] = plan["step_mb"], plan["parts_mb"]
+    return result["runs"]
+
+
+def groups(runs: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """The ranks' rows of each (T, C), sorted by T then C; a (T, C) measured twice keeps the rows
+    of its last run (the ranks of one run share its step_s)."""
+    out: dict[tuple[int, int], list[dict]] = {}
+    for r in runs:
+        key = (r["T"], r["C"])
+        rows = out.setdefault(key, [])
+        if any(o["rank"] == r["rank"] for o in rows):  # another run of this (T, C): start over
+            rows.clear()
+        rows.append(r)
+    return dict(sorted(out.items()))
+
+
+def table(runs: list[dict]) -> str:
+    """A markdown row per (T, C): the group's step (its slowest rank) and tokens/s, the largest
+    rank's step peak and peak RSS, and the planner's step peak with its error against the
+    measurement."""
+    lines = ["| T | C | tokens per rank | step s | tokens/s | step peak MB per rank | planned MB | planned vs "
+             "measured | peak RSS MB per rank |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (T, C), rows in groups(runs).items():
+        step = max(r["step_s"] for r in rows)
+        peak = max(r["step_peak_mb"] for r in rows)
+        plan = rows[0]["planned_step_mb"]
+        lines.append(f"| {T:,} | {C} | {max(r['tokens'] for r in rows):,} | {step:.1f} | {T / step:,.0f} | "
+                     f"{peak:,} | {plan:,} | {plan / peak - 1:+.0%} | {max(r['peak_rss_mb'] for r in rows):,} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(runs: list[dict]) -> str:
+    """The no-grad forward's seconds by kind of sub-layer at each T (C = 1), and how much each grew
+    since the T before: linear work doubles when T doubles, quadratic work quadruples."""
+    kinds = [("KimiDeltaAttention", "KDA"), ("GatedMLA", "MLA"), ("mlp", "MoE + dense MLP")]
+    head = " | ".join(f"{name} s | x" for _, name in kinds)
+    lines = [f"| T | {head} |", "|---:|" + "---:|---:|" * len(kinds)]
+    before = None
+    for (T, C), rows in groups(runs).items():
+        if C != 1 or "forward_s" not in rows[0]:
+            continue
+        spent = rows[0]["forward_s"]
+        cells = []
+        for kind, _ in kinds:
+            grew = f"{spent[kind] / before[1][kind]:.1f}" if before and before[0] * 2 == T else "-"
+            cells.append(f"{spent[kind]:.2f} | {grew}")
+        lines.append(f"| {T:,} | " + " | ".join(cells) + " |")
+        before = (T, spent)
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], path: str) -> None:
-    """tokens/s (the group's) and step peak MB (the largest rank's) against T, a line per C."""
+    """tokens/s (the group's) and step peak MB (the largest rank's, and the planner's dashed)
+    against T, a line per C."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
-    for C in sorted({r["C"] for r in runs}):
-        Ts = sorted({r["T"] for r in runs if r["C"] == C})
-        mine = [[r for r in runs if r["C"] == C and r["T"] == T] for T in Ts]
-        ax_speed.plot(Ts, [min(r["tokens_per_s"] for r in rs) for rs in mine], "o-", label=f"C = {C}")
-        ax_mem.plot(Ts, [max(r["step_peak_mb"] for r in rs) for rs in mine], "o-", label=f"C = {C}")
-    for ax, label in [(ax_speed, "training tokens/s"), (ax_mem, "step peak RSS per rank (MB)")]:
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.5))
+    measured = groups(runs)
+    for i, C in enumerate(sorted({C for _, C in measured})):
+        Ts = [T for T, c in measured if c == C]
+        mine = [measured[T, C] for T in Ts]
+        colour = f"C{i}"
+        ax_speed.plot(Ts, [T / max(r["step_s"] for r in rs) for T, rs in zip(Ts, mine)], "o-", color=colour,
+                      label=f"C = {C}")
+        ax_mem.plot(Ts, [max(r["step_peak_mb"] for r in rs) for rs in mine], "o-", color=colour,
+                    label=f"C = {C}, measured")
+        ax_mem.plot(Ts, [rs[0]["planned_step_mb"] for rs in mine], "x--", color=colour, alpha=0.7,
+                    label=f"C = {C}, k3 plan")
+    for ax, label in [(ax_speed, "training tokens/s (the group's)"), (ax_mem, "step peak memory per rank (MB)")]:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length T")
+        ax.set_xticks(sorted({T for T, _ in measured}), [f"{T // 1024}K" for T in sorted({T for T, _ in measured})])
+        ax.set_xlabel("sequence length T (tokens)")
         ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
         ax.legend()
+    ax_mem.set_yscale("log", base=2)  # memory linear in T: slope 1; 1/C: a constant gap
+    ax_mem.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    fig.suptitle("k3-tiny training step, fp32, one CPU thread per rank, activation checkpointing")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
