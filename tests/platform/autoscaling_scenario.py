@@ -38,8 +38,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scenario_tools import (  # noqa: E402
-    NodeWatch, PanelSampler, Since, Traffic, alive_nodes, dashboard_get, kill_processes, node_processes, panels_over,
-    sessions_seen)
+    WINDOW, NodeWatch, PanelSampler, Since, Traffic, alive_nodes, dashboard_get, kill_processes, node_processes,
+    panels_over, sessions_seen)
 
 from k3.platform.ops import cluster  # noqa: E402
 from k3.platform.ops.cli import main  # noqa: E402
@@ -247,8 +247,12 @@ def serve_phase() -> None:
     result["placement"] = where
     event(f"serve app running: {where}")
     traffic = Traffic(url, config)  # reference tokens from one engine in this process
-    first_answer = Since(lambda: traffic.finished > 0)
-    sampler = PanelSampler(prom, ["k3-serving", "k3-cluster"], started=lambda: first_answer.for_s(2.0))
+    # moments from when a rate of the HTTP requests exists (Ray exports the counter every 2 s and a
+    # rate needs two of its samples; before that "no data" is the true answer) plus two scrapes
+    http_rate = Since(lambda: bool(prom.client.query(
+        f'sum(rate(ray_serve_num_http_requests_total{{route!~"/-/.*"}}[{WINDOW}]))')))
+    sampler = PanelSampler(prom, ["k3-serving", "k3-cluster"],
+                           started=lambda: traffic.finished > 0 and http_rate.for_s(2.0))
     t_serve = time.time()
     with NodeWatch() as w, sampler, traffic.running(clients=3):
         wait_for(lambda: traffic.finished >= 40, 600, "40 requests through the handoff")
