@@ -84,7 +84,9 @@ def test_n_sampled_choices_complete_promptly_on_both_apps(apps, n, seed):
         for stream in (False, True):
             t0 = time.perf_counter()
             got[name, stream] = _sampled_choices(apps[name], n, seed, stream)
-            assert time.perf_counter() - t0 < 20, (name, stream, time.perf_counter() - t0)
+            # a bound on a hang, not a speed target: the bug took 60-110 s and retried every handoff
+            # (the retry count below is its sign); 8 choices on a loaded 2-core machine take ~10-25 s
+            assert time.perf_counter() - t0 < 50, (name, stream, time.perf_counter() - t0)
     after = _decode_handoff_stats()
     retries = sum(s["handoff_retries"] - before.get(r, {}).get("handoff_retries", 0) for r, s in after.items())
     handoffs = sum(s["handoffs"] - before.get(r, {}).get("handoffs", 0) for r, s in after.items())
