@@ -231,13 +231,10 @@ def planned(preset: str, T: int, C: int) -> dict:
     are freed (k3-tiny's 2x 14 MiB, far below them). Layout: one sequence over C ranks (CP = C),
     every rank holding every expert (EP 1), as the workers above run it."""
     from k3.model import get_preset
-    from k3.platform.ops.plan.hardware import get_gpu
-    from k3.platform.ops.plan.planner import count
-    from k3.platform.ops.plan.training import PRECISIONS, Layout, TrainSetup, activation_parts, plan_layout
+    from k3.platform.ops.plan.planner import cpu_run_setup
+    from k3.platform.ops.plan.training import Layout, activation_parts, plan_layout
 
-    cfg = get_preset(preset)
-    s = TrainSetup(cfg, count(cfg), get_gpu("h200"), context=T, micro_batch=1, zero_stage=1, checkpointing=True,
-                   precision=PRECISIONS["fp32"], backend="cpu")
+    s = cpu_run_setup(get_preset(preset), T, micro_batch=1, checkpointing=True)
     plan = plan_layout(s, Layout(1, C, 1), utilisation=1.0)
     parts = activation_parts(s, plan.tokens_per_gpu) | {"gradients": plan.memory["gradients"]}
     return {"step_mb": round((plan.memory["activations"] + plan.memory["gradients"]) / MB),

@@ -97,13 +97,10 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
 
 def predicted(case: dict) -> dict:
     from k3.model import get_preset
-    from k3.platform.ops.plan.hardware import get_gpu
-    from k3.platform.ops.plan.planner import count
-    from k3.platform.ops.plan.training import PRECISIONS, Layout, TrainSetup, grad_payloads, plan_layout
+    from k3.platform.ops.plan.planner import cpu_run_setup
+    from k3.platform.ops.plan.training import Layout, grad_payloads, plan_layout
 
-    cfg = get_preset("k3-tiny")
-    s = TrainSetup(cfg, count(cfg), get_gpu("h100"), context=case["seq"], micro_batch=case["micro_batch"],
-                   zero_stage=1, checkpointing=case["checkpointing"], precision=PRECISIONS["fp32"], backend="cpu")
+    s = cpu_run_setup(get_preset("k3-tiny"), case["seq"], case["micro_batch"], case["checkpointing"])
     layout = Layout(case["world"], 1, case["world"])
     plan = plan_layout(s, layout, utilisation=1.0)
     return {"memory": plan.memory, "total_bytes": plan.total_bytes, "all_to_all_bytes": plan.traffic["all_to_all"],

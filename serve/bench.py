@@ -168,6 +168,50 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+@dataclass
+class _StreamClock:
+    """What `stream_request` keeps while it reads one stream: its start (monotonic and wall), the
+    last text chunk's time, the text chunks counted, and the first one's wall time."""
+    start: float
+    sent: float
+    last: float
+    chunks: int = 0
+    first_wall: float | None = None
+
+
+def _read_line(line: str, res: RequestResult, clock: _StreamClock, chat: bool, trace: bool) -> bool:
+    """Take one line of an SSE stream into `res`; True once it is the stream's `[DONE]`."""
+    if line.startswith(": k3-trace ") and trace:
+        stamps = json.loads(line[len(": k3-trace "):])
+        if clock.first_wall is not None and stamps and stamps[0]:
+            res.trace = {"client_send": clock.sent, **stamps[0], "client_first": clock.first_wall}
+        return False
+    if not line.startswith("data:"):
+        return False
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        res.ok = res.error is None
+        return True
+    chunk = json.loads(data)
+    if "error" in chunk:
+        res.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+        return False
+    now = time.perf_counter()
+    if _chunk_text(chunk, chat):
+        clock.chunks += 1
+        if res.ttft_s is None:
+            res.ttft_s = now - clock.start
+            clock.first_wall = time.time()
+        else:
+            res.itl_s.append(now - clock.last)
+        clock.last = now
+    usage = chunk.get("usage")
+    if usage:
+        res.prompt_tokens = usage.get("prompt_tokens")
+        res.output_tokens = usage.get("completion_tokens", clock.chunks)
+    return False
+
+
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str],
                          trace: bool = False) -> RequestResult:
     """Send one streaming request and time its chunks; never raises for a failed request (the
@@ -178,10 +222,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
         headers = {**headers, **TRACE_HEADER}
     sent = time.time()
     start = time.perf_counter()
+    clock = _StreamClock(start=start, sent=sent, last=start)
     res = RequestResult(ok=False, start_s=start)
-    first_wall = None
-    last = start
-    chunks = 0
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -189,34 +231,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                 res.e2e_s = time.perf_counter() - start
                 return res
             async for line in resp.aiter_lines():
-                if line.startswith(": k3-trace ") and trace:
-                    stamps = json.loads(line[len(": k3-trace "):])
-                    if first_wall is not None and stamps and stamps[0]:
-                        res.trace = {"client_send": sent, **stamps[0], "client_first": first_wall}
-                    continue
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    res.ok = res.error is None
+                if _read_line(line, res, clock, chat, trace):
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
-                    continue
-                now = time.perf_counter()
-                if _chunk_text(chunk, chat):
-                    chunks += 1
-                    if res.ttft_s is None:
-                        res.ttft_s = now - start
-                        first_wall = time.time()
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = usage.get("prompt_tokens")
-                    res.output_tokens = usage.get("completion_tokens", chunks)
             else:
                 res.error = res.error or "stream ended without [DONE]"
     except httpx.HTTPError as e:
@@ -225,7 +241,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
         res.error = f"bad SSE chunk: {e}"
     res.e2e_s = time.perf_counter() - start
     if res.ok and not res.output_tokens:
-        res.output_tokens = chunks
+        res.output_tokens = clock.chunks
     if res.ok and res.ttft_s is None:
         res.ok, res.error = False, "no token streamed"
     return res

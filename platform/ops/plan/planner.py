@@ -35,6 +35,15 @@ def count(cfg: K3Config) -> Counts:
     return Counts(dense=c.total - c.routed_experts + (v.total if v else 0), experts=c.routed_experts, active=c.active)
 
 
+def cpu_run_setup(cfg: K3Config, context: int, micro_batch: int, checkpointing: bool) -> TrainSetup:
+    """The setup of a k3 training run on CPU as the benchmarks measure one (fp32, the CPU KDA
+    kernel, ZeRO-1): what jobs/bench_plan.py and jobs/bench_long_context.py check their measured
+    memory and bytes against. The GPU only fills the setup's device slot: neither memory nor bytes
+    depend on it."""
+    return TrainSetup(cfg, count(cfg), get_gpu("h100"), context=context, micro_batch=micro_batch, zero_stage=1,
+                      checkpointing=checkpointing, precision=PRECISIONS["fp32"], backend="cpu")
+
+
 def make_plan(cfg: K3Config, preset: str, context: int, gpus: int, gpu: str, micro_batch: int = 1,
               zero_stage: int | None = None, checkpointing: bool = True, utilisation: float = 0.4,
               expert_format: str = "mxfp4", dp: int | None = None, cp: int | None = None,
