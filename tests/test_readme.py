@@ -36,6 +36,9 @@ PLACEHOLDERS = {
 }
 STEP_LOSS = re.compile(r"step\s+\d+/\d+\s+loss\s+([0-9.]+)")  # the job's line per --log-every steps
 FAULT = re.compile(r"FATAL|SIGSEGV|Segmentation fault|core dumped|Killed|OOM|MemoryError|Cannot load|Fatal Python")
+# a block's own limit, under pytest-timeout's 900 s, so that a slow block fails with its output and
+# the job it submitted is stopped rather than left running beside the next block
+BLOCK_TIMEOUT_S = 780
 PLACEHOLDER_LIKE = re.compile(r"<[A-Za-z][\w -]*>")  # `<gcs address>`: something only the reader knows
 
 
@@ -83,16 +86,33 @@ class Reader:
     def run(self, block: Block) -> subprocess.CompletedProcess:
         code = self.fill(block.code)
         if block.lang == "bash":
-            cmd = ["bash", "-euo", "pipefail", "-c", f"{code}\nenv -0 > {self.env_file}\n"]
-            out = subprocess.run(cmd, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=1200)
-            if out.returncode == 0:
-                pairs = (kv.partition("=") for kv in self.env_file.read_text().split("\0") if kv)
-                self.env = {k: v for k, _, v in pairs}
+            cmd, stdin = ["bash", "-euo", "pipefail", "-c", f"{code}\nenv -0 > {self.env_file}\n"], None
         else:
-            out = subprocess.run([str(self.root / ".venv" / "bin" / "python"), "-"], input=code, cwd=self.root,
-                                 env=self.env, capture_output=True, text=True, timeout=1200)
+            cmd, stdin = [str(self.root / ".venv" / "bin" / "python"), "-"], code
+        try:
+            out = subprocess.run(cmd, input=stdin, cwd=self.root, env=self.env, capture_output=True, text=True,
+                                 timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:  # shown as a failure with what it printed so far
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            out = subprocess.CompletedProcess(cmd, -9, text(e.stdout),
+                                              text(e.stderr) + f"\n[timed out after {BLOCK_TIMEOUT_S} s]")
+        if block.lang == "bash" and out.returncode == 0:
+            pairs = (kv.partition("=") for kv in self.env_file.read_text().split("\0") if kv)
+            self.env = {k: v for k, _, v in pairs}
         self.log.append(f"--- {block.name}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
         return out
+
+    def stop_running_jobs(self) -> str:
+        """Stops every job of the README's cluster that is still running: a `ray job submit` block
+        that failed or timed out leaves its job training, which would slow every later block."""
+        script = ("from ray.job_submission import JobSubmissionClient\n"
+                  "c = JobSubmissionClient()\n"
+                  "for j in c.list_jobs():\n"
+                  "    if not j.status.is_terminal():\n"
+                  "        c.stop_job(j.submission_id); print(j.submission_id, j.status)\n")
+        out = subprocess.run([str(self.root / ".venv" / "bin" / "python"), "-c", script], cwd=self.root,
+                             env=self.env, capture_output=True, text=True, timeout=120)
+        return (out.stdout + out.stderr).strip()
 
     def ray_worker_faults(self) -> str:
         """The lines of the README cluster's worker logs that say why a process died (a failed
@@ -183,6 +203,7 @@ def test_block_runs_as_printed(block, reader):
     out = reader.run(block)
     shown = f"{block.name} ({block.section}) failed:\n{block.code}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
     if out.returncode != 0 and "ray job submit" in block.code:
+        shown += f"\n--- jobs still running, stopped\n{reader.stop_running_jobs()}"
         shown += f"\n--- faults in the cluster's worker logs\n{reader.ray_worker_faults()}"
         shown += f"\n--- variables the session's tests changed (kept out of the reader's shell): " \
                  f"{session_env.changed_since_start()}"

@@ -40,26 +40,24 @@ def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
     assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens // 2
 
 
-def _replica_handoff_stats(_actor) -> dict:
-    """Runs inside a DecodeServer replica: its handoff_stats(), or {} while autoscaling is still
-    constructing it (Serve names the actor before the servable object exists: no handoff yet)."""
-    from ray import serve
-
-    server = serve.get_replica_context().servable_object
-    return {} if server is None else server.handoff_stats()
-
-
 def _decode_handoff_stats() -> dict[str, dict]:
     """handoff_stats() of every live DecodeServer replica of the pd app, by replica actor name
     (a replica that autoscaling removed between listing and asking is left out)."""
     import ray
+    from ray import serve
+
+    def replica_stats(_actor) -> dict:  # runs in the replica (a local function: Ray ships it by value)
+        server = serve.get_replica_context().servable_object
+        # Serve names the actor before the servable object exists: a replica autoscaling is still
+        # constructing has made no handoff yet
+        return {} if server is None else server.handoff_stats()
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::pd#DecodeServer#")]
     calls = {}
     for n in names:
         try:
-            calls[n] = ray.get_actor(n, namespace="serve").__ray_call__.remote(_replica_handoff_stats)
+            calls[n] = ray.get_actor(n, namespace="serve").__ray_call__.remote(replica_stats)
         except ValueError:  # gone since the listing
             pass
     stats = {}
