@@ -236,19 +236,18 @@ def planned(preset: str, T: int, C: int) -> dict:
 
     s = cpu_run_setup(get_preset(preset), T, micro_batch=1, checkpointing=True)
     plan = plan_layout(s, Layout(1, C, 1), utilisation=1.0)
-    parts = activation_parts(s, plan.tokens_per_gpu) | {"gradients": plan.memory["gradients"]}
+    parts = activation_parts(s, plan.layout) | {"gradients": plan.memory["gradients"]}
     return {"step_mb": round((plan.memory["activations"] + plan.memory["gradients"]) / MB),
             "parts_mb": {k: round(v / MB) for k, v in parts.items()}}
 
 
 def load_runs(path: str) -> list[dict]:
-    """The runs of an earlier --json result, with the planner's prediction filled in where the
-    result predates it."""
+    """The runs of an earlier --json result, with the planner's prediction of today (a run's memory
+    does not change when the planner does; a prediction recorded with the run is replaced)."""
     result = json.load(open(path))
     for r in result["runs"]:
-        if "planned_step_mb" not in r:
-            plan = planned(result["preset"], r["T"], r["C"])
-            r["planned_step_mb"], r["planned_parts_mb"] = plan["step_mb"], plan["parts_mb"]
+        plan = planned(result["preset"], r["T"], r["C"])
+        r["planned_step_mb"], r["planned_parts_mb"] = plan["step_mb"], plan["parts_mb"]
     return result["runs"]
 
 

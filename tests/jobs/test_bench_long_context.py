@@ -54,13 +54,16 @@ def test_breakdown_table_shows_linear_and_quadratic_growth():
     assert lines[3] == "| 8,192 | 8.19 | 2.0 | 67.11 | 4.0 | 4.10 | 2.0 |"
 
 
-def test_load_runs_fills_in_the_planners_prediction(tmp_path):
-    old = rank_row(4096, 1, 0, 4.0, 200)
-    del old["planned_step_mb"]
+def test_load_runs_gives_the_planners_prediction_of_today(tmp_path):
+    older = rank_row(4096, 1, 0, 4.0, 200)  # recorded with a prediction of an earlier planner
+    oldest = rank_row(8192, 2, 1, 4.0, 200)
+    del oldest["planned_step_mb"]  # recorded before the planner existed
     path = tmp_path / "old.json"
-    path.write_text(json.dumps({"preset": "k3-tiny", "runs": [old]}))
-    (run,) = load_runs(str(path))
-    assert run["planned_step_mb"] == planned("k3-tiny", 4096, 1)["step_mb"]
+    path.write_text(json.dumps({"preset": "k3-tiny", "runs": [older, oldest]}))
+    runs = load_runs(str(path))
+    assert [r["planned_step_mb"] for r in runs] == [planned("k3-tiny", 4096, 1)["step_mb"],
+                                                    planned("k3-tiny", 8192, 2)["step_mb"]]
+    assert runs[0]["planned_step_mb"] != 100
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -94,3 +94,32 @@ def test_k3_training_does_not_fit_and_says_why():
 def test_k3_tiny_fits_and_prefers_data_parallel():
     plan = make_plan(get_preset("k3-tiny"), "k3-tiny", 4096, 8, "h100")
     assert plan.train is not None and plan.train.layout.dp == 8 and plan.train.fits
+
+
+# The long-context sweep's step peaks on k3-tiny (docs/benchmarks.md, 2026-12-02: fp32, the CPU KDA
+# kernel, activation checkpointing; MiB of the largest rank), against which the planner's loss
+# transient, recompute factor and MLA reach were set.
+SWEEP_MEASURED = {(4096, 1): 294, (8192, 1): 373, (16384, 1): 570, (32768, 1): 1099,
+                  (4096, 2): 166, (8192, 2): 293, (16384, 2): 372, (32768, 2): 664, (65536, 2): 1293}
+
+
+@pytest.mark.parametrize("T, C", list(SWEEP_MEASURED))
+def test_step_peak_is_within_15_percent_of_the_long_context_sweep(T, C):
+    from k3.jobs.bench_long_context import planned
+
+    assert abs(planned("k3-tiny", T, C)["step_mb"] / SWEEP_MEASURED[T, C] - 1) < 0.15
+
+
+def test_the_last_context_parallel_rank_pays_for_mla_keys_over_the_whole_sequence():
+    from k3.platform.ops.plan.planner import cpu_run_setup
+    from k3.platform.ops.plan.training import Layout, activation_parts
+
+    cfg = get_preset("k3-tiny")
+    for checkpointing in (True, False):
+        whole = activation_parts(cpu_run_setup(cfg, 65536, 1, checkpointing), Layout(1, 2, 1))
+        half = activation_parts(cpu_run_setup(cfg, 32768, 1, checkpointing), Layout(1, 1, 1))
+        # the same tokens per rank: equal but for MLA's keys over the first shard's 32,768 positions
+        assert whole["residual_path"] == half["residual_path"] and whole["sublayers"] == half["sublayers"]
+        assert sum(whole.values()) > sum(half.values())
+        reach = 2 * 32768 * act.mla_key_span(cfg, 4)  # two MLA layers
+        assert whole["mla_reach"] == (0 if checkpointing else reach) and half["mla_reach"] == 0

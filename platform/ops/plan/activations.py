@@ -147,7 +147,21 @@ def loss(cfg: K3Config, b: int) -> int:
 
 def loss_transient(cfg: K3Config, b: int, tokens: int) -> int:
     """The loss's peak beside what it keeps, for `tokens` tokens: one chunk of rows at a time
-    (LOSS_CHUNK_BYTES of fp32 logits), each row's logits in the model dtype and in fp32 while the
-    loss is computed, or their gradients in backward."""
+    (LOSS_CHUNK_BYTES of fp32 logits, model/model.py `next_token_loss`). While a chunk's gradient
+    is built (the checkpointed chunk recomputed) three fp32 [rows, vocab] tensors are live: the
+    log-softmax its backward keeps, the gradient arriving at it and the gradient leaving it for the
+    logits; in bf16 the logits' copy in the model dtype besides. Measured on k3-tiny in fp32 (the
+    long-context sweep, docs/benchmarks.md): 3.2 chunks above the kept tensors at 4K tokens."""
     rows = min(tokens, max(1, LOSS_CHUNK_BYTES // (F * cfg.vocab_size)))
-    return rows * cfg.vocab_size * ((b + F) if b != F else 2 * F)
+    return rows * cfg.vocab_size * (3 * F + (b if b != F else 0))
+
+
+def mla_key_span(cfg: K3Config, b: int) -> int:
+    """Bytes per key position that one Gated MLA layer keeps beyond its own tokens when its keys
+    reach back over earlier context-parallel shards (model/mla.py `forward_shard`): kv_b_proj's
+    input (the gathered latent), keys and zero-padded values expanded per head, and, because one
+    fused causal call serves the span, queries zero-padded in front to the span's length with their
+    outputs and log-sum-exp."""
+    H, dqk, L = cfg.num_heads, cfg.qk_head_dim, cfg.kv_lora_rank
+    dv = max(cfg.v_head_dim, dqk)
+    return L * b + H * dqk * b * 2 + H * dv * b * 2 + H * F

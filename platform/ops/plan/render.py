@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import activations as act
 from .planner import Plan
-from .training import TrainPlan, activation_parts
+from .training import SPAN_PEAK, TrainPlan, activation_parts
 
 GIB = 2**30
 
@@ -33,7 +33,7 @@ def header(p: Plan) -> list[str]:
 def memory_lines(p: Plan, t: TrainPlan) -> list[str]:
     s, c, pr, l = p.setup, p.counts, p.setup.precision, t.layout
     W, local = l.world, c.experts // l.ep
-    a = activation_parts(s, t.tokens_per_gpu)
+    a = activation_parts(s, l)
     per_tok = sum(a.values()) / t.tokens_per_gpu
     grad_dense = f"{_size(c.dense)} x {pr.grad} B" + (f" / {W} (ZeRO-2)" if s.zero_stage == 2 else " (ZeRO-1 keeps all)")
     return [
@@ -47,7 +47,7 @@ def memory_lines(p: Plan, t: TrainPlan) -> list[str]:
         f"  {'activations':<13}{gib(t.memory['activations']):>13}   {t.tokens_per_gpu:,} tokens ({s.micro_batch} x "
         f"{s.context:,} / CP {l.cp}) x {per_tok / 2**20:,.2f} MiB: residual path {gib(a['residual_path'])} "
         f"(Block AttnRes statistics in fp32 and the partial sums; the mixing is recomputed in backward), "
-        f"sub-layers {gib(a['sublayers'])}, loss {gib(a['loss'])} (the head's input; logits a chunk of rows at a "
+        f"sub-layers {gib(a['sublayers'])}, MLA keys over earlier CP shards {gib(a['mla_reach'])}, loss {gib(a['loss'])} (the head's input; logits a chunk of rows at a "
         f"time over {p.cfg.vocab_size:,}, recomputed in backward), backward transient {gib(a['transient'])}",
         f"  {'total':<13}{gib(t.total_bytes):>13}   {'fits' if t.fits else 'does NOT fit'} in {gib(p.gpu.usable_bytes)}",
     ]
@@ -99,10 +99,17 @@ def verdict(p: Plan, t: TrainPlan) -> str:
     c, pr = p.counts, p.setup.precision
     dense = c.dense * pr.weight
     kept = act.residuals(p.cfg, pr.weight, p.setup.checkpointing)
-    return (f"  verdict: no DP x CP x EP layout of {p.gpus} x {p.gpu.name} fits. Every rank holds all {_size(c.dense)} "
+    text = (f"  verdict: no DP x CP x EP layout of {p.gpus} x {p.gpu.name} fits. Every rank holds all {_size(c.dense)} "
             f"dense parameters ({gib(dense)} of weights alone; ZeRO-1/2 shard only optimizer states and gradients) "
             f"and EP is at most gcd(GPUs, {p.cfg.num_experts} experts); the residual path keeps "
             f"{kept / 2**20:,.1f} MiB per token outside the checkpoints.")
+    reach = p.setup.micro_batch * p.context - t.tokens_per_gpu
+    if t.layout.cp > 1 and p.cfg.layer_types.count("mla"):
+        span = reach * act.mla_key_span(p.cfg, pr.weight)
+        text += (f" The last CP rank's MLA expands keys and values over all {reach:,} earlier positions "
+                 f"(model/mla.py forward_shard): {gib(span)} per MLA layer, {SPAN_PEAK:g}x that in its "
+                 f"backward, which more CP does not divide.")
+    return text
 
 
 def serving_lines(p: Plan) -> list[str]:
@@ -141,5 +148,5 @@ def as_json(p: Plan) -> dict:
                          "checkpointing": p.setup.checkpointing, "precision": p.setup.precision.name,
                          "micro_batch": p.setup.micro_batch,
                          "plan": (p.train or p.considered[0]).as_dict(),
-                         "activations": activation_parts(p.setup, (p.train or p.considered[0]).tokens_per_gpu)},
+                         "activations": activation_parts(p.setup, (p.train or p.considered[0]).layout)},
             "serving": p.serve.as_dict() if p.serve else {"error": p.serve_error}}

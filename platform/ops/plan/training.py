@@ -12,7 +12,8 @@ Memory per GPU (one `Memory` line each):
   dense parameters; the experts' AdamW moments in the parameter dtype, not sharded;
 - activations: what the forward keeps for the backward (activations.py) for the rank's
   micro_batch x context / CP tokens, plus the larger of the loss's transient and one sub-layer
-  recomputed with its gradients (with activation checkpointing).
+  recomputed with its gradients (with activation checkpointing); on the last CP rank, MLA's keys
+  over the whole sequence (`activation_parts`).
 
 Traffic per GPU per step, bytes this rank sends (ring collectives: a rank sends (n - 1)/n of the
 payload for an all-gather or a reduce-scatter, twice that for an all-reduce):
@@ -135,19 +136,44 @@ def static_memory(s: TrainSetup, layout: Layout) -> dict[str, int]:
     }
 
 
-def activation_parts(s: TrainSetup, tokens: int) -> dict[str, int]:
-    """Activation bytes on one GPU by where they come from: the residual path (Block AttnRes
-    statistics and merges; each sub-layer's input under checkpointing), the sub-layers' own
-    tensors (without checkpointing), the loss, and the backward's largest transient (the loss's,
-    or one sub-layer recomputed with its gradients about as large)."""
-    b = s.precision.weight
-    layers = act.sublayers(s.cfg, b, s.backend)
-    transient = act.loss_transient(s.cfg, b, tokens)
+# With activation checkpointing, the backward of one sub-layer holds its recomputed tensors and
+# the gradients being built from them: measured 1.3-1.45x the sub-layer's kept bytes on k3-tiny
+# (the long-context sweep's slope at 16K-32K tokens, docs/benchmarks.md), not the 2x first assumed.
+RECOMPUTE_PEAK = 1.4
+# The backward of an MLA layer whose keys reach over earlier CP shards holds ~3.7x what the reach
+# keeps (mla_key_span): the recomputed span plus the fused attention's gradients for the padded
+# queries, keys and values. Fitted to the last rank's excess in the sweep's 32K and 64K C = 2 rows
+# (docs/benchmarks.md); the tensors behind it are not itemised tensor by tensor.
+SPAN_PEAK = 3.7
+
+
+def activation_parts(s: TrainSetup, layout: Layout) -> dict[str, int]:
+    """Activation bytes on the busiest GPU of `layout` by where they come from: the residual path
+    (Block AttnRes statistics and merges), the sub-layers' own tensors (without checkpointing),
+    the MLA layers' keys over earlier shards (without checkpointing), the loss, and the backward's
+    largest transient (the loss's, or one sub-layer recomputed with its gradients).
+
+    Under context parallelism every rank keeps the same for its micro_batch x context / CP tokens
+    but for MLA: a rank's keys run from its documents' starts, so the last rank's MLA layers expand
+    keys over the whole sequence when one document fills it (the worst case, planned for)."""
+    b, cfg = s.precision.weight, s.cfg
+    tokens = s.micro_batch * s.context // layout.cp
+    reach = s.micro_batch * s.context - tokens  # the last rank's key positions before its own tokens
+    layers = act.sublayers(cfg, b, s.backend)
+    mla_layers = [layers[2 * i] for i, kind in enumerate(cfg.layer_types) if kind == "mla"]
+    span = reach * act.mla_key_span(cfg, b) if mla_layers else 0  # per MLA layer
+    transient = act.loss_transient(cfg, b, tokens)
     if s.checkpointing:
-        transient = max(transient, tokens * 2 * max(layers))
-    return {"residual_path": tokens * act.residuals(s.cfg, b, s.checkpointing),
+        widest = RECOMPUTE_PEAK * tokens * max(layers)
+        if mla_layers:
+            widest = max(widest, RECOMPUTE_PEAK * tokens * max(mla_layers) + SPAN_PEAK * span)
+        transient = max(transient, int(widest))
+    else:
+        transient = max(transient, int((SPAN_PEAK - 1) * span))
+    return {"residual_path": tokens * act.residuals(cfg, b, s.checkpointing),
             "sublayers": 0 if s.checkpointing else tokens * sum(layers),
-            "loss": tokens * act.loss(s.cfg, b), "transient": transient}
+            "mla_reach": 0 if s.checkpointing else len(mla_layers) * span,
+            "loss": tokens * act.loss(cfg, b), "transient": transient}
 
 
 def all_to_all_bytes(cfg: K3Config, tokens: int, ep: int, dtype_bytes: int, checkpointing: bool) -> float:
@@ -206,7 +232,7 @@ def forward_flops_per_token(cfg: K3Config, active: int, context: int) -> float:
 
 def plan_layout(s: TrainSetup, layout: Layout, utilisation: float) -> TrainPlan:
     tokens = s.micro_batch * s.context // layout.cp
-    memory = static_memory(s, layout) | {"activations": sum(activation_parts(s, tokens).values())}
+    memory = static_memory(s, layout) | {"activations": sum(activation_parts(s, layout).values())}
     t = traffic(s, layout, tokens)
     g = s.gpu
     step_flops = (4 if s.checkpointing else 3) * tokens * forward_flops_per_token(s.cfg, s.counts.active, s.context)
