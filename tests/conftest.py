@@ -35,6 +35,15 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The README's blocks run first. Its `ray job submit` blocks train on two Ray Train workers of
+    the README's own cluster for minutes; run last, they shared the 2 cores with this session's
+    Ray and its Serve apps (a dozen idle replicas, each polling), and one 100-step job outran its
+    900 s limit in CI. First, nothing of the session is up yet."""
+    readme = [i for i in items if i.path.name == "test_readme.py"]
+    items[:] = readme + [i for i in items if i.path.name != "test_readme.py"]
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray on 127.0.0.1 with 2 CPUs, no dashboard; shut down at the end of the session.
