@@ -47,8 +47,9 @@ def memory_lines(p: Plan, t: TrainPlan) -> list[str]:
         f"  {'activations':<13}{gib(t.memory['activations']):>13}   {t.tokens_per_gpu:,} tokens ({s.micro_batch} x "
         f"{s.context:,} / CP {l.cp}) x {per_tok / 2**20:,.2f} MiB: residual path {gib(a['residual_path'])} "
         f"(Block AttnRes statistics in fp32 and the partial sums; the mixing is recomputed in backward), "
-        f"sub-layers {gib(a['sublayers'])}, MLA keys over earlier CP shards {gib(a['mla_reach'])}, loss {gib(a['loss'])} (the head's input; logits a chunk of rows at a "
-        f"time over {p.cfg.vocab_size:,}, recomputed in backward), backward transient {gib(a['transient'])}",
+        f"sub-layers {gib(a['sublayers'])}, MLA keys over earlier CP shards {gib(a['mla_reach'])}, "
+        f"loss {gib(a['loss'])} (the head's input; logits a chunk of rows at a time over {p.cfg.vocab_size:,}, "
+        f"recomputed in backward), backward transient {gib(a['transient'])}",
         f"  {'total':<13}{gib(t.total_bytes):>13}   {'fits' if t.fits else 'does NOT fit'} in {gib(p.gpu.usable_bytes)}",
     ]
 
