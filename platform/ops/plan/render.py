@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import activations as act
 from .planner import Plan
-from .training import SPAN_PEAK, TrainPlan, activation_parts
+from .training import SPAN_PEAK, TrainPlan, activation_parts, last_rank_reach
 
 GIB = 2**30
 
@@ -104,7 +104,7 @@ def verdict(p: Plan, t: TrainPlan) -> str:
             f"dense parameters ({gib(dense)} of weights alone; ZeRO-1/2 shard only optimizer states and gradients) "
             f"and EP is at most gcd(GPUs, {p.cfg.num_experts} experts); the residual path keeps "
             f"{kept / 2**20:,.1f} MiB per token outside the checkpoints.")
-    reach = p.setup.micro_batch * p.context - t.tokens_per_gpu
+    reach = last_rank_reach(p.setup, t.layout)
     if t.layout.cp > 1 and p.cfg.layer_types.count("mla"):
         span = reach * act.mla_key_span(p.cfg, pr.weight)
         text += (f" The last CP rank's MLA expands keys and values over all {reach:,} earlier positions "

@@ -147,6 +147,12 @@ RECOMPUTE_PEAK = 1.4
 SPAN_PEAK = 3.7
 
 
+def last_rank_reach(s: TrainSetup, layout: Layout) -> int:
+    """Key positions the last CP rank's MLA reaches before its own tokens (one document filling
+    the sequence, the worst case): 0 without context parallelism."""
+    return s.micro_batch * s.context - s.micro_batch * s.context // layout.cp
+
+
 def activation_parts(s: TrainSetup, layout: Layout) -> dict[str, int]:
     """Activation bytes on the busiest GPU of `layout` by where they come from: the residual path
     (Block AttnRes statistics and merges), the sub-layers' own tensors (without checkpointing),
@@ -158,7 +164,7 @@ def activation_parts(s: TrainSetup, layout: Layout) -> dict[str, int]:
     keys over the whole sequence when one document fills it (the worst case, planned for)."""
     b, cfg = s.precision.weight, s.cfg
     tokens = s.micro_batch * s.context // layout.cp
-    reach = s.micro_batch * s.context - tokens  # the last rank's key positions before its own tokens
+    reach = last_rank_reach(s, layout)
     layers = act.sublayers(cfg, b, s.backend)
     mla_layers = [layers[2 * i] for i, kind in enumerate(cfg.layer_types) if kind == "mla"]
     span = reach * act.mla_key_span(cfg, b) if mla_layers else 0  # per MLA layer
