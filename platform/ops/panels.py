@@ -125,9 +125,14 @@ SERVING_PANELS: tuple[PanelSpec, ...] = (
               "(a prefill node went away) or timed out, by error; 0 while handoffs succeed first time", "none",
               (Query(f"sum by (error) (increase(ray_k3_serve_handoff_retries_total[{RATE}])) or "
                      f"0 * sum(rate(ray_k3_serve_handoff_bytes_count[{RATE}]))", "{{error}}"),)),
-    PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric)",
-              "none", (Query("sum by (application, deployment) (ray_serve_deployment_replica_healthy)",
-                             "{{application}}/{{deployment}}"),)),
+    # Serve's controller sets this gauge from its control loop; a loop busy past two export intervals
+    # (seen while a prefill node was removed on a loaded 2-core machine) blanked the panel at one
+    # sampled moment. Each replica's last value within 30 s keeps it drawn; a replica gone for 30 s
+    # drops out.
+    PanelSpec("Replicas per deployment", "healthy replicas of each Serve deployment (Ray Serve's own metric; a "
+              "replica gone drops out within 30 s)", "none",
+              (Query("sum by (application, deployment) (last_over_time(ray_serve_deployment_replica_healthy[30s]))",
+                     "{{application}}/{{deployment}}"),)),
 )
 
 CLUSTER_PANELS: tuple[PanelSpec, ...] = (
