@@ -28,16 +28,18 @@ from k3.kernels.mla_decode import mla_decode
 
 from .cache import CacheBatch
 from .config import K3Config
+from .mla_span import expand_latents, latent_span_attention, sliced_attention
 from .norm import RMSNorm
 from .shard import SequenceShard
 
 # A chunk of at least this many new tokens over a cached context runs in the expanded form.
 EXPAND_MIN_TOKENS = 16
-# The expanded form over a long context runs in slices of whole pages with an online softmax, so a
-# chunk's working memory stays bounded whatever the context: fp32 scores [H, n, slice] of at most
-# SCORE_BUDGET values, and at most SLICE_MAX_TOKENS context rows expanded at once. (One SDPA call
-# over 128K tokens of context would materialise its lower-right causal mask, [n, S] as bool and
-# as float: 1.3 GB for a 2,048-token chunk on CPU, 16x the k3-tiny cache it attends over.)
+# The expanded form over a long context runs in slices of whole pages with an online softmax
+# (model/mla_span.py), so a chunk's working memory stays bounded whatever the context: fp32 scores
+# [H, n, slice] of at most SCORE_BUDGET values, and at most SLICE_MAX_TOKENS context rows expanded
+# at once. (One SDPA call over 128K tokens of context would materialise its lower-right causal
+# mask, [n, S] as bool and as float: 1.3 GB for a 2,048-token chunk on CPU, 16x the k3-tiny cache
+# it attends over.)
 SCORE_BUDGET = 2**22
 SLICE_MAX_TOKENS = 4096
 
@@ -167,7 +169,7 @@ class GatedMLA(nn.Module):
             return self._sliced_chunk(q_nope, q_rope, pages, table, context, slice_len)
         k, v = self._expand(self._gather(pages, table, 0, S).to(q_nope.dtype))
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, n, dqk]
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        k, v = k[None], v[None]
         dqk = q.shape[-1]
         if self.vdim < dqk:  # equal head dims keep SDPA on its fused kernel (see _naive)
             v = F.pad(v, (0, dqk - self.vdim))
@@ -180,40 +182,24 @@ class GatedMLA(nn.Module):
         keys = min(SLICE_MAX_TOKENS, SCORE_BUDGET // (self.num_heads * n))
         return max(page_size, keys // page_size * page_size)
 
+    @property
+    def _dims(self) -> tuple[int, int, int, int]:
+        return self.num_heads, self.nope, self.rope, self.vdim
+
     def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent rows [S, L + R] -> per-head keys [S, H, nope + rope] and values [S, H, v]."""
-        c, r = rows.split([self.lora, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope + self.vdim)).split(
-            [self.nope, self.vdim], -1)
-        return torch.cat([k_nope, r[:, None, :].expand(-1, self.num_heads, self.rope)], dim=-1), v
+        """Latent rows [S, L + R] -> per-head keys [H, S, nope + rope] and values [H, S, v]."""
+        return expand_latents(rows, self.kv_b_proj.weight, self._dims)
 
     def _sliced_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, table: torch.Tensor,
                       context: int, slice_len: int) -> torch.Tensor:
         """The expanded form over the keys in slices of slice_len (whole pages): each slice's
-        latents expanded on their own, scores in fp32, an online softmax across slices (the
-        running max and sum rescale what came before). Only the slices that reach past the
-        context need a mask. Returns [n, H, v] in q's dtype."""
+        latents expanded on their own, scores in fp32, an online softmax across slices
+        (model/mla_span.py). Returns [n, H, v] in q's dtype."""
         n = q_nope.shape[0]
-        S = context + n
-        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1).float()  # [H, n, dqk]
-        m = q.new_full((self.num_heads, n, 1), float("-inf"))
-        total = q.new_zeros(self.num_heads, n, 1)
-        acc = q.new_zeros(self.num_heads, n, self.vdim)
-        for s0 in range(0, S, slice_len):
-            s1 = min(S, s0 + slice_len)
-            k, v = self._expand(self._gather(pages, table, s0, s1).to(q_nope.dtype))
-            score = torch.matmul(q, k.float().permute(1, 2, 0)).mul_(self.scale)  # [H, n, s1 - s0]
-            if s1 - 1 > context:  # query i sees keys up to context + i
-                key = torch.arange(s0, s1, device=q.device)
-                hidden = key[None, :] > context + torch.arange(n, device=q.device)[:, None]
-                score.masked_fill_(hidden[None], float("-inf"))
-            m_new = torch.maximum(m, score.amax(-1, keepdim=True))  # finite: every query sees key 0
-            p = score.sub_(m_new).exp_()  # in place: one [H, n, slice] buffer per slice
-            alpha = torch.exp(m - m_new)
-            total = total * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + torch.matmul(p, v.float().transpose(0, 1))
-            m = m_new
-        return (acc / total).transpose(0, 1).to(q_nope.dtype)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [H, n, dqk]
+        out, _ = sliced_attention(q, lambda s0, s1: self._gather(pages, table, s0, s1).to(q.dtype), self._expand,
+                                  [(0, n, 0, context + n)], self.scale, self.vdim, q_block=n, k_slice=slice_len)
+        return out.transpose(0, 1).to(q_nope.dtype)
 
     def _gather(self, pages: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Latents [end - start, L + R] of positions start .. end - 1 of a sequence (start on a
@@ -252,13 +238,20 @@ class GatedMLA(nn.Module):
         """x [1, n, D]: this process's piece of the stream (model/shard.py). Queries are this
         piece's; keys and values expand from every piece's latents, all-gathered (kv_lora + rope
         values a token, far less than per-head keys and values; their gradients go back to the
-        pieces that own them). Each document piece attends causally at its stream offset."""
+        pieces that own them). Each document piece attends causally at its stream offset, over the
+        keys in slices, each expanded in the forward and again in the backward
+        (model/mla_span.py): the step keeps the latents of the keys it reaches, never their
+        per-head keys and values."""
         every = shard.gather_stream(self.latent(x)[0])  # [total, L + R]
         spans = shard.attention_spans()
         k0 = min(span[2] for span in spans)  # no query of this piece sees a key before k0
-        k, v = self._kv_heads(every[None, k0:shard.end])
-        o = self._span_attention(self._q_heads(x), k, v, [(a, b, c - k0, d - k0) for a, b, c, d in spans])
-        return self._finish(o[..., : self.vdim].transpose(1, 2), x)
+        lat = every[k0:shard.end]
+        if lat.shape[0] < every.shape[0]:  # keep only the latents this piece reads, not the whole gather
+            lat = lat.clone()
+        q = self._q_heads(x)[0]  # [H, n, dqk]
+        o = latent_span_attention(q, lat, self.kv_b_proj.weight,
+                                  [(a, b, c - k0, d - k0) for a, b, c, d in spans], self._dims, self.scale)
+        return self._finish(o.transpose(0, 1)[None], x)
 
     def _q_heads(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> queries [B, H, T, nope + rope]."""
