@@ -27,8 +27,8 @@ import torch
 
 Span = tuple[int, int, int, int]
 # A tile's scores are [H, q_block, k_slice] fp32 values, at most TILE_SCORES of them (2 MiB: on a
-# CPU, tiles that stay in cache ran as fast as SDPA's fused kernel over the same span, and 8-64 MiB
-# tiles 1.3-1.6x slower; jobs/bench_mla_span.py). A slice of K_SLICE keys is expanded at once.
+# CPU, tiles of 1-8 MiB ran about as fast as SDPA's fused kernel over the same span, 16-64 MiB
+# tiles 1.2-1.7x slower; docs/benchmarks.md). A slice of K_SLICE keys is expanded at once.
 TILE_SCORES = 2**19
 K_SLICE = 512
 

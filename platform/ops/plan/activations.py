@@ -14,6 +14,7 @@ Tinv, u, w). `backend` picks which ("cpu" or "triton").
 from __future__ import annotations
 
 from k3.model.config import LOSS_CHUNK_BYTES, K3Config
+from k3.model.mla_span import K_SLICE, TILE_SCORES
 
 F = 4  # fp32
 I64 = 8
@@ -158,10 +159,21 @@ def loss_transient(cfg: K3Config, b: int, tokens: int) -> int:
 
 def mla_key_span(cfg: K3Config, b: int) -> int:
     """Bytes per key position that one Gated MLA layer keeps beyond its own tokens when its keys
-    reach back over earlier context-parallel shards (model/mla.py `forward_shard`): kv_b_proj's
-    input (the gathered latent), keys and zero-padded values expanded per head, and, because one
-    fused causal call serves the span, queries zero-padded in front to the span's length with their
-    outputs and log-sum-exp."""
-    H, dqk, L = cfg.num_heads, cfg.qk_head_dim, cfg.kv_lora_rank
-    dv = max(cfg.v_head_dim, dqk)
-    return L * b + H * dqk * b * 2 + H * dv * b * 2 + H * F
+    reach back over earlier context-parallel shards (model/mla.py `forward_shard`): the gathered
+    latent (kv_lora + rope values). Keys and values are expanded a slice at a time, in the forward
+    and again in the backward (model/mla_span.py), and never kept."""
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * b
+
+
+def mla_key_span_peak(cfg: K3Config, b: int) -> int:
+    """Bytes per key position of that reach while the layer's backward runs: the kept latent, its
+    gradient accumulated in fp32 (model/mla_span.py) and the all-gather's gradient in the model
+    dtype before it is reduce-scattered to the latents' owners."""
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (2 * b + F)
+
+
+def mla_tile_transient(cfg: K3Config) -> int:
+    """The sliced attention's working set beside its reach (model/mla_span.py): one slice's keys
+    and values expanded, with their gradients, and one tile's fp32 scores with their gradient."""
+    per_key = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * F
+    return 2 * K_SLICE * per_key + 2 * TILE_SCORES * F

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import activations as act
 from .planner import Plan
-from .training import SPAN_PEAK, TrainPlan, activation_parts, last_rank_reach
+from .training import TrainPlan, activation_parts, last_rank_reach
 
 GIB = 2**30
 
@@ -106,9 +106,9 @@ def verdict(p: Plan, t: TrainPlan) -> str:
             f"{kept / 2**20:,.1f} MiB per token outside the checkpoints.")
     reach = last_rank_reach(p.setup, t.layout)
     if t.layout.cp > 1 and p.cfg.layer_types.count("mla"):
-        span = reach * act.mla_key_span(p.cfg, pr.weight)
-        text += (f" The last CP rank's MLA expands keys and values over all {reach:,} earlier positions "
-                 f"(model/mla.py forward_shard): {gib(span)} per MLA layer, {SPAN_PEAK:g}x that in its "
+        span, peak = reach * act.mla_key_span(p.cfg, pr.weight), reach * act.mla_key_span_peak(p.cfg, pr.weight)
+        text += (f" The last CP rank's MLA reads the latents of all {reach:,} earlier positions, expanding keys "
+                 f"and values a slice at a time (model/mla_span.py): {gib(span)} per MLA layer, {gib(peak)} in its "
                  f"backward, which more CP does not divide.")
     return text
 

@@ -140,12 +140,6 @@ def static_memory(s: TrainSetup, layout: Layout) -> dict[str, int]:
 # the gradients being built from them: measured 1.3-1.45x the sub-layer's kept bytes on k3-tiny
 # (the long-context sweep's slope at 16K-32K tokens, docs/benchmarks.md), not the 2x first assumed.
 RECOMPUTE_PEAK = 1.4
-# The backward of an MLA layer whose keys reach over earlier CP shards holds ~3.7x what the reach
-# keeps (mla_key_span): the recomputed span plus the fused attention's gradients for the padded
-# queries, keys and values. Fitted to the last rank's excess in the sweep's 32K and 64K C = 2 rows
-# (docs/benchmarks.md); the tensors behind it are not itemised tensor by tensor.
-SPAN_PEAK = 3.7
-
 
 def last_rank_reach(s: TrainSetup, layout: Layout) -> int:
     """Key positions the last CP rank's MLA reaches before its own tokens (one document filling
@@ -168,14 +162,16 @@ def activation_parts(s: TrainSetup, layout: Layout) -> dict[str, int]:
     layers = act.sublayers(cfg, b, s.backend)
     mla_layers = [layers[2 * i] for i, kind in enumerate(cfg.layer_types) if kind == "mla"]
     span = reach * act.mla_key_span(cfg, b) if mla_layers else 0  # per MLA layer
+    # one MLA layer's backward over its reach: the latents, their gradients, one tile's working set
+    span_peak = reach * act.mla_key_span_peak(cfg, b) + act.mla_tile_transient(cfg) if reach and mla_layers else 0
     transient = act.loss_transient(cfg, b, tokens)
     if s.checkpointing:
         widest = RECOMPUTE_PEAK * tokens * max(layers)
         if mla_layers:
-            widest = max(widest, RECOMPUTE_PEAK * tokens * max(mla_layers) + SPAN_PEAK * span)
+            widest = max(widest, RECOMPUTE_PEAK * tokens * max(mla_layers) + span_peak)
         transient = max(transient, int(widest))
     else:
-        transient = max(transient, int((SPAN_PEAK - 1) * span))
+        transient = max(transient, span_peak - span)
     return {"residual_path": tokens * act.residuals(cfg, b, s.checkpointing),
             "sublayers": 0 if s.checkpointing else tokens * sum(layers),
             "mla_reach": 0 if s.checkpointing else len(mla_layers) * span,
