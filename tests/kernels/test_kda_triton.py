@@ -77,6 +77,7 @@ def test_odd_head_dims_and_bf16():
               fwd_tol=BF16_TOL, grad_tol=BF16_TOL)
 
 
+@pytest.mark.slow  # the Triton interpreter over long sequences (~20 s), the full tier
 @pytest.mark.parametrize("gate", ["low", "zero"])
 def test_stress_long_gates_at_the_bound_and_near_zero(gate):
     xs = kda_inputs(1, 2048, 1, 16, 16, gate, seed=6)

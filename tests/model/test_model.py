@@ -73,6 +73,7 @@ def test_sampling_is_reproducible_with_a_seed(model):
         generate(model, [[]])
 
 
+@pytest.mark.slow  # ~20 s of training steps, the full tier
 def test_overfits_a_small_batch():
     torch.manual_seed(0)
     cfg = get_preset("k3-tiny")

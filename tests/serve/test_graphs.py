@@ -38,6 +38,8 @@ def model():
     return two_layer_model()
 
 
+# torch.compile of the decode graphs: ~70 s on 2 cores, the full tier
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[5], [3, 17, 9]])
 def test_compiled_decode_gives_the_eager_tokens(model, lengths):
     # 60 tokens from prompts of up to 17 cross the first page-table bucket (8 pages of 8 tokens)

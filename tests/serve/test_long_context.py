@@ -56,6 +56,7 @@ def runs(tiny_model):
     return {n: serve_cold(tiny_model, n) for n in (4096, 16384)}
 
 
+@pytest.mark.slow  # a 16K-token prompt served cold (the fixture, ~30 s), the full tier
 def test_memory_grows_as_the_cache_formula_says(runs):
     (short, _, peak_short), (long, _, peak_long) = runs[4096], runs[16384]
     for eng, n in ((short, 4096), (long, 16384)):  # the engine allocated what the formula asks for
@@ -65,6 +66,7 @@ def test_memory_grows_as_the_cache_formula_says(runs):
     assert abs(growth / formula - 1) < 0.1, (growth, formula)
 
 
+@pytest.mark.slow
 def test_prefix_hit_at_16k_resumes_from_a_snapshot_and_equals_the_cold_run(runs):
     eng, cold, _ = runs[16384]
     hit = eng.generate([prompt_of(16384)], GREEDY)[0]

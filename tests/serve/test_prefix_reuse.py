@@ -45,7 +45,7 @@ def converse(eng, conversations: int, turns: int, reply: int) -> list[list[tuple
     return seen
 
 
-@pytest.mark.parametrize("conversations,reply", [(1, 20), (3, 37)])
+@pytest.mark.parametrize("conversations,reply", [(1, 20), pytest.param(3, 37, marks=pytest.mark.slow)])
 def test_each_turn_resumes_after_the_whole_previous_conversation(tiny_model, conversations, reply):
     eng = LLMEngine(tiny_model, EngineConfig(page_size=PS, snapshot_interval=4))
     for turns in converse(eng, conversations, 4, reply):
