@@ -65,6 +65,8 @@ class _CachedPage:
     snapshot_slot: int | None = None  # the KDA state after this page, when kept
     hits: int = 0  # later requests whose prompt matched this page (each could start after it)
     inherited: int = 0  # hits of the snapshots its conversation continued from (a rolling one's)
+    rolling: bool = False  # its snapshot was a sequence's rolling one: where a conversation's next turn resumes
+    base: int = 0  # depth of the snapshot a resume would use without this one: a more-used prefix's (kda_slots.py)
     worth: float = 0.0  # of the snapshot, when kept (kda_slots.py)
 
 
@@ -79,6 +81,7 @@ class SeqCache:
     added: list[bytes] = field(default_factory=list)  # hashes this sequence put in the prefix cache
     rolling: bytes | None = None  # the page of its latest snapshot that a deeper one supersedes
     reuse: int = 0  # requests its conversation has served so far: hits of the snapshot it started from
+    base: int = 0  # the deepest kept snapshot of the cached prefix it matched: its new snapshots save only what lies past it
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,7 +197,7 @@ class CacheManager:
         if mem.slot is not None:
             self._slots.release_running(mem.slot)
             mem.slot = None
-        mem.rolling, mem.reuse = None, 0
+        mem.rolling, mem.reuse, mem.base = None, 0, 0
         if failed:
             for h in mem.added:
                 blk = self._entries.get(h)
@@ -233,12 +236,15 @@ class CacheManager:
         blk = self._entries.get(h)
         if blk is None or blk.depth != depth:
             return
+        if blk.hits == 0:  # a page no other request matched (note_reuse set the others' base)
+            blk.base = mem.base
         if states is None:
             states = self._read_slot(mem.slot)
         old = self._entries.get(mem.rolling) if rolling and mem.rolling is not None else None
         if rolling:  # the conversation's reuse so far counts toward its newest snapshot's worth
             blk.inherited = max(blk.inherited, mem.reuse)
         if self._store_snapshot(blk, states) and rolling:
+            blk.rolling = True
             if old is not None and old is not blk and old.hits == 0:
                 self._slots.drop(old)
             mem.rolling = h
@@ -295,15 +301,33 @@ class CacheManager:
         mem.pages = [b.page for b in hit.chain]
         mem.shared = len(hit.chain)
         self._copy_slot(last.snapshot_slot, mem.slot)
-        mem.reuse = last.hits + last.inherited
+        # a conversation's reuse carries on only from its own earlier turn's snapshot: a shared
+        # prefix's (a system prompt's) uses are that prefix's, not the conversation's
+        mem.reuse = last.hits + last.inherited if last.rolling else 0
         return True
 
-    def note_reuse(self, tokens: list[int], hashes: list[bytes]) -> None:
-        """A request starts whose tokens match these cached pages: each served one more request
-        (whether or not it resumes there; a snapshot's worth counts them)."""
-        for blk in self._walk(tokens, hashes):
+    def note_reuse(self, mem: SeqCache, tokens: list[int], hashes: list[bytes]) -> None:
+        """mem's request starts and its tokens match these cached pages: each served one more
+        request (whether or not it resumes there; a snapshot's worth counts them). Each page's
+        base becomes the deepest snapshot before it on a page more requests matched (hits fall
+        along a chain: a shared prefix's pages have more than the ones past it), and mem's the
+        deepest snapshot it matched."""
+        chain = list(self._walk(tokens, hashes))
+        for blk in chain:
             blk.hits += 1
-            self._slots.renew(blk)
+        levels: list[tuple[int, int]] = []  # (hits, depth of the deepest snapshot so far with them), hits falling
+        mem.base = 0
+        for blk in chain:
+            i = len(levels)
+            while i and levels[i - 1][0] <= blk.hits:  # a step or two: hits do not rise along a chain
+                i -= 1
+            blk.base = levels[i - 1][1] if i else 0
+            if blk.snapshot_slot is not None:
+                self._slots.renew(blk)
+                while levels and levels[-1][0] <= blk.hits:
+                    levels.pop()
+                levels.append((blk.hits, blk.depth))
+                mem.base = blk.depth
 
     def _walk(self, tokens: list[int], hashes: list[bytes]):
         """The cached pages of tokens' chain, from the first, while they are cached."""

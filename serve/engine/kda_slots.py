@@ -7,10 +7,20 @@ slots no running sequence needs now hold snapshots too, so the snapshots' share 
 concurrency falls, and a sequence that arrives takes a slot back from the snapshot worth least.
 
 Worth (GreedyDual-Size-Frequency): floor + (1 + uses) x the tokens a resume from the snapshot
-saves, where uses counts the requests that matched its page (for a conversation's newest
-snapshot, also those its earlier turns' snapshots served), and the floor rises to the worth of
-each snapshot given up. A much-used shared prefix thus outlives a stream of one-off prompts,
-worth that is not renewed fades, and a new snapshot worth less than every kept one is declined.
+saves past its base (the deepest snapshot before it on a prefix more requests matched: a
+conversation's snapshot past a system prompt saves only its own part), where uses counts the
+requests that matched its page (for a conversation's newest snapshot, also those its earlier
+turns' snapshots served), and the floor rises to the worth of each snapshot given up. A
+much-used shared prefix thus outlives a stream of one-off prompts, worth that is not renewed
+fades, and a new snapshot worth less than every kept one is declined.
+
+Admission (a doorkeeper, as in TinyLFU): a snapshot no request has used yet (uses 0) never
+displaces one that has served a request; it takes a free slot or another unused one's. Each
+prompt brings several snapshots (every `snapshot_interval` pages, its last full page, its
+generated pages), so without this a few prompts' untried snapshots push out a shared system
+prompt's before its next request comes (measured: hit rate 0.0 with 3 reserved slots). A prefix
+that comes back is counted on its cached pages whether or not its snapshot was kept, so its next
+snapshot enters as used.
 """
 from __future__ import annotations
 
@@ -21,10 +31,16 @@ class Snapshotted(Protocol):
     """A cached page as the slot table sees it (the table sets `snapshot_slot` and `worth`)."""
 
     depth: int
+    base: int
     hits: int
     inherited: int
     snapshot_slot: int | None
     worth: float
+
+
+def used(page: Snapshotted) -> bool:
+    """Has the snapshot's page (or, for a conversation's newest, its earlier turns') served a request?"""
+    return page.hits + page.inherited > 0
 
 
 class SlotTable:
@@ -55,7 +71,7 @@ class SlotTable:
         self.running -= 1
 
     def worth(self, page: Snapshotted) -> float:
-        return self._floor + (1 + page.hits + page.inherited) * page.depth * self.page_size
+        return self._floor + (1 + page.hits + page.inherited) * (page.depth - page.base) * self.page_size
 
     def renew(self, page: Snapshotted) -> None:
         """page's uses changed: its snapshot's worth follows."""
@@ -68,7 +84,7 @@ class SlotTable:
         worth = self.worth(page)
         if not self._free:
             victim = self._least_worth()
-            if victim is None or victim.worth > worth:
+            if victim is None or (used(victim), victim.worth) > (used(page), worth):
                 self.declined += 1
                 return None
             self._give_up(victim)
@@ -84,9 +100,9 @@ class SlotTable:
         page.snapshot_slot = None
 
     def _least_worth(self, exclude: Snapshotted | None = None) -> Snapshotted | None:
-        # Among equals the deepest goes first, so a chain loses its end.
-        return min((p for p in self._snapshots.values() if p is not exclude), key=lambda p: (p.worth, -p.depth),
-                   default=None)
+        # Unused ones first; among equals the deepest, so a chain loses its end.
+        return min((p for p in self._snapshots.values() if p is not exclude),
+                   key=lambda p: (used(p), p.worth, -p.depth), default=None)
 
     def _give_up(self, page: Snapshotted) -> None:
         self._floor = max(self._floor, page.worth)

@@ -160,7 +160,7 @@ class Scheduler:
         if seq.imported is not None:
             return self._import(seq)
         if self.prefix_caching and seq.hashes and not seq.admitted:
-            self.cache.note_reuse(seq.tokens, seq.hashes)
+            self.cache.note_reuse(seq.mem, seq.tokens, seq.hashes)
         if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
             self.cache.reject(hit)
             hit = None

@@ -92,3 +92,52 @@ def test_snapshots_borrow_idle_running_slots(tiny_model):
     outs = eng.generate([tokens(70, seed=5 + i) for i in range(4)], greedy(3))  # all 4 slots run at once
     assert all(len(o.token_ids) == 3 for o in outs)
     assert eng.stats()["running_slots_free"] == 4
+
+
+def test_shared_system_prompts_survive_interleaved_conversations_in_few_slots(tiny_model):
+    # 2 running slots + 2 reserved, one request at a time: 3 slots for snapshots, and each prompt
+    # brings 4-6 (every 2 pages, its last full page, its generated pages). 4 conversations over 2
+    # system prompts, turns interleaved. Untried snapshots must not push out the system prompts'
+    # (before: none survived to the next request on the same prompt), and a conversation's own
+    # snapshot saves only what lies past its system prompt, so it does not outbid one.
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 2, 2, 96), snapshot_interval=2))
+    systems = [tokens(64, seed=200 + s) for s in range(2)]
+    history = [systems[c % 2] + tokens(21 + 5 * c, seed=300 + c) for c in range(4)]
+    cached = []
+    for t in range(3):
+        for c in range(4):
+            out = eng.generate([history[c]], greedy(6))[0]
+            cached.append(out.cached_tokens)
+            history[c] = history[c] + out.token_ids + tokens(13, seed=400 + 10 * c + t)
+    # a prompt's snapshots enter as used once a second request has matched its pages: from the
+    # third request on each system prompt, every request resumes at least after it
+    later = cached[4:]
+    assert all(n >= 64 for n in later), cached
+    assert eng.stats()["snapshots_evicted"] > 0
+
+
+def test_an_unused_snapshot_never_displaces_a_used_one():
+    from dataclasses import dataclass
+
+    from k3.serve.engine.kda_slots import SlotTable
+
+    @dataclass(eq=False)
+    class Page:
+        depth: int
+        base: int = 0
+        hits: int = 0
+        inherited: int = 0
+        snapshot_slot: int | None = None
+        worth: float = 0.0
+
+    table = SlotTable(num_slots=2, max_running=1, page_size=16)
+    shared, oneoff = Page(depth=4, hits=3), Page(depth=40)
+    assert table.keep(shared) is not None and table.keep(oneoff) is not None  # 2 free slots
+    deeper = Page(depth=400)  # unused, worth far more by depth: takes only the unused one's slot
+    assert table.keep(deeper) is not None and oneoff.snapshot_slot is None and shared.snapshot_slot is not None
+    assert table.keep(Page(depth=800)) is not None and deeper.snapshot_slot is None
+    # a used snapshot saving only what lies past the shared prefix's (base) is worth that part
+    past = Page(depth=6, base=4, hits=1)
+    assert table.worth(past) - table.worth(Page(depth=2, hits=1)) == 0
+    assert table.keep(past) is not None and shared.snapshot_slot is not None  # the unused one went
+    assert table.keep(Page(depth=3000)) is None  # unused, and every kept one has served a request
