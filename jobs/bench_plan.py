@@ -13,10 +13,14 @@ processes, one torch thread each, for two steps on random tokens:
   CPU KDA kernel's saved tensors);
 - traffic (two ranks, EP 2): the bytes the expert all-to-all sent in the second step (the
   dispatchers' own count, `ExpertParallel.all_to_all_bytes`, forward and backward) and the
-  payloads DeepSpeed and the expert gradient reduction hand to torch.distributed (counted by
-  wrapping its collectives), against the planner's all-to-all bytes and gradient payloads.
-
-Context parallelism is not in this tree's trainer yet, so its exchange is not measured here.
+  payloads DeepSpeed and the expert gradient reduction hand to torch.distributed and to
+  deepspeed.comm (counted by wrapping their collectives), against the planner's all-to-all bytes
+  and gradient payloads;
+- CP exchange (cases with `:cp2`): the bytes a rank sends through the context-parallel group's
+  all-gathers (`ContextParallel.gather`: (C - 1) x its piece, KDA's (state, transition) pairs and
+  MLA's latents) and their backward reduce-scatters ((C - 1) x its piece's gradient), forward,
+  recompute and backward, against the planner's cp_exchange. The group's batch check (two int64
+  per step) is counted apart.
 """
 from __future__ import annotations
 
@@ -29,8 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--cases", default="1x1x4096:ckpt,1x1x4096:full,1x4x4096:ckpt,2x2x2048:ckpt,2x2x2048:full",
-               help="world x micro_batch x sequence length : ckpt (activation checkpointing) or full")
+p.add_argument("--cases", default="1x1x4096:ckpt,1x1x4096:full,1x4x4096:ckpt,2x2x2048:ckpt,2x2x2048:full,"
+                                  "2x1x4096:ckpt:cp2,2x1x4096:full:cp2",
+               help="world x micro_batch x sequence length : ckpt (activation checkpointing) or full "
+                    "[: cpC (context parallelism over C of the ranks)]")
 p.add_argument("--out", type=Path)
 args = p.parse_args()
 
@@ -38,18 +44,52 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gat
                "broadcast", "reduce")
 
 
-def count_collectives(dist, tally: dict) -> None:
-    """Wrap torch.distributed's collectives to add each call's payload bytes to tally[name]."""
+def count_collectives(dist, tally: dict, prefix: str = "") -> None:
+    """Wrap a module's collectives to add each call's payload bytes (its first tensor argument:
+    the output of an all-gather) to tally[prefix + name]."""
     def wrap(name, fn):
         def counted(*a, **kw):
             t = a[0] if a else next(iter(kw.values()))
             tensors = t if isinstance(t, (list, tuple)) else [t]
-            tally[name] = tally.get(name, 0) + sum(x.numel() * x.element_size() for x in tensors)
+            tally[prefix + name] = tally.get(prefix + name, 0) + sum(x.numel() * x.element_size() for x in tensors)
             return fn(*a, **kw)
         return counted
 
     for name in COLLECTIVES:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def count_deepspeed_collectives(tally: dict) -> None:
+    """The same for deepspeed.comm, which ZeRO calls (its parameter all-gather after the step)."""
+    import deepspeed.comm as dscomm
+
+    count_collectives(dscomm, tally, prefix="deepspeed.")
+
+
+def count_cp_exchange(tally: dict) -> None:
+    """Count what ContextParallel.gather makes this rank send: (C - 1) x its piece in the
+    all-gather, (C - 1) x the piece's gradient in the backward's reduce-scatter."""
+    import torch
+
+    from k3.platform.train.context_parallel import ContextParallel
+
+    gather = ContextParallel.gather
+
+    def add(key: str, n: int) -> None:
+        tally[key] = tally.get(key, 0) + n
+
+    def counted(self, x):
+        out = gather(self, x)
+        if self.size > 1:
+            key = "cp_check" if x.dtype == torch.long else "cp_exchange"
+            sent = (self.size - 1) * x.numel() * x.element_size()
+            add(key, sent)
+            if out.requires_grad:
+                out.register_hook(lambda g: add(key, sent))
+        return out
+
+    ContextParallel.gather = counted
 
 
 def peak_live_bytes(prof) -> int:
@@ -80,13 +120,15 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
     tally: dict = {}
     cfg = TrainConfig(num_workers=world, ep_size=world, micro_batch=case["micro_batch"], steps=2, lr=1e-3,
                       warmup_steps=0, balance={"method": "none"}, seed=3,
-                      activation_checkpointing=case["checkpointing"])
-    g = torch.Generator().manual_seed(rank)
+                      activation_checkpointing=case["checkpointing"], context_parallel=case["cp"])
+    g = torch.Generator().manual_seed(rank // case["cp"])  # a CP group's ranks read the same sequences
     vocab = cfg.model_cfg().vocab_size
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         t = Trainer(cfg, rank, world).build()
         t.start()
         count_collectives(dist, tally)  # from here: the steps' collectives only
+        count_deepspeed_collectives(tally)
+        count_cp_exchange(tally)
         steps = [t.train_step(t.make_batch({"tokens": torch.randint(0, vocab, (case["micro_batch"], case["seq"]),
                                                                      generator=g)}), s) for s in range(2)]
     result = {"peak_tensor_bytes": peak_live_bytes(prof), "all_to_all_bytes": t.ep.all_to_all_bytes(),
@@ -101,10 +143,10 @@ def predicted(case: dict) -> dict:
     from k3.platform.ops.plan.training import Layout, grad_payloads, plan_layout
 
     s = cpu_run_setup(get_preset("k3-tiny"), case["seq"], case["micro_batch"], case["checkpointing"])
-    layout = Layout(case["world"], 1, case["world"])
+    layout = Layout(case["world"] // case["cp"], case["cp"], case["world"])
     plan = plan_layout(s, layout, utilisation=1.0)
     return {"memory": plan.memory, "total_bytes": plan.total_bytes, "all_to_all_bytes": plan.traffic["all_to_all"],
-            "grad_payloads": grad_payloads(s, layout)}
+            "cp_exchange_bytes": plan.traffic["cp_exchange"], "grad_payloads": grad_payloads(s, layout)}
 
 
 def run_case(text: str) -> dict:
@@ -114,9 +156,10 @@ def run_case(text: str) -> dict:
 
     from k3.platform.ops.local_ray import free_port
 
-    shape, mode = text.split(":")
+    shape, mode, *extra = text.split(":")
     world, mb, seq = (int(x) for x in shape.split("x"))
-    case = {"world": world, "micro_batch": mb, "seq": seq, "checkpointing": mode == "ckpt"}
+    cp = int(extra[0].removeprefix("cp")) if extra else 1
+    case = {"world": world, "micro_batch": mb, "seq": seq, "checkpointing": mode == "ckpt", "cp": cp}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(world, free_port(), case, d), nprocs=world, join=True)
         ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
@@ -127,6 +170,10 @@ def run_case(text: str) -> dict:
     if world > 1:
         a2a = sum(r["all_to_all_bytes"] for r in ranks) / world
         out["all_to_all_error"] = round(pred["all_to_all_bytes"] / a2a - 1, 4)
+    if cp > 1:  # per rank and step: the tally covers both steps
+        sent = sum(r["collective_payload_bytes_2_steps"].get("cp_exchange", 0) for r in ranks) / world / 2
+        out["cp_exchange_measured_per_step"] = sent
+        out["cp_exchange_error"] = round(pred["cp_exchange_bytes"] / sent - 1, 4)
     print(json.dumps({k: v for k, v in out.items() if k != "ranks"}), flush=True)
     return out
 
