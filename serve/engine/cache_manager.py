@@ -197,7 +197,7 @@ class CacheManager:
         if mem.slot is not None:
             self._slots.release_running(mem.slot)
             mem.slot = None
-        mem.rolling, mem.reuse, mem.base = None, 0, 0
+        mem.rolling, mem.reuse = None, 0  # base stays: the request's prompt matched what it matched
         if failed:
             for h in mem.added:
                 blk = self._entries.get(h)
