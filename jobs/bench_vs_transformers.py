@@ -14,6 +14,11 @@ sides; the repeats interleave the two sides and the best of each is kept; tokens
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
+Each side's step is also counted in floating-point operations (torch's FlopCounterMode: matmuls,
+attention, convolutions) and set against this machine's own matmul rate, measured in the same run
+on the step's largest shapes: `floor_s` is the time the step's counted arithmetic takes at that
+rate, so `max_speedup` (transformers' measured step over k3's floor) bounds what any k3 step
+could reach here. `--profile` adds k3 Trainer's step by op (torch.profiler, self CPU time).
 """
 from __future__ import annotations
 
@@ -118,8 +123,48 @@ def k3_step(model, opt, ids) -> float:
     return float(loss)
 
 
-def trainer(path: str, batch: int):
-    """k3's Trainer on this process alone (gloo, world 1), starting from the checkpoint."""
+def step_flops(fn) -> int:
+    """Floating-point operations torch counts in one call of fn (matmuls, attention, convolutions)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 1.0) -> float:
+    """Best fp32 FLOP/s of torch.mm on this machine over the [m, k] @ [k, n] shapes given."""
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / len(shapes):
+            a @ b
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    return best
+
+
+def profile_step(fn, rows: int = 12) -> list[dict]:
+    """fn's ops by self CPU time (the step's largest), each as ms, share and calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ev = [e for e in prof.key_averages() if e.key.startswith("aten::") or e.key[:1].isupper()]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    ev.sort(key=lambda e: -e.self_cpu_time_total)
+    out = [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1),
+            "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in ev[:rows]]
+    out.append({"op": "(all aten ops)", "calls": sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")),
+                "self_ms": round(total / 1e3, 1)})
+    return out
+
+
+def trainer(path: str | None, batch: int, preset: str | None = None):
+    """k3's Trainer on this process alone (gloo, world 1), starting from the checkpoint at path (or
+    the preset's random initialisation)."""
     import torch.distributed as dist
 
     from k3.platform.ops.local_ray import free_port
@@ -133,14 +178,15 @@ def trainer(path: str, batch: int):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    cfg = TrainConfig(init_from=path, num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
+    cfg = TrainConfig(**({"init_from": path} if path else {"preset": preset}), num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
                       balance={"method": "none"}, seed=0)
     t = Trainer(cfg, 0, 1).build()
     t.start()
     return t
 
 
-def train(name: str, path: str, hf, batch: int, seq: int, repeats: int, gen: torch.Generator) -> dict:
+def train(name: str, path: str, hf, batch: int, seq: int, repeats: int, gen: torch.Generator,
+          profile: bool = False) -> dict:
     """One training step, transformers vs k3 (model + AdamW) vs k3's Trainer; first losses compared."""
     hf.train()
     ours = load_kimi_linear(path, dtype=torch.float32).train()
@@ -156,12 +202,44 @@ def train(name: str, path: str, hf, batch: int, seq: int, repeats: int, gen: tor
         times["k3_model"].append(timed(lambda: k3_step(ours, k3_opt, ids))[0])
         times["k3_trainer"].append(timed(lambda: tr.train_step(tr.make_batch({"tokens": ids}), r + 1))[0])
     best = {k: min(v) for k, v in times.items()}
-    return {"batch": batch, "seq_len": seq, "first_step_loss": {k: round(v, 6) for k, v in first.items()},
+    flops = {"transformers": step_flops(lambda: hf_step(hf, hf_opt, ids)),
+             "k3_model": step_flops(lambda: k3_step(ours, k3_opt, ids)),
+             "k3_trainer": step_flops(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 1))}
+    cfg, tokens = hf.config, batch * seq
+    # the step's largest matmuls: the vocabulary projection, the dense MLP, the attention projections
+    rate = matmul_rate([(tokens, cfg.hidden_size, cfg.vocab_size), (tokens, cfg.hidden_size, cfg.intermediate_size),
+                        (tokens, cfg.hidden_size, cfg.hidden_size)])
+    floor = {k: v / rate for k, v in flops.items()}
+    out = {"batch": batch, "seq_len": seq, "first_step_loss": {k: round(v, 6) for k, v in first.items()},
             "loss_abs_diff_k3_model": abs(first["k3_model"] - first["transformers"]),
             "loss_abs_diff_k3_trainer": abs(first["k3_trainer"] - first["transformers"]),
             "step_s": {k: round(v, 4) for k, v in best.items()},
             "speedup_k3_model": round(best["transformers"] / best["k3_model"], 2),
-            "speedup_k3_trainer": round(best["transformers"] / best["k3_trainer"], 2)}
+            "speedup_k3_trainer": round(best["transformers"] / best["k3_trainer"], 2),
+            "gflop_per_step": {k: round(v / 1e9, 2) for k, v in flops.items()},
+            "matmul_gflop_per_s": round(rate / 1e9, 1),
+            "floor_s": {k: round(v, 4) for k, v in floor.items()},
+            "fraction_of_matmul_rate": {k: round(floor[k] / best[k], 3) for k in best},
+            "max_speedup": {k: round(best["transformers"] / floor[k], 2) for k in ("k3_model", "k3_trainer")}}
+    if profile:
+        out["k3_trainer_profile"] = profile_step(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 2))
+    return out
+
+
+def tiny_step(repeats: int, gen: torch.Generator, batch: int = 8, seq: int = 256) -> dict:
+    """k3-tiny's Trainer step at the README job's per-rank shapes: time, counted arithmetic, profile."""
+    tr = trainer(None, batch, preset="k3-tiny")
+    ids = torch.randint(3, tr.model.cfg.vocab_size, (batch, seq), generator=gen)
+    tr.train_step(tr.make_batch({"tokens": ids}), 0)
+    best = min(timed(lambda: tr.train_step(tr.make_batch({"tokens": ids}), r + 1))[0] for r in range(repeats))
+    flops = step_flops(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 1))
+    c, tokens = tr.model.cfg, batch * seq
+    rate = matmul_rate([(tokens, c.hidden_size, c.vocab_size), (tokens, c.hidden_size, c.intermediate_size),
+                        (tokens, c.hidden_size, c.hidden_size)])
+    return {"batch": batch, "seq_len": seq, "step_s": round(best, 4), "gflop_per_step": round(flops / 1e9, 2),
+            "matmul_gflop_per_s": round(rate / 1e9, 1), "floor_s": round(flops / rate, 4),
+            "fraction_of_matmul_rate": round(flops / rate / best, 3),
+            "profile": profile_step(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 2))}
 
 
 def main() -> None:
@@ -175,6 +253,8 @@ def main() -> None:
     p.add_argument("--train-seq", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     p.add_argument("--compile-decode", action="store_true", help="EngineConfig(compile_decode=True)")
+    p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
+                   "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,8 +272,12 @@ def main() -> None:
                                              args.new_tokens, args.repeats, gen,
                                              EngineConfig(compile_decode=True) if args.compile_decode else EngineConfig())
             if "train" in only and name == "kimi8":
-                res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen)
+                res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen,
+                                           args.profile)
             print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)
+        if "train" in only and args.profile:
+            res["k3-tiny"] = {"train": tiny_step(args.repeats, gen)}
+            print(json.dumps({"k3-tiny": res["k3-tiny"]}), file=sys.stderr, flush=True)
     res["machine"]["load_average_at_end"] = os.getloadavg()
     print(json.dumps(res, indent=2))
 
