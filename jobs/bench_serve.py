@@ -54,6 +54,9 @@ p.add_argument("--suffix-words", type=int, default=16, help="pool run: words aft
 p.add_argument("--page-size", type=int, default=16)
 p.add_argument("--snapshot-interval", type=int, default=8, help="pages between saved KDA states")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+p.add_argument("--in-loop", action="store_true",
+               help="run each replica's request path in its own event loop: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 "
+                    "and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in every k3 replica's environment")
 args = p.parse_args()
 
 
@@ -72,6 +75,9 @@ def tokenizer_path(workdir: Path) -> str:
 
 def app_config(tok: str, disaggregated: bool) -> dict:
     one = {"num_replicas": 1, "max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0.1}}
+    if args.in_loop:
+        one["ray_actor_options"]["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                                                                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}
     model = {"path": args.model_path} if args.model_path else {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok}
     return {"model_id": "k3", "model": model, "disaggregated": disaggregated,
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,

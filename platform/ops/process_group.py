@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 
 def group_alive(pid: int | None, proc: subprocess.Popen | None = None) -> bool:
@@ -28,11 +29,43 @@ def group_alive(pid: int | None, proc: subprocess.Popen | None = None) -> bool:
     return True
 
 
+def _leader_alive(pid: int, proc: subprocess.Popen | None) -> bool:
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our child, exited now
+            return False
+    except ChildProcessError:
+        pass  # not our child: its parent (or init) reaps it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie nobody has reaped yet has exited
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: float = 30.0) -> None:
-    """SIGTERM to the group, SIGKILL to what is left of it after `grace_s` (then up to 10 s more
-    for it to go); a no-op when nothing of it runs."""
+    """Stop the group `pid` leads: SIGTERM to the leader first, then to what is left of the group
+    once the leader has gone, SIGKILL to what is left after `grace_s` (then up to 10 s more for it
+    to go); a no-op when nothing of it runs.
+
+    The leader first because a `ray start --block` head stops its own processes in order (~3 s
+    here); SIGTERM to every process of the group at once leaves its GCS waiting ~30 s for a raylet
+    that is already gone (measured 33.6 s against 3.6 s, docs/benchmarks.md). What the leader does
+    not stop (an autoscaler's fake worker nodes) is in the group and gets the group's SIGTERM."""
+    if not group_alive(pid, proc):
+        return
     deadline = time.time() + grace_s
-    for sig, until in ((signal.SIGTERM, deadline), (signal.SIGKILL, deadline + 10)):
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:  # the leader went already; the rest of its group may not have
+        pass
+    while _leader_alive(pid, proc) and time.time() < deadline:
+        time.sleep(0.1)
+    for sig, until in ((signal.SIGTERM, deadline), (signal.SIGKILL, max(deadline, time.time()) + 10)):
         if not group_alive(pid, proc):
             return
         try:

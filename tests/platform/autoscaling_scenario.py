@@ -241,8 +241,9 @@ def handoff_stats() -> dict:
     return out
 
 
-def serve_phase() -> None:
+def serve_phase(before_traffic) -> None:
     config, url = deploy()
+    before_traffic()
     where = placement()
     result["placement"] = where
     event(f"serve app running: {where}")
@@ -280,30 +281,44 @@ def serve_phase() -> None:
     event(f"serve done: {result['serve']}")
 
 
-def second_cluster(head: LocalRayHead, prom: Prometheus) -> None:
-    """Another Ray with its own Prometheus beside this one: each Prometheus sees only its own
-    SessionName (all ports of both heads their own, the metrics servers included)."""
-    other = LocalRayHead(num_cpus=1, workdir=work / "other")
-    other_prom = Prometheus(other.session_dir, work / "other-prometheus", scrape_interval_s=1)
-    try:
-        other.start()
-        other_prom.start()
-        result["sessions"] = {"mine": [head.session_dir.resolve().name, other.session_dir.resolve().name],
+class SecondCluster:
+    """Another Ray with its own Prometheus beside this one, from the end of training until the Serve
+    app is up: each Prometheus must see only its own SessionName (all ports of both heads their own,
+    the metrics servers included). Its start-up and the wait for its autoscaler's first series
+    overlap the scale-down and the deployment; it is gone before the Serve traffic and the node
+    removal, which need the two cores."""
+
+    def __init__(self) -> None:
+        self.head = LocalRayHead(num_cpus=1, workdir=work / "other")
+        self.prom = Prometheus(self.head.session_dir, work / "other-prometheus", scrape_interval_s=1)
+
+    def start(self) -> "SecondCluster":
+        self.head.start()
+        self.prom.start()
+        event(f"second cluster up on {self.head.gcs_address}")
+        return self
+
+    def check(self, head: LocalRayHead, prom: Prometheus) -> None:
+        result["sessions"] = {"mine": [head.session_dir.resolve().name, self.head.session_dir.resolve().name],
                               "seen": [{k: sorted(v) for k, v in sessions_seen(p.client).items()}
-                                       for p in (prom, other_prom)]}
-    finally:
-        other_prom.stop()
-        other.stop()
-    event(f"second cluster: {result['sessions']}")
+                                       for p in (prom, self.prom)]}
+        event(f"second cluster: {result['sessions']}")
+
+    def stop(self) -> None:
+        self.prom.stop()
+        self.head.stop()
+        event("second cluster stopped")
 
 
 def stop_twice() -> None:
     """`k3 monitor down` and `k3 cluster down`, each twice: what the second call says."""
-    result["downs"] = [k3("monitor", "down", "--state", str(MONITOR)), k3("cluster", "down", "--state", str(CLUSTER)),
-                       k3("monitor", "down", "--state", str(MONITOR)), k3("cluster", "down", "--state", str(CLUSTER))]
+    result["downs"] = []
+    for what, state in (("monitor", MONITOR), ("cluster", CLUSTER), ("monitor", MONITOR), ("cluster", CLUSTER)):
+        result["downs"].append(k3(what, "down", "--state", str(state)))
+        event(f"k3 {what} down: {result['downs'][-1][0]}")
 
 
-head = prom = None
+head = prom = other = None
 try:
     head, prom = start()
     event(f"head up on {head.gcs_address}, prometheus {prom.url}")
@@ -316,15 +331,15 @@ try:
     result["nodes_at_start"] = alive_nodes()
     train()
     t_end = time.time()
+    other = SecondCluster().start()
     wait_for(lambda: alive_nodes() == 1, 180, "worker nodes removed")
     result["scale_down_s"] = time.time() - t_end
     event(f"scaled down to the head {result['scale_down_s']:.0f} s after the job ended")
-    serve_phase()
+    serve_phase(before_traffic=lambda: (other.check(head, prom), other.stop()))
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
-    second_cluster(head, prom)
     stop_twice()
 except BaseException:
     result["error"] = traceback.format_exc()
@@ -333,7 +348,7 @@ finally:
     import ray
 
     ray.shutdown()  # before its cluster goes: a driver that loses its GCS for 60 s aborts this process
-    for thing in (prom, head):  # whatever the downs did not stop
+    for thing in (other, prom, head):  # whatever the downs did not stop
         if thing is not None:
             thing.stop()
     result["left_running"] = {"ray_head": bool(head and head.alive()), "prometheus": bool(prom and prom.alive())}

@@ -105,3 +105,36 @@ def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm():
     stop_group(proc.pid, proc, grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8
     stop_group(proc.pid, proc)  # stopping what is gone is a no-op
+
+
+def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
+    """The leader (a `ray start --block` head stops its own processes in order) gets SIGTERM first;
+    what it leaves running (an autoscaler's fake nodes) gets the group's SIGTERM after it has gone."""
+    import subprocess
+    import sys
+    import time
+
+    from k3.platform.ops.process_group import group_alive, stop_group
+
+    log = tmp_path / "log"
+    member = ("import signal, sys, time\n"
+              "def term(*_):\n"
+              f"    open({str(log)!r}, 'a').write(sys.argv[1] + ' %.6f\\n' % time.time()); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, term)\n"
+              "time.sleep(60)\n")
+    script = tmp_path / "member.py"
+    script.write_text(member)
+    # the leader starts a member it never stops, then waits; on SIGTERM it writes and exits
+    leader = (f"import subprocess, sys; subprocess.Popen([sys.executable, {str(script)!r}, 'left']); "
+              f"sys.argv = ['x', 'leader']; exec(open({str(script)!r}).read())")
+    proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+    deadline = time.time() + 30
+    while time.time() < deadline and len(subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True,
+                                                        text=True).stdout.split()) < 2:
+        time.sleep(0.1)
+    time.sleep(0.5)  # both have installed their handlers
+    stop_group(proc.pid, proc, grace_s=20.0)
+    assert not group_alive(proc.pid, proc)
+    got = dict(line.split() for line in log.read_text().splitlines())
+    assert set(got) == {"leader", "left"}, got  # both stopped by SIGTERM, not killed
+    assert float(got["leader"]) < float(got["left"])
