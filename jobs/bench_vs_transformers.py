@@ -178,7 +178,8 @@ def trainer(path: str | None, batch: int, preset: str | None = None):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    cfg = TrainConfig(**({"init_from": path} if path else {"preset": preset}), num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
+    start = {"init_from": path} if path else {"preset": preset}
+    cfg = TrainConfig(**start, num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
                       balance={"method": "none"}, seed=0)
     t = Trainer(cfg, 0, 1).build()
     t.start()
