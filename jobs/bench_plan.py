@@ -149,17 +149,31 @@ def predicted(case: dict) -> dict:
             "cp_exchange_bytes": plan.traffic["cp_exchange"], "grad_payloads": grad_payloads(s, layout)}
 
 
-def run_case(text: str) -> dict:
+def parse_case(text: str) -> dict:
+    """`WORLDxMBxSEQ:ckpt|full[:cpC]` -> a case; a ValueError naming what is wrong otherwise."""
+    shape, mode, *extra = text.split(":") + ([] if ":" in text else [""])
+    dims = shape.split("x")
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"case {text!r}: the shape must be WORLDxMICRO_BATCHxSEQ_LEN of positive integers")
+    if mode not in ("ckpt", "full"):
+        raise ValueError(f"case {text!r}: the mode must be ckpt or full, got {mode!r}")
+    if len(extra) > 1 or (extra and not (extra[0].startswith("cp") and extra[0][2:].isdigit() and int(extra[0][2:]) > 0)):
+        raise ValueError(f"case {text!r}: after the mode only cpC (C a positive integer) may follow")
+    world, mb, seq = (int(d) for d in dims)
+    cp = int(extra[0][2:]) if extra else 1
+    if world % cp or seq % cp:
+        raise ValueError(f"case {text!r}: cp{cp} must divide the world size ({world}) and the sequence length ({seq})")
+    return {"world": world, "micro_batch": mb, "seq": seq, "checkpointing": mode == "ckpt", "cp": cp}
+
+
+def run_case(case: dict) -> dict:
     import tempfile
 
     import torch.multiprocessing as mp
 
     from k3.platform.ops.local_ray import free_port
 
-    shape, mode, *extra = text.split(":")
-    world, mb, seq = (int(x) for x in shape.split("x"))
-    cp = int(extra[0].removeprefix("cp")) if extra else 1
-    case = {"world": world, "micro_batch": mb, "seq": seq, "checkpointing": mode == "ckpt", "cp": cp}
+    world, cp = case["world"], case["cp"]
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(world, free_port(), case, d), nprocs=world, join=True)
         ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
@@ -173,16 +187,21 @@ def run_case(text: str) -> dict:
     if cp > 1:  # per rank and step: the tally covers both steps
         sent = sum(r["collective_payload_bytes_2_steps"].get("cp_exchange", 0) for r in ranks) / world / 2
         out["cp_exchange_measured_per_step"] = sent
-        out["cp_exchange_error"] = round(pred["cp_exchange_bytes"] / sent - 1, 4)
+        # nothing sent would be a broken count (the planner always predicts an exchange with cp > 1)
+        out["cp_exchange_error"] = round(pred["cp_exchange_bytes"] / sent - 1, 4) if sent else None
     print(json.dumps({k: v for k, v in out.items() if k != "ranks"}), flush=True)
     return out
 
 
 if __name__ == "__main__":
+    try:  # every case checked before the first one runs
+        cases = [parse_case(c) for c in args.cases.split(",")]
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
     summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "load_avg_1m_start": round(os.getloadavg()[0], 2),
-               "cases": [run_case(c) for c in args.cases.split(",")]}
+               "cases": [run_case(c) for c in cases]}
     summary |= {"wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m_end": round(os.getloadavg()[0], 2)}
     text = json.dumps(summary, indent=2)
     print(text)
