@@ -151,7 +151,8 @@ def predicted(case: dict) -> dict:
 
 def parse_case(text: str) -> dict:
     """`WORLDxMBxSEQ:ckpt|full[:cpC]` -> a case; a ValueError naming what is wrong otherwise."""
-    shape, mode, *extra = text.split(":") + ([] if ":" in text else [""])
+    shape, _, rest = text.partition(":")
+    mode, *extra = rest.split(":")
     dims = shape.split("x")
     if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ValueError(f"case {text!r}: the shape must be WORLDxMICRO_BATCHxSEQ_LEN of positive integers")

@@ -146,6 +146,14 @@ def matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 1.0) -> flo
     return best
 
 
+def step_matmul_rate(cfg, tokens: int) -> float:
+    """matmul_rate on a step's largest matmuls: the vocabulary projection, the dense MLP, the
+    attention projections (cfg: a transformers or k3 config: hidden_size, vocab_size,
+    intermediate_size)."""
+    return matmul_rate([(tokens, cfg.hidden_size, cfg.vocab_size), (tokens, cfg.hidden_size, cfg.intermediate_size),
+                        (tokens, cfg.hidden_size, cfg.hidden_size)])
+
+
 def profile_step(fn, rows: int = 12) -> list[dict]:
     """fn's ops by self CPU time (the step's largest), each as ms, share and calls."""
     from torch.profiler import ProfilerActivity, profile
@@ -206,10 +214,7 @@ def train(name: str, path: str, hf, batch: int, seq: int, repeats: int, gen: tor
     flops = {"transformers": step_flops(lambda: hf_step(hf, hf_opt, ids)),
              "k3_model": step_flops(lambda: k3_step(ours, k3_opt, ids)),
              "k3_trainer": step_flops(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 1))}
-    cfg, tokens = hf.config, batch * seq
-    # the step's largest matmuls: the vocabulary projection, the dense MLP, the attention projections
-    rate = matmul_rate([(tokens, cfg.hidden_size, cfg.vocab_size), (tokens, cfg.hidden_size, cfg.intermediate_size),
-                        (tokens, cfg.hidden_size, cfg.hidden_size)])
+    rate = step_matmul_rate(hf.config, batch * seq)
     floor = {k: v / rate for k, v in flops.items()}
     out = {"batch": batch, "seq_len": seq, "first_step_loss": {k: round(v, 6) for k, v in first.items()},
             "loss_abs_diff_k3_model": abs(first["k3_model"] - first["transformers"]),
@@ -234,9 +239,7 @@ def tiny_step(repeats: int, gen: torch.Generator, batch: int = 8, seq: int = 256
     tr.train_step(tr.make_batch({"tokens": ids}), 0)
     best = min(timed(lambda: tr.train_step(tr.make_batch({"tokens": ids}), r + 1))[0] for r in range(repeats))
     flops = step_flops(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 1))
-    c, tokens = tr.model.cfg, batch * seq
-    rate = matmul_rate([(tokens, c.hidden_size, c.vocab_size), (tokens, c.hidden_size, c.intermediate_size),
-                        (tokens, c.hidden_size, c.hidden_size)])
+    rate = step_matmul_rate(tr.model.cfg, batch * seq)
     return {"batch": batch, "seq_len": seq, "step_s": round(best, 4), "gflop_per_step": round(flops / 1e9, 2),
             "matmul_gflop_per_s": round(rate / 1e9, 1), "floor_s": round(flops / rate, 4),
             "fraction_of_matmul_rate": round(flops / rate / best, 3),

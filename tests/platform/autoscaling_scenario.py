@@ -305,9 +305,11 @@ class SecondCluster:
         event(f"second cluster: {result['sessions']}")
 
     def stop(self) -> None:
-        self.prom.stop()
-        self.head.stop()
-        event("second cluster stopped")
+        """Stop both; the `finally` of the scenario calls it again (a no-op then)."""
+        if self.prom.alive() or self.head.alive():
+            self.prom.stop()
+            self.head.stop()
+            event("second cluster stopped")
 
 
 def stop_twice() -> None:
