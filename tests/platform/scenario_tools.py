@@ -115,31 +115,32 @@ def panels_over(prom, dashboards: list[str], start: float) -> dict:
 
 def node_processes(pgid: int, node_id: str, head_node_id: str) -> list[int]:
     """Every process of one fake worker node, found the way Ray's fake provider would remove it
-    (its raylet, agents and workers carry the node id the provider gave them in their environment).
-    Only processes of the head's process group are looked at; the head itself is refused (its
-    processes carry the fake head's id, and without its GCS the whole cluster goes). Found ahead of
-    the removal, so that the removal itself is a few signals (it is aimed at a request in flight)."""
+    (its raylet and agents carry the node id the provider gave them in their environment), and
+    every process they started. The node's own processes are looked for in the head's process
+    group only; the head itself is refused (its processes carry the fake head's id, and without its
+    GCS the whole cluster goes). Found ahead of the removal, so that the removal itself is a few
+    signals (it is aimed at a request in flight)."""
     if node_id == head_node_id:
         raise ValueError(f"node {node_id} is the head: remove a worker node")
     marker = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode()
-    ours: dict[int, int] = {}  # pid -> parent pid, every process of the head's group
+    parents: dict[int, int] = {}  # pid -> parent pid, every process on the machine
     marked = set()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             pid = int(d.name)
-            if os.getpgid(pid) != pgid:
-                continue
-            ours[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if marker in (d / "environ").read_bytes().split(b"\0"):
+            parents[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if os.getpgid(pid) == pgid and marker in (d / "environ").read_bytes().split(b"\0"):
                 marked.add(pid)
         except (OSError, ProcessLookupError, ValueError):
             continue
-    # the raylet's workers (the replicas) do not carry the marker: they are its children
+    # the raylet's workers (the replicas) lead process groups of their own and need not carry the
+    # marker: they are found as its children (missing them left the replica serving for a moment
+    # after its raylet was gone, and the request in flight then finished instead of being lost)
     pids = set(marked)
     while True:
-        more = {pid for pid, parent in ours.items() if parent in pids} - pids
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
         if not more:
             break
         pids |= more

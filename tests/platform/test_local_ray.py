@@ -2,6 +2,7 @@
 start is proven by the job-submit test)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,50 @@ def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
     got = dict(line.split() for line in log.read_text().splitlines())
     assert set(got) == {"leader", "left"}, got  # both stopped by SIGTERM, not killed
     assert float(got["leader"]) < float(got["left"])
+
+
+def test_a_fake_node_s_processes_include_workers_that_lead_their_own_group():
+    """The autoscaling scenario removes a fake worker node by its processes: the raylet-like one
+    carries the node's id and is in the head's group; its worker leads a group of its own (as Ray's
+    workers do) and must be found as its child. Another node's process is left out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scenario_tools", Path(__file__).with_name("scenario_tools.py"))
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    node_processes = tools.node_processes
+
+    tree = ("import os, subprocess, sys, time\n"
+            "w = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
+            "print(w.pid, flush=True); time.sleep(60)\n")
+    lead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    node = other = None
+    try:
+        env = {**os.environ, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": "n1"}
+        # the node's "raylet" joins the leader's group, as a fake node's processes join the head's
+        node = subprocess.Popen([sys.executable, "-c", tree], env=env, stdout=subprocess.PIPE, text=True,
+                                process_group=lead.pid)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env={**os.environ, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": "n2"},
+                                 process_group=lead.pid)
+        worker = int(node.stdout.readline())
+        deadline = time.time() + 10
+        while os.getpgid(worker) != worker and time.time() < deadline:
+            time.sleep(0.05)
+        assert os.getpgid(worker) == worker != lead.pid
+        assert node_processes(lead.pid, "n1", "head") == sorted([node.pid, worker])
+        with pytest.raises(ValueError, match="is the head"):
+            node_processes(lead.pid, "n1", "n1")
+    finally:
+        for p in (node, other, lead):
+            if p is not None:
+                p.kill()
+                p.wait()
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
