@@ -1,5 +1,5 @@
 """LocalRayHead: its set-up without starting Ray, and a start that loses a port (the ordinary
-start is proven by the job-submit test)."""
+start is proven by the job-submit test); stopping process groups; finding a fake node's processes."""
 from __future__ import annotations
 
 import contextlib
@@ -145,13 +145,12 @@ def test_a_fake_node_s_processes_include_workers_that_lead_their_own_group():
     """The autoscaling scenario removes a fake worker node by its processes: the raylet-like one
     carries the node's id and is in the head's group; its worker leads a group of its own (as Ray's
     workers do) and must be found as its child. Another node's process is left out."""
+    import importlib.util
     import os
     import signal
     import subprocess
     import sys
     import time
-
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location("scenario_tools", Path(__file__).with_name("scenario_tools.py"))
     tools = importlib.util.module_from_spec(spec)
@@ -162,7 +161,7 @@ def test_a_fake_node_s_processes_include_workers_that_lead_their_own_group():
             "w = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
             "print(w.pid, flush=True); time.sleep(60)\n")
     lead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
-    node = other = None
+    node = other = worker = None
     try:
         env = {**os.environ, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": "n1"}
         # the node's "raylet" joins the leader's group, as a fake node's processes join the head's
@@ -184,5 +183,6 @@ def test_a_fake_node_s_processes_include_workers_that_lead_their_own_group():
             if p is not None:
                 p.kill()
                 p.wait()
-        with contextlib.suppress(NameError, ProcessLookupError):
-            os.kill(worker, signal.SIGKILL)
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
