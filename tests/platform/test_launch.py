@@ -70,3 +70,24 @@ def test_fit_starts_a_run_again_when_its_controller_died_on_start(cfg, monkeypat
         with pytest.raises(RuntimeError, match="(?s)training failed: The actor died unexpectedly.*TrainController"):
             launch.fit(cfg)
         assert len(starts) == min(n, launch.CONTROLLER_STARTS)
+
+
+@pytest.mark.ray
+def test_the_data_is_read_in_equal_ordered_splits_without_an_actor_per_read(ray_local, cfg):
+    """`data_splits` is the driver's read of every token shard. Ray Data's default Parquet reader
+    (Ray 2.60) started 32 footer-reading actors for it, every run: seconds of process start-up on
+    2 cores, and on an autoscaling cluster nodes added for a read of a few MB."""
+    import pyarrow.parquet as pq
+    from ray._private import state
+
+    from k3.platform.train.data import read_manifest
+
+    before = {a["ActorID"] for a in state.actors().values()}
+    splits = launch.data_splits(cfg)
+    started = sorted(a["ActorClassName"] for a in state.actors().values() if a["ActorID"] not in before)
+    assert not [c for c in started if not c.startswith("_")], f"the read started actors: {started}"
+    rows = [r for p in read_manifest(cfg.data).shard_paths(cfg.data) for r in pq.read_table(p).to_pylist()]
+    got = [s.take_all() for s in splits]
+    n = len(rows) // 2
+    assert len(splits) == 2 and [len(g) for g in got] == [n, n]
+    assert [list(map(int, r["tokens"])) for r in got[0] + got[1]] == [r["tokens"] for r in rows[:2 * n]]
