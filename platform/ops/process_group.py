@@ -47,15 +47,18 @@ def _leader_alive(pid: int, proc: subprocess.Popen | None) -> bool:
         return True
 
 
-def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: float = 30.0) -> None:
-    """Stop the group `pid` leads: SIGTERM to the leader first, then to what is left of the group
-    once the leader has gone, SIGKILL to what is left after `grace_s` (then up to 10 s more for it
-    to go); a no-op when nothing of it runs.
+def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: float = 30.0,
+               rest_grace_s: float = 5.0) -> None:
+    """Stop the group `pid` leads: SIGTERM to the leader first, up to `grace_s` for it to go, then
+    SIGTERM to what is left of the group and up to `rest_grace_s` more (within `grace_s`) before
+    SIGKILL (then up to 10 s more for it to go); a no-op when nothing of it runs.
 
     The leader first because a `ray start --block` head stops its own processes in order: 3.6 s
     here, against 33.6 s with SIGTERM to every process of the group at once (its raylet gone after
     10 s, its GCS after 32 s; docs/benchmarks.md). What the leader does not stop (an autoscaler's
-    fake worker nodes) is in the group and gets the group's SIGTERM."""
+    fake worker nodes) is in the group and gets the group's SIGTERM; with the head gone it serves
+    nothing, yet its raylets took 10-45 s to exit (they wait on the GCS that went), hence the short
+    second grace."""
     if not group_alive(pid, proc):
         return
     deadline = time.time() + grace_s
@@ -65,7 +68,8 @@ def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: f
         pass
     while _leader_alive(pid, proc) and time.time() < deadline:
         time.sleep(0.1)
-    for sig, until in ((signal.SIGTERM, deadline), (signal.SIGKILL, max(deadline, time.time()) + 10)):
+    rest = min(deadline, time.time() + rest_grace_s)
+    for sig, until in ((signal.SIGTERM, rest), (signal.SIGKILL, max(rest, time.time()) + 10)):
         if not group_alive(pid, proc):
             return
         try:

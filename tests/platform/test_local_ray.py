@@ -106,6 +106,13 @@ def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm():
     stop_group(proc.pid, proc, grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8
     stop_group(proc.pid, proc)  # stopping what is gone is a no-op
+    # a leader that goes on SIGTERM, leaving a member that ignores it (a fake node's raylet waiting
+    # on its gone head): the member gets the short second grace, not what is left of the first
+    proc = subprocess.Popen(["bash", "-c", "(trap '' TERM; sleep 60) & sleep 60"], start_new_session=True)
+    time.sleep(0.3)
+    t = time.time()
+    stop_group(proc.pid, proc, grace_s=60.0, rest_grace_s=1.0)
+    assert not group_alive(proc.pid, proc) and time.time() - t < 8, time.time() - t
 
 
 def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
