@@ -49,14 +49,20 @@ demo: $(STAMP) $(PROM_DIR)/.installed
 lint: $(STAMP)
 	.ci/lint-imports
 
+# The unit tier: no Ray cluster, no spawned training processes, nothing slow (markers in
+# pyproject.toml). It runs on both cores, a file per worker and one torch thread each; the rest
+# (Ray clusters, process groups, the README's jobs: each of those uses both cores itself) after
+# it, one test at a time. Each pytest run fails when no test in it ran and passed.
+UNIT := not ray and not distributed and not slow
+
 test: $(STAMP) $(PROM_DIR)/.installed $(CHROME_DIR)/.installed
 	.ci/lint-imports
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10 -m "$(UNIT)" tests
+	$(BIN)/python -m pytest -q --durations=20 -m "not ($(UNIT))" tests
 
-# The unit tier for the inner loop: no Ray cluster, no spawned training processes, nothing slow
-# (markers in pyproject.toml). CI runs `make test`.
+# The unit tier alone, for the inner loop. CI runs `make test`.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=10 -m "not ray and not distributed and not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10 -m "$(UNIT)" tests
 
 bench: $(STAMP)
 	$(BIN)/python jobs/bench_model.py
