@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from k3.kernels import eager
+from k3.kernels.dispatch import eager
 
 from .attn_res import BlockAttnRes, BlockStats, merge_partial, mix_naive
 from .cache import CacheBatch

@@ -1,4 +1,5 @@
-"""Packaging: `platform/` is k3.platform, never the top-level `platform` (the standard library's);
+"""Packaging: `platform/` is k3.platform, never the top-level `platform` (the standard library's), and
+`kernels/` is k3.kernels, never the top-level `kernels` (Hugging Face's, which transformers imports);
 the wheel holds every source file and works installed on its own, outside the repository."""
 from __future__ import annotations
 
@@ -25,8 +26,26 @@ PROBE = (
 )
 
 
-def test_platform_dir_has_no_init():
-    assert not (REPO / "platform" / "__init__.py").exists(), "platform/__init__.py would shadow the stdlib module"
+@pytest.mark.parametrize("root", ["platform", "kernels"])
+def test_dirs_named_like_other_packages_have_no_init(root):
+    # From the checkout's root (`python -m pytest`, `python -c`, Ray's working_dir) a folder with an
+    # __init__.py would be the top-level module of its name, ahead of the real one; a namespace
+    # folder loses to any regular package on the path.
+    assert not (REPO / root / "__init__.py").exists(), f"{root}/__init__.py would shadow the top-level {root!r}"
+
+
+def test_import_kernels_from_repo_root_gives_the_installed_package(tmp_path):
+    # transformers >= 5.25 requires Hugging Face's `kernels` and imports it when loading a model:
+    # run in the checkout, `import kernels` must find that package, not k3's folder. A stand-in
+    # package on PYTHONPATH (after the checkout's root, as site-packages is) plays it here.
+    fake = tmp_path / "kernels"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("OWNER = 'hub'\n")
+    probe = "import kernels, k3.kernels.dispatch as d; print(kernels.OWNER, kernels.__file__, d.__name__)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         env=clean_env() | {"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["hub", str(fake / "__init__.py"), "k3.kernels.dispatch"]
 
 
 def test_import_platform_from_repo_root_gives_stdlib():
@@ -51,7 +70,12 @@ ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address=
 def probe():
     import os, platform
     import k3.platform.ops.cli as cli
-    return platform.__file__, cli.__name__, os.path.exists("platform/ops/cli.py")
+    try:
+        import kernels  # Hugging Face's when installed (transformers >= 5.25); else a bare namespace
+        kernels_file = getattr(kernels, "__file__", None)
+    except ImportError:
+        kernels_file = None
+    return platform.__file__, cli.__name__, os.path.exists("platform/ops/cli.py"), kernels_file
 
 print("RESULT", ray.get(probe.remote(), timeout=180))
 ray.shutdown()
@@ -59,10 +83,11 @@ ray.shutdown()
     out = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=300)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line is not None, out.stderr[-2000:]
-    stdlib_file, cli_name, cwd_is_repo = eval(line[len("RESULT "):])
+    stdlib_file, cli_name, cwd_is_repo, kernels_file = eval(line[len("RESULT "):])
     assert cwd_is_repo, "the task did not run inside the uploaded working dir"
     assert stdlib_file.endswith("platform.py") and "site-packages" not in stdlib_file
     assert cli_name == "k3.platform.ops.cli"
+    assert kernels_file is None or "site-packages" in kernels_file, kernels_file
 
 
 def source_files() -> set[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import fail
+from ..dispatch import fail
 from .reference import naive_grouped_mm
 
 __all__ = ["grouped_mm", "naive_grouped_mm"]

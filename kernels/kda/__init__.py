@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import use_triton
+from ..dispatch import use_triton
 from .contract import (KDAOutput, check_chunk_size, check_gate, check_kda_inputs, check_lower_bound,
                        check_states_at, check_step_inputs, kda_fail)
 from .cpu import chunk_kda_torch, kda_step_torch

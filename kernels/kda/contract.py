@@ -10,7 +10,7 @@ from typing import NamedTuple, NoReturn
 
 import torch
 
-from .._dispatch import eager, fail
+from ..dispatch import eager, fail
 
 
 class KDAOutput(NamedTuple):

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from .._dispatch import eager, fail, use_triton
+from ..dispatch import eager, fail, use_triton
 from .cpu import finish, mla_decode_torch
 from .reference import naive_mla_decode
 

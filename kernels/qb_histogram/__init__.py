@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import use_triton
+from ..dispatch import use_triton
 from .cpu import qb_histogram_torch
 from .reference import naive_qb_histogram
 

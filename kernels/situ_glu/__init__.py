@@ -11,7 +11,7 @@ from numbers import Real
 
 import torch
 
-from .._dispatch import fail, use_triton
+from ..dispatch import fail, use_triton
 from .cpu import situ_glu_torch
 from .reference import naive_situ_glu, naive_swiglu
 

@@ -4,7 +4,7 @@ shape bucket and replayed every step after.
 Eagerly, a decode step dispatches a few hundred small ops from Python (thousands of
 interpreter-level calls for an 8-layer model), so it costs many times its arithmetic. Here
 `torch.compile` traces the forward of a decode batch once (with no host sync inside: the kernels
-skip their value checks while a graph is traced, `k3.kernels.eager`), inductor fuses the
+skip their value checks while a graph is traced, `k3.kernels.dispatch.eager`), inductor fuses the
 pointwise work into a few C++ loops (Triton kernels on a GPU), and later steps of the same shape
 run the compiled code:
 
