@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from k3.kernels.mla_decode import mla_decode
 
@@ -174,7 +173,7 @@ class GatedMLA(nn.Module):
         if self.vdim < dqk:  # equal head dims keep SDPA on its fused kernel (see _naive)
             v = F.pad(v, (0, dqk - self.vdim))
         # Query i (0-based in the chunk) sees keys 0 .. context + i: causal, aligned bottom-right.
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=self.scale)
+        o = sdpa_bottom_right(q, k, v, self.scale)
         return o[0, :, :, : self.vdim].transpose(0, 1)
 
     def slice_tokens(self, n: int, page_size: int) -> int:
@@ -294,3 +293,23 @@ class GatedMLA(nn.Module):
             o = F.scaled_dot_product_attention(qs, k[:, :, k0:k1], v[:, :, k0:k1], is_causal=True, scale=self.scale)
             outs.append(o[:, :, past:])
         return torch.cat(outs, dim=2)
+
+
+def sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA where the n queries are the last n of the S keys' positions: query i sees keys 0 .. S - n + i.
+
+    What torch's `causal_lower_right` bias does, without importing it off a GPU: importing
+    torch.nn.attention.bias imports torch._dynamo, ~2 s in every process that imports the model
+    (a CLI, a job's driver, each worker). Off a GPU that bias is the boolean mask built here (its
+    fused kernels take it unmaterialised on CUDA only); with n == S it is plain `is_causal`.
+    """
+    n, S = q.shape[-2], k.shape[-2]
+    if n == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(n, S)
+    else:
+        mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

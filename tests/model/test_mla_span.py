@@ -135,3 +135,30 @@ def test_a_later_piece_of_the_mla_layer_equals_the_packed_layer(rank):
         p = dict(layer.named_parameters()).get(name)
         if p is not None:
             torch.testing.assert_close(p.grad, ref[name], rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("n,S", [(1, 1), (5, 5), (1, 9), (4, 37), (16, 16), (16, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bottom_right_sdpa_is_torchs_causal_lower_right_bit_for_bit(n, S, dtype):
+    # The chunked prefill's attention (queries are the last n of S positions) without importing
+    # torch.nn.attention.bias: the same numbers as torch's own bias, to the bit.
+    from torch.nn.attention.bias import causal_lower_right
+
+    from k3.model.mla import sdpa_bottom_right
+
+    g = torch.Generator().manual_seed(n * 100 + S)
+    q, k, v = (torch.randn(1, 3, m, 24, generator=g).to(dtype) for m in (n, S, S))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=0.3)
+    assert torch.equal(sdpa_bottom_right(q, k, v, 0.3), want)
+
+
+def test_importing_the_model_leaves_torch_dynamo_unimported():
+    # torch._dynamo costs ~2 s to import: what only a GPU or a compile needs stays out of the
+    # model's import (a CLI, a job's driver and every worker import it).
+    import subprocess
+    import sys
+
+    probe = "import sys, k3.model, k3.model.model; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]
