@@ -27,6 +27,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import session_env  # noqa: E402,F401  (the environment before any test module is imported)
+from k3.platform.ops.extensions import use_interpreter_ninja  # noqa: E402
+
+# DeepSpeed's ops are built in test processes and in the README's cluster (whose PATH starts with
+# the venv's bin): with the same ninja in both, or each rebuilds the other's (extensions.py). After
+# session_env: the README's reader keeps a new terminal's PATH.
+use_interpreter_ninja()
 
 _passed = 0
 

@@ -11,12 +11,33 @@ no live process holds open (Linux: /proc/<pid>/fd) is stale and removed, so the 
 starts over; a lock a live process holds is waited for, up to `timeout_s`, then a TimeoutError
 names the lock, its holders and how to clear it. Where /proc cannot tell (another OS, or the
 extensions directory shared between machines), a lock older than `timeout_s` fails the same way.
+
+`use_interpreter_ninja()` runs there too: torch builds with the first `ninja` on PATH, and a venv
+holds its own (the `ninja` package, a DeepSpeed dependency) beside the system's. Two ninja
+versions hash a build's command lines differently (1.11 and 1.13 here), so each takes the other's
+build of the same command for stale and compiles the extension again (60-100 s on 2 cores, every
+other process waiting on its lock) whenever a process started with the venv's bin on PATH (a `k3
+cluster up` job) and one started without it (`.venv/bin/python jobs/pretrain.py`) take turns.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
+
+
+def use_interpreter_ninja(bin_dir: str | Path | None = None) -> str | None:
+    """Put bin_dir (default: this interpreter's, the venv's bin) first on PATH when it holds a
+    `ninja` and PATH finds another one first; returns the ninja PATH finds now (None: none)."""
+    bin_dir = Path(os.path.dirname(sys.executable) if bin_dir is None else bin_dir)
+    own = shutil.which("ninja", path=str(bin_dir))
+    found = shutil.which("ninja")
+    if own is not None and (found is None or Path(found).parent != Path(own).parent):
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+        found = shutil.which("ninja")
+    return found
 
 
 def extensions_root() -> Path:

@@ -76,11 +76,12 @@ class Trainer:
 
     # -- build ----------------------------------------------------------------------------------
     def build(self) -> "Trainer":
-        from k3.platform.ops.extensions import wait_for_extension_locks
+        from k3.platform.ops.extensions import use_interpreter_ninja, wait_for_extension_locks
 
         cfg = self.cfg
         mcfg = cfg.model_cfg()
-        wait_for_extension_locks()  # DeepSpeed may build an op below: never on a dead build's lock
+        use_interpreter_ninja()  # DeepSpeed may build an op below: with one ninja, never on a dead
+        wait_for_extension_locks()  # build's lock
         model = initial_model(cfg, mcfg, self.ep_rank, self.ep_size, self.device).train()
         model.model.activation_checkpointing = cfg.activation_checkpointing
         ep_group, edp_group = ep_groups(self.rank, self.world, self.ep_size)

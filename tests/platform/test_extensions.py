@@ -1,15 +1,23 @@
-"""A C++ extension build killed midway must not make the next job wait forever on its lock."""
+"""A C++ extension build killed midway must not make the next job wait forever on its lock; every
+process builds with the same ninja."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from torch.utils.file_baton import FileBaton
 
-from k3.platform.ops.extensions import clear_stale_extension_locks, lock_holders, wait_for_extension_locks
+from k3.platform.ops.extensions import (
+    clear_stale_extension_locks,
+    lock_holders,
+    use_interpreter_ninja,
+    wait_for_extension_locks,
+)
 
 # What torch.utils.cpp_extension does around a build: take the baton on <dir>/<name>/lock, keep it
 # open while compiling (here: sleeping), release it at the end.
@@ -59,3 +67,29 @@ def test_build_killed_midway_leaves_a_lock_the_next_run_clears(building):
     nxt = FileBaton(str(lock))
     assert nxt.try_acquire()
     nxt.release()
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_the_interpreters_ninja_goes_first_on_path_once(tmp_path, monkeypatch):
+    # Two ninja versions hash a build's command differently and rebuild each other's extension:
+    # every k3 process builds with the ninja beside its interpreter, whatever PATH it started with.
+    system = _exe(tmp_path / "usr" / "bin" / "ninja")
+    venv = _exe(tmp_path / "venv" / "bin" / "ninja").parent
+    monkeypatch.setenv("PATH", f"{system.parent}{os.pathsep}/bin")
+    assert use_interpreter_ninja(venv) == str(venv / "ninja")
+    assert use_interpreter_ninja(venv) == str(venv / "ninja")
+    assert os.environ["PATH"] == f"{venv}{os.pathsep}{system.parent}{os.pathsep}/bin"
+
+
+def test_path_is_left_alone_without_a_ninja_beside_the_interpreter(tmp_path, monkeypatch):
+    system = _exe(tmp_path / "usr" / "bin" / "ninja")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    monkeypatch.setenv("PATH", str(system.parent))
+    assert use_interpreter_ninja(tmp_path / "venv" / "bin") == str(system)
+    assert os.environ["PATH"] == str(system.parent)
