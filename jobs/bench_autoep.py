@@ -306,8 +306,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from k3.platform.ops.extensions import use_interpreter_ninja
     from k3.platform.train.expert_parallel import ep_groups
 
+    use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
     deepspeed.init_distributed(dist_backend="gloo")
     ep = 2
     cfg = bench_config()

@@ -114,8 +114,10 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
     import deepspeed
 
     from k3.platform.train.config import TrainConfig
+    from k3.platform.ops.extensions import use_interpreter_ninja
     from k3.platform.train.trainer import Trainer
 
+    use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
     deepspeed.init_distributed(dist_backend="gloo")
     tally: dict = {}
     cfg = TrainConfig(num_workers=world, ep_size=world, micro_batch=case["micro_batch"], steps=2, lr=1e-3,

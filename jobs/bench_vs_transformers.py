@@ -185,6 +185,9 @@ def trainer(path: str | None, batch: int, preset: str | None = None):
         os.environ["MASTER_PORT"] = str(free_port())
         import deepspeed
 
+        from k3.platform.ops.extensions import use_interpreter_ninja
+
+        use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
         deepspeed.init_distributed(dist_backend="gloo")
     start = {"init_from": path} if path else {"preset": preset}
     cfg = TrainConfig(**start, num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
