@@ -193,3 +193,47 @@ def test_a_fake_node_s_processes_include_workers_that_lead_their_own_group():
         if worker is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
+
+
+PROBE_JOB = """
+import os
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+before = os.stat(".").st_ino
+ray.init()
+
+
+@ray.remote(num_cpus=1)
+def where():
+    return ray.get_runtime_context().get_node_id(), os.getcwd(), os.path.isfile("probe.py")
+
+
+pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")  # the head has 1 CPU: a node joins
+ray.get(pg.ready(), timeout=240)
+out = ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+               .remote() for i in range(2)], timeout=240)
+print("RESULT", repr((out, os.getcwd(), os.stat(".").st_ino == before)))
+"""
+
+
+@pytest.mark.ray  # an autoscaling head and one fake worker node
+def test_a_fake_node_joining_a_job_leaves_the_drivers_working_dir_in_place(tmp_path):
+    # A node's runtime-env agent unpacks the job's working_dir after removing what is at its path;
+    # fake nodes share the head's session directory, so a joining node deleted the folder the
+    # job's driver ran in (os.getcwd() then raised FileNotFoundError).
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "probe.py").write_text(PROBE_JOB)
+    with LocalRayHead(autoscaling_config=REPO / "cluster" / "local-autoscaling.yaml", workdir=tmp_path / "head",
+                      autoscaler_update_s=1) as head:
+        proc = head.submit_job(["python", "probe.py"], working_dir=job, echo=False)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert proc.returncode == 0 and line is not None, proc.stdout[-3000:]
+    tasks, driver_cwd, same_folder = eval(line[len("RESULT "):])
+    assert len({node for node, _, _ in tasks}) == 2  # one task on the head, one on the new node
+    assert all(found for _, _, found in tasks)  # each ran in an unpacked copy of the job
+    assert len({cwd for _, cwd, _ in tasks}) == 2  # the new node's copy is its own
+    assert same_folder, f"the driver's folder {driver_cwd} was replaced while the job ran"
