@@ -35,7 +35,8 @@ def use_interpreter_ninja(bin_dir: str | Path | None = None) -> str | None:
     own = shutil.which("ninja", path=str(bin_dir))
     found = shutil.which("ninja")
     if own is not None and (found is None or Path(found).parent != Path(own).parent):
-        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+        rest = os.environ.get("PATH", "")  # an empty entry would put the current directory on PATH
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{rest}" if rest else str(bin_dir)
         found = shutil.which("ninja")
     return found
 

@@ -93,3 +93,10 @@ def test_path_is_left_alone_without_a_ninja_beside_the_interpreter(tmp_path, mon
     monkeypatch.setenv("PATH", str(system.parent))
     assert use_interpreter_ninja(tmp_path / "venv" / "bin") == str(system)
     assert os.environ["PATH"] == str(system.parent)
+
+
+def test_an_empty_path_gets_the_interpreters_bin_and_no_empty_entry(tmp_path, monkeypatch):
+    venv = _exe(tmp_path / "venv" / "bin" / "ninja").parent
+    monkeypatch.setenv("PATH", "")
+    assert use_interpreter_ninja(venv) == str(venv / "ninja")
+    assert os.environ["PATH"] == str(venv)
