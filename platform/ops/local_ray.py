@@ -30,7 +30,12 @@ machine, and this module does all three:
 Never `ray stop`: it ends every Ray process on the machine. `ray start --block` tears down
 what it started when its process group gets SIGTERM, which is what `stop()` sends; the
 autoscaler's fake worker nodes are started by the head's monitor inside that process group and
-go with it.
+go with it. Ray 2.60's `ray start` first drains its node on SIGTERM, waiting up to
+RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s by default) for the node to go idle, so that a
+Kubernetes pod's Serve replicas can move elsewhere; a head that hosts Serve's detached actors
+never goes idle, and the whole cluster stopping has nowhere to move them to: its stop took 34 s
+with a Serve app up against 4 s without the drain (docs/benchmarks.md). The head's environment
+sets the timeout to 0 unless the caller's environment sets it.
 
 The `ray` CLI runs as `python -m ray.scripts.scripts` under this interpreter, so the cluster's
 processes import the same k3 as the caller (a venv that layers another venv's packages has no
@@ -54,6 +59,7 @@ from .process_group import group_alive, stop_group
 
 NO_AGENT = "No available agent"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # how long `ray start` drains its node on SIGTERM
 
 
 def init_local_ray(**kwargs):
@@ -169,6 +175,7 @@ class LocalRayHead:
                     LOOPBACK_ENV: "0", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         self.env.pop("RAY_ADDRESS", None)
+        self.env.setdefault(DRAIN_ENV, "0")
         if self.cluster_config is not None:
             self.env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": str(autoscaler_update_s)})
         self.proc: subprocess.Popen | None = None

@@ -22,7 +22,7 @@ import pytest
 
 from k3.platform.train.data import prepare
 
-# 5 min on an idle 2-core machine (293 s on 2026-12-03, 34 of them `k3 cluster down`); bounded at 1500 s
+# 5 min on an idle 2-core machine (307 s on 2026-12-03 alone, 34 of them `k3 cluster down`, now ~4); bounded at 1500 s
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1700)]
 SCRIPT = Path(__file__).with_name("autoscaling_scenario.py")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from k3.platform.ops.local_ray import LocalRayHead
+from k3.platform.ops.local_ray import DRAIN_ENV, LocalRayHead
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,7 +17,7 @@ def test_every_port_is_chosen_and_distinct(tmp_path):
     ports = list(head.ports.values())
     assert len(set(ports)) == len(ports) == 11  # nine `ray start` flags, two metrics servers
     assert head.env["RAY_AUTH_MODE"] == "token" and head.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
-    assert "RAY_ADDRESS" not in head.env
+    assert "RAY_ADDRESS" not in head.env and head.env[DRAIN_ENV] == "0"
     assert head.address.startswith("http://127.0.0.1:") and head.gcs_address.startswith("127.0.0.1:")
     head.stop()  # never started: a no-op
 
@@ -59,6 +59,39 @@ def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(tmp_path):
             assert head.alive() and head.ports["node-manager-port"] != taken
             assert head.ray("job", "list", "--address", head.address).returncode == 0
     assert not head.alive()
+
+
+
+DETACHED_ACTOR = """
+import sys
+import ray
+ray.init(address=sys.argv[1])
+@ray.remote(num_cpus=0)
+class Held:
+    def ping(self):
+        return "up"
+print(ray.get(Held.options(name="held", lifetime="detached").remote().ping.remote()))
+"""
+
+
+@pytest.mark.ray  # starts a Ray head
+def test_a_head_holding_detached_actors_stops_without_draining(tmp_path):
+    """Ray 2.60's `ray start` drains its node on SIGTERM until it is idle or 30 s pass; Serve's
+    controller and replicas are detached actors, so a head with a Serve app never went idle and
+    every `k3 cluster down` waited out the 30 s (34 s in the autoscaling scenario)."""
+    import subprocess
+    import sys
+
+    head = LocalRayHead(num_cpus=1, workdir=tmp_path)
+    with head:
+        run = subprocess.run([sys.executable, "-c", DETACHED_ACTOR, head.gcs_address], env=head.env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.stdout.strip().endswith("up"), run.stderr[-2000:]
+    assert not head.alive()
+    log = head.log_path.read_text()
+    assert "Draining for up to" not in log, log[-2000:]
+    # a caller that wants the drain keeps it
+    assert LocalRayHead(num_cpus=1, workdir=tmp_path / "b", env={DRAIN_ENV: "5"}).env[DRAIN_ENV] == "5"
 
 
 @pytest.mark.parametrize("attempts", [0, -1, 1.5, True])
