@@ -98,7 +98,7 @@ def test_the_handoff_crosses_nodes_and_answers_as_one_engine(scenario):
     handoff = scenario["handoff"]
     assert handoff["count"] >= 12 and handoff["mean_bytes"] > 0 and handoff["mean_seconds"] > 0, handoff
     before = [r for r in scenario["serve"]["requests"]["timeline"] if r[0] < 0]  # seconds from the removal
-    assert len(before) >= 40 and all(status == 200 for _, status, _ in before)
+    assert len(before) >= 24 and all(status == 200 for _, status, _ in before)
 
 
 def test_a_prefill_node_removed_mid_request_is_retried_never_hangs_and_answers_alike(scenario):

@@ -44,24 +44,6 @@ def test_autoscaling_head_points_the_provider_at_its_own_gcs(tmp_path):
     assert not again.alive()
 
 
-@pytest.mark.ray  # starts a Ray head
-def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(tmp_path):
-    """A port free when it was picked can be taken by another process before Ray binds it (seen
-    on a busy machine: the raylet could not start its server and `ray start` timed out)."""
-    import socket
-
-    head = LocalRayHead(num_cpus=1, workdir=tmp_path)
-    taken = head.ports["node-manager-port"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", taken))
-        s.listen()
-        with head:
-            assert head.alive() and head.ports["node-manager-port"] != taken
-            assert head.ray("job", "list", "--address", head.address).returncode == 0
-    assert not head.alive()
-
-
-
 DETACHED_ACTOR = """
 import sys
 import ray
@@ -75,18 +57,28 @@ print(ray.get(Held.options(name="held", lifetime="detached").remote().ping.remot
 
 
 @pytest.mark.ray  # starts a Ray head
-def test_a_head_holding_detached_actors_stops_without_draining(tmp_path):
-    """Ray 2.60's `ray start` drains its node on SIGTERM until it is idle or 30 s pass; Serve's
+def test_a_taken_port_is_retried_and_a_head_holding_detached_actors_stops_without_draining(tmp_path):
+    """A port free when it was picked can be taken by another process before Ray binds it (seen
+    on a busy machine: the raylet could not start its server and `ray start` timed out).
+
+    Ray 2.60's `ray start` drains its node on SIGTERM until it is idle or 30 s pass; Serve's
     controller and replicas are detached actors, so a head with a Serve app never went idle and
     every `k3 cluster down` waited out the 30 s (34 s in the autoscaling scenario)."""
+    import socket
     import subprocess
     import sys
 
     head = LocalRayHead(num_cpus=1, workdir=tmp_path)
-    with head:
-        run = subprocess.run([sys.executable, "-c", DETACHED_ACTOR, head.gcs_address], env=head.env,
-                             capture_output=True, text=True, timeout=120)
-        assert run.stdout.strip().endswith("up"), run.stderr[-2000:]
+    taken = head.ports["node-manager-port"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        with head:
+            assert head.alive() and head.ports["node-manager-port"] != taken
+            assert head.ray("job", "list", "--address", head.address).returncode == 0
+            run = subprocess.run([sys.executable, "-c", DETACHED_ACTOR, head.gcs_address], env=head.env,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.stdout.strip().endswith("up"), run.stderr[-2000:]
     assert not head.alive()
     log = head.log_path.read_text()
     assert "Draining for up to" not in log, log[-2000:]
