@@ -34,9 +34,11 @@ def _tokens(step: int, vocab: int) -> dict[str, torch.Tensor]:
             .reshape(MICRO_BATCH, SEQ + 1)}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      DS_ACCELERATOR="cpu")
+def _worker(index: int, ports: list[int], out: str) -> None:
+    """One run per process (three processes on the machine's two cores), each a world of one."""
+    name, balance = list(RUNS.items())[index]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[index]), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     import deepspeed
 
@@ -44,23 +46,23 @@ def _worker(rank: int, port: int, out: str) -> None:
     from k3.platform.train.trainer import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")
-    result = {}
-    for name, balance in RUNS.items():
-        cfg = TrainConfig(num_workers=1, ep_size=1, micro_batch=MICRO_BATCH, steps=STEPS, lr=LR, warmup_steps=2,
-                          seed=0, balance={"method": "quantile", **balance})
-        t = Trainer(cfg, 0, 1).build()
-        t.start()
-        vocab = cfg.model_cfg().vocab_size
-        result[name] = torch.tensor([t.train_step(t.make_batch(_tokens(s, vocab)), s).maxvio for s in range(STEPS)])
-    torch.save(result, out)
+    cfg = TrainConfig(num_workers=1, ep_size=1, micro_batch=MICRO_BATCH, steps=STEPS, lr=LR, warmup_steps=2,
+                      seed=0, balance={"method": "quantile", **balance})
+    t = Trainer(cfg, 0, 1).build()
+    t.start()
+    vocab = cfg.model_cfg().vocab_size
+    maxvio = torch.tensor([t.train_step(t.make_batch(_tokens(s, vocab)), s).maxvio for s in range(STEPS)])
+    torch.save(maxvio, f"{out}.{name}")
 
 
 @pytest.fixture(scope="module")
 def maxvio(tmp_path_factory):
     out = tmp_path_factory.mktemp("qb") / "maxvio.pt"
-    port = free_port()
-    mp.spawn(_worker, args=(port, str(out)), nprocs=1, join=True)
-    return torch.load(out)
+    ports: list[int] = []
+    while len(ports) < len(RUNS):  # distinct: each run's rendezvous is its own
+        ports += [port] if (port := free_port()) not in ports else []
+    mp.spawn(_worker, args=(ports, str(out)), nprocs=len(RUNS), join=True)
+    return {name: torch.load(f"{out}.{name}") for name in RUNS}
 
 
 @pytest.mark.parametrize("run", list(RUNS))
