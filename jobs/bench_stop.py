@@ -11,10 +11,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-from k3.platform.ops.local_ray import DRAIN_ENV, LocalRayHead
+from k3.platform.ops.local_ray import DRAIN_ENV, LocalRayHead, free_port
 
 SERVE_APP = """
 import sys
@@ -35,10 +34,8 @@ print("serve up")
 
 
 def one(serve_app: bool, drain_s: str | None) -> dict:
-    from k3.platform.ops.local_ray import free_port
-
     env = {DRAIN_ENV: drain_s} if drain_s is not None else {}
-    head = LocalRayHead(num_cpus=1, workdir=tempfile.mkdtemp(prefix="k3-bench-stop-"), env=env).start()
+    head = LocalRayHead(num_cpus=1, env=env).start()
     try:
         if serve_app:
             run = subprocess.run([sys.executable, "-c", SERVE_APP, head.gcs_address, str(free_port())],

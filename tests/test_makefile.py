@@ -2,7 +2,6 @@
 commands make would run, none run)."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @pytest.mark.parametrize("target", ["test", "test-fast"])
 def test_a_fresh_clone_s_test_targets_fetch_prometheus_and_chromium_first(target, tmp_path):
     # the alerting-rule and monitor tests of the unit tier run promtool and Prometheus, the report's
@@ -22,7 +20,12 @@ def test_a_fresh_clone_s_test_targets_fetch_prometheus_and_chromium_first(target
                           f"CHROME_DIR={tmp_path / 'chrome'}"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    fetch_prom = next(i for i, line in enumerate(lines) if "apt-get download prometheus" in line)
-    fetch_chrome = next(i for i, line in enumerate(lines) if ".ci/fetch-chromium" in line)
-    first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
+
+    def first(needle: str) -> int:
+        found = [i for i, line in enumerate(lines) if needle in line]
+        assert found, f"`make -n {target}` never runs {needle!r}:\n{out.stdout}"
+        return found[0]
+
+    fetch_prom, fetch_chrome = first("apt-get download prometheus"), first(".ci/fetch-chromium")
+    first_pytest = first("-m pytest")
     assert fetch_prom < first_pytest and fetch_chrome < first_pytest, out.stdout
