@@ -93,12 +93,14 @@ def plot(out: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4), sharey=True, squeeze=False)
     axes = list(axes[0])
     for ax, lr in zip(axes, lrs):
+        floor_drawn = False
         for label, r in out["runs"].items():
             if r["lr"] == lr:
                 mv = r["maxvio_second_half_per_layer"]
                 method = label.split(", lr")[0]
                 ax.plot(range(1, len(mv) + 1), mv, marker="o", color=color[method], label=method)
-                if "fixed_bias_floor_per_layer" in r:
+                if "fixed_bias_floor_per_layer" in r and not floor_drawn:  # the first QB run's
+                    floor_drawn = True
                     fl = r["fixed_bias_floor_per_layer"]
                     ax.plot(range(1, len(fl) + 1), fl, color="grey", ls="--", marker="x",
                             label="fixed-bias floor (QB's final model)")
@@ -116,20 +118,33 @@ def plot(out: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# --methods: a balancing method, or Quantile Balancing with another solve of its after-step forward
+VARIANTS = {
+    "quantile_hist": ("QB (coordinator)", {"method": "quantile_hist"}),
+    "qb-two-rounds": ("QB, all layers per forward, two rounds", {"method": "quantile_hist", "layerwise": False,
+                                                                 "solve_rounds": 2}),
+    "qb-one-solve": ("QB, all layers from one forward", {"method": "quantile_hist", "layerwise": False}),
+    "loss_free": ("loss-free", {"method": "loss_free"}),
+    "aux_loss": ("aux loss", {"method": "aux_loss"}),
+    "none": ("none", {"method": "none"}),
+}
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--steps", type=int, default=30)
 p.add_argument("--micro-batch", type=int, default=8)
 p.add_argument("--lr", type=float, default=2e-3, help="the demo's peak learning rate; also run at 2x")
-p.add_argument("--methods", default="quantile_hist,loss_free,aux_loss,none")
+p.add_argument("--methods", default="quantile_hist,loss_free,aux_loss,none",
+               help=f"comma-separated, of {', '.join(VARIANTS)} (the qb-* are quantile_hist with other solves)")
 p.add_argument("--data", default="data/bundled")
 p.add_argument("--plot", help="write the per-layer MaxVio plot (PNG) here")
 args = p.parse_args()
+runs = [(m, lr) for lr in (args.lr, 2 * args.lr) for m in args.methods.split(",")]
+if unknown := sorted({m for m, _ in runs} - VARIANTS.keys()):
+    p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
 
 torch.set_num_threads(1)
 manifest, _ = prepare("bundled", args.data, progress=False)
 init_local_ray(num_cpus=2, log_to_driver=False)
-names = {"quantile_hist": "QB (coordinator)", "loss_free": "loss-free", "aux_loss": "aux loss", "none": "none"}
-runs = [(m, lr) for lr in (args.lr, 2 * args.lr) for m in args.methods.split(",")]
 first = TrainConfig(data=args.data)
 mcfg = first.model_cfg()
 tokens_per_step = 2 * args.micro_batch * (manifest.seq_len + 1)
@@ -141,7 +156,7 @@ with tempfile.TemporaryDirectory() as storage:
     for i, (method, lr) in enumerate(runs):
         cfg = TrainConfig(data=args.data, storage_path=storage, name=f"bench{i}", steps=args.steps, num_workers=2,
                           ep_size=2, micro_batch=args.micro_batch, lr=lr, log_every=10, checkpoint_every=args.steps,
-                          seed=0, balance={"method": method})
+                          seed=0, balance=VARIANTS[method][1])
         summary = fit(cfg)
         h = summary["history"]
         timed = h[5:]
@@ -149,8 +164,8 @@ with tempfile.TemporaryDirectory() as storage:
         half = h[len(h) // 2:]
         n_layers = len(h[-1]["maxvio"])
         per_layer = [round(statistics.mean(x["maxvio"][j] for x in half), 3) for j in range(n_layers)]
-        out["runs"][f"{names[method]}, lr {lr:g}"] = {
-            "method": method, "lr": lr,
+        out["runs"][f"{VARIANTS[method][0]}, lr {lr:g}"] = {
+            "method": method, "balance": VARIANTS[method][1], "lr": lr,
             "final_loss": round(h[-1]["loss"], 4),
             "mean_loss_last_5": round(statistics.mean(x["loss"] for x in h[-5:]), 4),
             "tokens_per_s": round(sum(x["tokens"] for x in timed) / sum(x["step_s"] for x in timed), 1),
@@ -161,13 +176,13 @@ with tempfile.TemporaryDirectory() as storage:
             "maxvio_second_half_worst": max(per_layer),
             "worst_over_floor": round(max(per_layer) / out["noise_floor_maxvio"], 2),
         }
-        if method == "quantile_hist":
+        if VARIANTS[method][1]["method"] == "quantile_hist":
             floor = fixed_bias_floor(summary["checkpoint"], step_batches(args.data, args.micro_batch, 2, 24),
                                      mcfg.num_experts_per_token)
-            out["runs"][f"{names[method]}, lr {lr:g}"] |= {
+            out["runs"][f"{VARIANTS[method][0]}, lr {lr:g}"] |= {
                 "fixed_bias_floor_per_layer": floor,
                 "over_fixed_bias_floor_per_layer": [round(a / b, 2) for a, b in zip(per_layer, floor)]}
-        print(json.dumps({k: v for k, v in out["runs"][f"{names[method]}, lr {lr:g}"].items()}), flush=True)
+        print(json.dumps({k: v for k, v in out["runs"][f"{VARIANTS[method][0]}, lr {lr:g}"].items()}), flush=True)
 ray.shutdown()
 if args.plot:
     plot(out, args.plot)

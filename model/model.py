@@ -7,6 +7,7 @@ forward into prefill or decode against memory someone else owns.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,21 @@ class K3Model(nn.Module):
                 h = h + (checkpoint(run, l, h) if recompute else run(l, h))
             return self.norm(h), routers
         return self._attn_res_stack(h, run, training, recompute), routers
+
+    @contextmanager
+    def solving_router_bias(self, solve):
+        """Inside it, each MoE layer's router calls `solve(moe_index, router_output)` as the forward
+        reaches it (margins and counts under the bias in hand) and routes with the bias [E] that
+        returns (None: the bias in hand), so the layers after it see the tokens that bias gives them:
+        a balancer solves every layer, each for its real inputs, in one forward."""
+        gates = [layer.mlp.gate for layer in self.layers if layer.is_moe]
+        for i, gate in enumerate(gates):
+            gate.rebias = lambda out, i=i: solve(i, out)
+        try:
+            yield
+        finally:
+            for gate in gates:
+                gate.rebias = None
 
     def _attn_res_stack(self, h: torch.Tensor, run, training: bool, recompute: bool) -> torch.Tensor:
         """The sub-layers over Block AttnRes (see attn_res.py); run(l, x) is sub-layer l."""

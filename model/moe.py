@@ -85,6 +85,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         # Selection-only bias, set by the balancer between steps; a buffer so no optimizer sees it.
         self.register_buffer("bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # Set only inside K3Model.solving_router_bias: called with this layer's routing under the
+        # bias in hand, it returns the bias this layer routes with from then on (or None: keep it).
+        self.rebias = None
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.cfg.initializer_range)
@@ -96,6 +99,10 @@ class Router(nn.Module):
         with torch.no_grad():
             idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
             counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            if self.rebias is not None and (bias := self.rebias(RouterOutput(idx, None, scores, counts, margins))) is not None:
+                self.bias.copy_(bias)
+                idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
+                counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         w = scores.gather(1, idx)
         if self.cfg.moe_renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

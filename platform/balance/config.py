@@ -52,15 +52,23 @@ class BalanceConfig(BaseModel):
         "a bias solved for the previous weights lets them collapse (docs/benchmarks.md, 'Quantile Balancing in "
         "the training job').",
     )
+    layerwise: bool = Field(
+        True,
+        description="quantile/quantile_hist in the training job, with margins_after_step: the after-step forward "
+        "solves each MoE layer as it reaches it and routes that layer with its new bias before going on, so each "
+        "layer's bias is solved for the router inputs the new biases below it give (one forward per round; with "
+        "the coordinator, one histogram round trip per layer, each a few layers' worth of ms). A layer's router "
+        "input depends on how the layers below it route: solved all at once from one forward, the deep layers' "
+        "biases are solved for inputs they will not see, and at high learning rates that left them 2x above the "
+        "fixed-bias floor (docs/benchmarks.md). False: every layer is solved from the same forward.",
+    )
     solve_rounds: int = Field(
-        2, ge=1, le=8,
-        description="quantile/quantile_hist in the training job, with margins_after_step: solves per step. Round 1 "
-        "solves every layer from the after-step forward; each further round sets those biases, runs the "
-        "after-step forward again and solves again. A layer's router input depends on how the layers below it "
-        "route, so a deep layer's bias solved while the shallow layers still route with last step's biases is "
-        "solved for inputs it will not see; at high learning rates that left the deep layers 2x above the "
-        "fixed-bias floor (docs/benchmarks.md). Each round is one more no-grad forward and, with the "
-        "coordinator, one more histogram round trip that the step waits on.",
+        1, ge=1, le=8,
+        description="quantile/quantile_hist in the training job, with margins_after_step: after-step forwards (and "
+        "solves of every layer) per step. Each further round routes the same batch again under the biases the "
+        "round before it solved and solves again: a deep layer's bias is then solved for the inputs the layers "
+        "below it will give it. Before `layerwise` this was the remedy (2 rounds); each round is one more no-grad "
+        "forward and, with the coordinator, more round trips that the step waits on.",
     )
     loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
     aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
@@ -72,7 +80,16 @@ class BalanceConfig(BaseModel):
             raise ValueError(f"fixed_range must have lo < hi, got {self.fixed_range}")
         if self.min_halfwidth > self.max_halfwidth:
             raise ValueError(f"min_halfwidth {self.min_halfwidth} > max_halfwidth {self.max_halfwidth}")
-        if self.solve_rounds > 1 and not self.margins_after_step and self.method in ("quantile", "quantile_hist"):
-            raise ValueError(f"solve_rounds={self.solve_rounds} re-runs the after-step forward: it needs "
-                             "margins_after_step=True (or solve_rounds=1)")
+        if not self.margins_after_step and self.method in ("quantile", "quantile_hist"):
+            if self.solve_rounds > 1:
+                raise ValueError(f"solve_rounds={self.solve_rounds} re-runs the after-step forward: it needs "
+                                 "margins_after_step=True (or solve_rounds=1)")
+            if self.layerwise:
+                raise ValueError("layerwise=True solves each layer inside the after-step forward: it needs "
+                                 "margins_after_step=True (or layerwise=False)")
         return self
+
+    def rounds_per_step(self, num_layers: int) -> int:
+        """Solves per training step in the after-step forwards: every layer at once per round, or
+        (layerwise) one per layer per round. The coordinator numbers them step * this + round."""
+        return self.solve_rounds * (num_layers if self.layerwise else 1)

@@ -5,7 +5,8 @@ Protocol, one round per training step t, all MoE layers at once:
 1. A worker registers once (`register(worker_id)`) and gets the latest `BiasUpdate`.
 2. At step t it routes layer l with `update.bias[l]`, bins that layer's margins over the window
    `update.lo[l], update.hi[l]` (`qb_histogram`, `update.bins` bins) and sends
-   `report(worker_id, t, hist [L, E, bins], counts [L, E], bias_step=update.step)`. In the
+   `report(worker_id, t, hist [L, E, bins], counts [L, E], bias_step=update.step)` (one layer's
+   rows per report when the rounds are layerwise, below). In the
    training job the margins are, by default, those of a no-grad forward of step t's batch under
    the weights step t produced (BalanceConfig.margins_after_step), routed with the same bias.
 3. Once every live worker has reported t, the coordinator sums the histograms, solves each layer
@@ -16,11 +17,16 @@ Protocol, one round per training step t, all MoE layers at once:
    of step t+1, so the round trip overlaps with whatever the worker does in between
    (`BalanceClient` does 2-4).
 
-Rounds: with BalanceConfig.solve_rounds = R > 1 a training step is R rounds of 2-3, numbered
-step * R + r: after round r is solved the workers route the same batch again with its bias and
-report round r + 1 (the last round's update routes the next step). Everything above holds per
-round; the maxvio gauge is set from the first round of each step (the bias in hand under the new
-weights), the other gauges from every round.
+Rounds: a training step is `config.rounds_per_step(L)` rounds of 2-3, numbered step * that +
+round, "step" above meaning a round. With BalanceConfig.layerwise (the default) a round solves one
+layer: the worker reports layer l's histogram [1, E, bins] and counts [1, E] as its after-step
+forward reaches layer l, waits for the solve and routes layer l with it before going on, so each
+layer is solved for the inputs the new biases below it give; rounds l = 0 .. L-1 of a step are
+its layers in order. Otherwise a round solves every layer at once ([L, E, bins]). With
+BalanceConfig.solve_rounds = R > 1 the workers route the same batch again after the step's
+solves and solve again, R times (the last round's update routes the next step). The maxvio gauge
+of a layer is set from its first solve of each step (the bias in hand under the new weights), the
+other gauges from every solve.
 
 Bin edges: the coordinator owns them. Each update carries the windows for the next step,
 centred on each expert's new selection boundary -b_e with a half-width per layer that follows
@@ -105,6 +111,7 @@ class CoordinatorCore:
         start_step: the first step workers will report (a resumed run that has no state)."""
         self.config = _check_args(num_layers, num_experts, top_k, config, world_size)
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.rounds_per_step = self.config.rounds_per_step(num_layers)
         self.bins = self.config.bins
         self.world_size = world_size
         self.keep_updates = max(2, keep_updates)
@@ -115,7 +122,18 @@ class CoordinatorCore:
         self.workers: set[str] = set()
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # reports of step last_step + 1
         self.hist_bytes = [0] * num_layers
-        self.layer_metrics: list[dict[str, float]] = []
+        self.layer_metrics: list[dict[str, float]] = [{} for _ in range(num_layers)]
+
+    def round_layers(self, round_: int) -> range:
+        """The layers round `round_` solves: one (layerwise) or all."""
+        if self.config.layerwise:
+            layer = round_ % self.num_layers
+            return range(layer, layer + 1)
+        return range(self.num_layers)
+
+    def first_solve_of_step(self, round_: int) -> bool:
+        """Whether round `round_` is its layers' first solve in its step."""
+        return round_ % self.rounds_per_step < (self.num_layers if self.config.layerwise else 1)
 
     # -- worker set
     def register(self, worker_id: str) -> BiasUpdate:
@@ -143,18 +161,20 @@ class CoordinatorCore:
     def report(
         self, worker_id: str, step: int, hist: torch.Tensor, counts: torch.Tensor, bias_step: int
     ) -> str:
-        """Take one worker's histograms of one step. Returns 'pending', 'solved' or 'done'.
+        """Take one worker's histograms of one step (round). Returns 'pending', 'solved' or 'done'.
 
-        hist [L, E, bins] integer counts binned over the windows of update `bias_step`; counts
-        [L, E] tokens per expert under that update's bias. 'done': the step was already solved
-        (a re-send after a restart), nothing changes.
+        hist [L', E, bins] integer counts binned over the windows of update `bias_step`; counts
+        [L', E] tokens per expert under that update's bias; L' the layers of the round
+        (`round_layers`). 'done': the step was already solved (a re-send after a restart), nothing
+        changes.
         """
         if worker_id not in self.workers:
             raise ValueError(f"report from unregistered worker {worker_id!r}; call register first")
         for name, value in (("step", step), ("bias_step", bias_step)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        self._check_report(hist, counts)
+        layers = self.round_layers(step)
+        self._check_report(hist, counts, layers)
         if step <= self.last_step:
             return "done"
         if step > self.last_step + 1:
@@ -166,19 +186,20 @@ class CoordinatorCore:
         pending = dict(self.pending)
         pending[worker_id] = (hist.detach().cpu(), counts.detach().cpu().long())
         solved = self._solve_if_complete(self.workers, pending)  # raises before anything changes
-        for layer in range(self.num_layers):
-            self.hist_bytes[layer] += hist[layer].numel() * hist.element_size()
+        for row, layer in enumerate(layers):
+            self.hist_bytes[layer] += hist[row].numel() * hist.element_size()
         if solved is None:
             self.pending = pending
             return "pending"
         self._commit(*solved)
         return "solved"
 
-    def _check_report(self, hist: torch.Tensor, counts: torch.Tensor) -> None:
-        want = (self.num_layers, self.num_experts, self.bins)
+    def _check_report(self, hist: torch.Tensor, counts: torch.Tensor, layers: range) -> None:
+        want = (len(layers), self.num_experts, self.bins)
         if not isinstance(hist, torch.Tensor) or tuple(hist.shape) != want:
             got = tuple(hist.shape) if isinstance(hist, torch.Tensor) else type(hist).__name__
-            raise ValueError(f"hist must be [layers, experts, bins] = {list(want)}, got {got}")
+            which = f"layer {layers[0]}'s round" if len(layers) == 1 and self.config.layerwise else "every layer"
+            raise ValueError(f"hist must be [layers, experts, bins] = {list(want)} ({which}), got {got}")
         if hist.is_floating_point() or hist.is_complex() or hist.dtype == torch.bool:
             raise ValueError(f"hist must hold integer counts, got {hist.dtype}")
         if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want[:2]:
@@ -199,14 +220,14 @@ class CoordinatorCore:
     def _solve_if_complete(self, workers: set[str], pending: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         if not workers or not workers <= pending.keys() or len(workers) < (self.world_size or 1):
             return None
-        hist = torch.stack([pending[w][0].long() for w in sorted(workers)]).sum(0)  # [L, E, bins]
-        counts = torch.stack([pending[w][1] for w in sorted(workers)]).sum(0)  # [L, E]
-        layers, metrics = [], []
-        for layer in range(self.num_layers):
-            state, info = hist_step(self.config, self.layers[layer], hist[layer], counts[layer], self.top_k)
-            loads = counts[layer]
-            layers.append(state)
-            metrics.append({
+        hist = torch.stack([pending[w][0].long() for w in sorted(workers)]).sum(0)  # [L', E, bins]
+        counts = torch.stack([pending[w][1] for w in sorted(workers)]).sum(0)  # [L', E]
+        layers, metrics = list(self.layers), list(self.layer_metrics)
+        for row, layer in enumerate(self.round_layers(self.last_step + 1)):
+            state, info = hist_step(self.config, self.layers[layer], hist[row], counts[row], self.top_k)
+            loads = counts[row]
+            layers[layer] = state
+            metrics[layer] = {
                 "maxvio": max_violation(loads),
                 "max_load": float(loads.max()),
                 "mean_load": float(loads.double().mean()),
@@ -215,7 +236,7 @@ class CoordinatorCore:
                 "saturated": info["saturated"],
                 "gain": info["gain"],
                 "n_tokens": info["n_tokens"],
-            })
+            }
         return layers, metrics
 
     def _commit(self, layers: list[HistLayerState], metrics: list[dict[str, float]]) -> None:
@@ -249,12 +270,14 @@ class CoordinatorCore:
         return self.updates[step]
 
     def metrics(self) -> dict[str, Any]:
-        """Per layer: maxvio (max load / mean load - 1), max/mean load, bias spread, bytes received."""
+        """Per layer: maxvio (max load / mean load - 1), max/mean load, bias spread, bytes received;
+        "step" is the last solve (a training step has `solves_per_step`)."""
         layers = [
-            {"layer": i, **(self.layer_metrics[i] if self.layer_metrics else {}), "hist_bytes": self.hist_bytes[i]}
+            {"layer": i, **self.layer_metrics[i], "hist_bytes": self.hist_bytes[i]}
             for i in range(self.num_layers)
         ]
-        return {"step": self.last_step, "workers": sorted(self.workers), "pending": sorted(self.pending), "layers": layers}
+        return {"step": self.last_step, "solves_per_step": self.rounds_per_step, "workers": sorted(self.workers),
+                "pending": sorted(self.pending), "layers": layers}
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -271,13 +294,20 @@ class CoordinatorCore:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict`; the step in flight (if any) starts over."""
+        """Restore a `state_dict`; the step in flight (if any) starts over. A state saved between
+        steps resumes under other solve settings (solve_rounds, layerwise): its solves are
+        renumbered to this coordinator's rounds per step."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown coordinator state format {state.get('format')!r}")
-        rounds = int(state.get("config", {}).get("solve_rounds", 1))
-        if rounds != self.config.solve_rounds:
-            raise ValueError(f"state counts {rounds} solve round(s) per step, this coordinator "
-                             f"solve_rounds={self.config.solve_rounds}: resume with balance.solve_rounds={rounds}")
+        saved = state.get("config", {})
+        rounds, layerwise = int(saved.get("solve_rounds", 1)), bool(saved.get("layerwise", False))
+        saved_per_step = rounds * (self.num_layers if layerwise else 1)
+        last = int(state["last_step"])
+        if saved_per_step != self.rounds_per_step and (last + 1) % saved_per_step:
+            raise ValueError(f"state stopped inside a step (solve {last}, {saved_per_step} per step with "
+                             f"solve_rounds={rounds}, layerwise={layerwise}); this coordinator has "
+                             f"solve_rounds={self.config.solve_rounds}, layerwise={self.config.layerwise}: resume with "
+                             f"balance.solve_rounds={rounds} and balance.layerwise={layerwise}")
         shape = tuple(state["shape"])
         if shape != (self.num_layers, self.num_experts, self.top_k, self.bins):
             raise ValueError(
@@ -290,14 +320,18 @@ class CoordinatorCore:
         updates: OrderedDict[int, BiasUpdate] = OrderedDict(
             (int(s), BiasUpdate(int(s), b.float(), lo.float(), hi.float(), self.bins)) for s, b, lo, hi in state["updates"]
         )
-        if int(state["last_step"]) not in updates:
+        if last not in updates:
             raise ValueError("state lacks the update of its last step")
+        if saved_per_step != self.rounds_per_step:  # between steps: the same biases and windows, renumbered
+            u = updates[last]
+            last = (last + 1) // saved_per_step * self.rounds_per_step - 1
+            updates = OrderedDict({last: BiasUpdate(last, u.bias, u.lo, u.hi, self.bins)})
         self.layers, self.updates = layers, updates
-        self.last_step = int(state["last_step"])
+        self.last_step = last
         self.workers = set(state["workers"])
         self.pending = {}
         self.hist_bytes = list(state["hist_bytes"])
-        self.layer_metrics = [dict(m) for m in state["layer_metrics"]]
+        self.layer_metrics = [dict(m) for m in state["layer_metrics"]] or [{} for _ in range(self.num_layers)]
 
 
 @ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)
@@ -386,14 +420,17 @@ class BalanceCoordinator:
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self._core.load_state_dict(state)
         self._persist()
-        await self._after_solve()
+        await self._after_solve(every_layer=True)
 
-    async def _after_solve(self) -> None:
-        first_round = self._core.last_step % self._core.config.solve_rounds == 0
-        for m in self._core.metrics()["layers"]:
+    async def _after_solve(self, every_layer: bool = False) -> None:
+        core = self._core
+        first = every_layer or core.first_solve_of_step(core.last_step)
+        layers = core.metrics()["layers"]
+        for layer in range(core.num_layers) if every_layer else core.round_layers(core.last_step):
+            m = layers[layer]
             if "maxvio" in m:
-                tags = {"layer": str(m["layer"])}
-                if first_round:
+                tags = {"layer": str(layer)}
+                if first:
                     self._g_maxvio.set(m["maxvio"], tags=tags)
                 self._g_spread.set(m["bias_spread"], tags=tags)
         async with self._solved:

@@ -4,11 +4,15 @@ The Trainer calls the same hooks whatever the method (`--balance`):
 
     begin_step(model) -> seconds     route this step with the bias in hand (coordinated: fetch it)
     extra_loss(routers) -> tensor    added to the training loss (aux_loss) or None
-    observe(model, step, routers, rerun)
-                                     the step's router outputs to balance from: those of a no-grad
-                                     forward under the updated weights when `refreshed_margins` is
-                                     True (and `rerun`, that forward again under the bias now set,
-                                     for `solve_rounds` > 1), else the training forward's
+    observe(model, step, routers)    the training forward's router outputs, to balance from when
+                                     `refreshed_margins` is False
+    refresh(model, step, rerun) -> seconds
+                                     when it is True, after the optimizer step: `rerun(solve=None)`
+                                     runs a no-grad forward of the step's batch under the updated
+                                     weights and returns its router outputs; with `solve` each MoE
+                                     layer is solved as the forward reaches it (`layerwise`), and
+                                     each of `solve_rounds` rounds runs it again (returns seconds
+                                     spent waiting for solves)
     after_step(model, step, loads)   the step's global loads [L, E] (methods without margins)
 
 plus `start()` (after a resume), `state_dict()`/`load_state_dict()` and `metrics()`. What a method
@@ -27,11 +31,6 @@ import torch
 
 from .config import BalanceConfig
 from .methods import Balancer, balancer_class, make_balancer
-
-
-def _rounds(config: BalanceConfig, rerun) -> int:
-    """Solves this step: config.solve_rounds when the margins can be re-run, else one."""
-    return config.solve_rounds if rerun is not None else 1
 
 
 def _bias(model) -> torch.Tensor:
@@ -68,9 +67,14 @@ class BalanceStrategy:
         """Whether `observe` wants the margins of the batch re-run under the updated weights."""
         return False
 
-    def observe(self, model, step: int, routers, rerun=None) -> None:
-        """Router outputs of this step's batch (see `refreshed_margins`); `rerun()` gives them again
-        under the routers' current bias (None: the training forward's, which cannot be re-run)."""
+    def observe(self, model, step: int, routers) -> None:
+        """The training forward's router outputs (when `refreshed_margins` is False)."""
+
+    def refresh(self, model, step: int, rerun) -> float:
+        """After the optimizer step (when `refreshed_margins` is True): `rerun(solve=None)` runs the
+        step's batch under the updated weights and the routers' current bias. Returns seconds
+        spent waiting for solves."""
+        return 0.0
 
     def after_step(self, model, step: int, loads: torch.Tensor) -> None:
         """loads [L, E]: tokens per expert over all workers this step."""
@@ -107,16 +111,28 @@ class LocalStrategy(BalanceStrategy):
     def refreshed_margins(self) -> bool:
         return self.balancer.needs_margins and self.config.margins_after_step
 
-    def observe(self, model, step: int, routers, rerun=None) -> None:
-        if not self.balancer.needs_margins:
-            return
-        for r in range(_rounds(self.config, rerun)):
-            if r:
-                routers = rerun()
-            for i, out in enumerate(routers):
-                self.balancer.observe(i, out.margins, out.counts)
-            self.balancer.step()
-            model.set_router_bias(self.balancer.bias().to(self.device))
+    def observe(self, model, step: int, routers) -> None:
+        if self.balancer.needs_margins:
+            self._solve(model, routers)
+
+    def refresh(self, model, step: int, rerun) -> float:
+        for _ in range(self.config.solve_rounds):
+            if self.config.layerwise:  # the layer routes with its new bias before the next is reached
+                rerun(self._solve_layer)
+            else:
+                self._solve(model, rerun())
+        return 0.0
+
+    def _solve(self, model, routers) -> None:
+        for i, out in enumerate(routers):
+            self.balancer.observe(i, out.margins, out.counts)
+        self.balancer.step()
+        model.set_router_bias(self.balancer.bias().to(self.device))
+
+    def _solve_layer(self, layer: int, out) -> torch.Tensor:
+        self.balancer.observe(layer, out.margins, out.counts)
+        self.balancer.step()
+        return self.balancer.bias(layer).to(self.device)
 
     def after_step(self, model, step: int, loads: torch.Tensor) -> None:
         if self.balancer.needs_margins:
@@ -138,9 +154,10 @@ class CoordinatedStrategy(BalanceStrategy):
     """QB through the BalanceCoordinator actor: histograms out once the step's margins are in
     hand, the solved bias collected at the start of the next step."""
 
-    def __init__(self, config: BalanceConfig, device: torch.device, rank: int, coordinator_name: str) -> None:
+    def __init__(self, config: BalanceConfig, device: torch.device, rank: int, coordinator_name: str,
+                 num_layers: int) -> None:
         super().__init__(config, device)
-        self.rank, self.coordinator_name = rank, coordinator_name
+        self.rank, self.coordinator_name, self.num_layers = rank, coordinator_name, num_layers
         self.client = None
 
     def start(self, model) -> None:
@@ -159,16 +176,41 @@ class CoordinatedStrategy(BalanceStrategy):
     def refreshed_margins(self) -> bool:
         return self.config.margins_after_step
 
-    def observe(self, model, step: int, routers, rerun=None) -> None:
-        for r in range(_rounds(self.config, rerun)):
-            if r:  # the previous round's solve, waited for: the next forward routes with it
-                model.set_router_bias(self.client.fetch().bias.to(self.device))
-                routers = rerun()
-            hist = torch.stack([self.client.histogram(i, out.margins) for i, out in enumerate(routers)])
-            counts = torch.stack([out.counts for out in routers])
-            # the coordinator numbers solves, `solve_rounds` per step; the last is collected at the
-            # start of the next step, so its round trip overlaps the step's bookkeeping
-            self.client.report(step * self.config.solve_rounds + r, hist, counts)
+    def observe(self, model, step: int, routers) -> None:
+        self._report(step, routers)
+
+    def refresh(self, model, step: int, rerun) -> float:
+        # The coordinator numbers solves, config.rounds_per_step(L) per step; the last is collected
+        # at the start of the next step, so its round trip overlaps the step's bookkeeping.
+        n, waited = self.num_layers, 0.0
+
+        def fetch():
+            nonlocal waited
+            t0 = time.perf_counter()
+            update = self.client.fetch()
+            waited += time.perf_counter() - t0
+            return update
+
+        for r in range(self.config.solve_rounds):
+            if r:  # the previous round's solve, waited for: this forward routes with it
+                model.set_router_bias(fetch().bias.to(self.device))
+            if not self.config.layerwise:
+                self._report(step * self.config.solve_rounds + r, rerun())
+                continue
+            first = (step * self.config.solve_rounds + r) * n
+
+            def solve(layer: int, out) -> torch.Tensor | None:
+                hist = self.client.histogram(layer, out.margins)[None]
+                self.client.report(first + layer, hist, out.counts[None])
+                # the last layer's solve routes nothing in this forward: collected later
+                return None if layer == n - 1 else fetch().bias[layer].to(self.device)
+
+            rerun(solve)
+        return waited
+
+    def _report(self, round_: int, routers) -> None:
+        hist = torch.stack([self.client.histogram(i, out.margins) for i, out in enumerate(routers)])
+        self.client.report(round_, hist, torch.stack([out.counts for out in routers]))
 
     def state_dict(self) -> dict[str, Any] | None:
         import ray
@@ -194,5 +236,5 @@ def make_strategy(config: BalanceConfig, num_layers: int, num_experts: int, top_
         if coordinator_name is None:
             raise ValueError(f"balance method {config.method!r} runs through the BalanceCoordinator: "
                              "coordinator_name is required")
-        return CoordinatedStrategy(config, device, rank, coordinator_name)
+        return CoordinatedStrategy(config, device, rank, coordinator_name, num_layers)
     return LocalStrategy(make_balancer(config, num_layers, num_experts, top_k), device)

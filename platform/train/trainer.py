@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,17 +157,19 @@ class Trainer:
     def router_pass(self, batch: dict[str, torch.Tensor]):
         """A function that runs the batch's router outputs under the current weights and biases,
         without the LM head or loss (what balancing solves from after the optimizer step; each
-        solve round calls it again). A media batch's placeholders get the tower's rows, as in the
-        training forward, encoded once here: the routers see what they will route."""
+        solve round calls it again). Called with `solve`, each MoE layer is solved as the forward
+        reaches it (K3Model.solving_router_bias). A media batch's placeholders get the tower's
+        rows, as in the training forward, encoded once here: the routers see what they will route."""
         embeds = None
         if "pixel_values" in batch:
             rows = torch.cat(self.model.encode_media(batch["pixel_values"], batch["grid_thws"]))
             embeds = self.model.splice(batch["input_ids"], rows)
 
         @torch.no_grad()
-        def run() -> list:
-            return self.model.model(batch["input_ids"], batch.get("cu_seqlens"), collect_router=True,
-                                    inputs_embeds=embeds, shard=batch.get("shard"))[1]
+        def run(solve=None) -> list:
+            with self.model.model.solving_router_bias(solve) if solve is not None else nullcontext():
+                return self.model.model(batch["input_ids"], batch.get("cu_seqlens"), collect_router=True,
+                                        inputs_embeds=embeds, shard=batch.get("shard"))[1]
 
         return run
 
@@ -193,8 +196,7 @@ class Trainer:
             self.balance.observe(self.model, step, routers)
         grad_norm = self.ds.backward_and_step(loss)
         if self.balance.refreshed_margins:  # the batch's margins under the weights that will route next
-            rerun = self.router_pass(batch)
-            self.balance.observe(self.model, step, rerun(), rerun)
+            wait_s += self.balance.refresh(self.model, step, self.router_pass(batch))
         # Step statistics over all workers, reduced where the process group can (NCCL takes only
         # CUDA tensors), then read on the host.
         counts = (torch.stack([r.counts for r in routers]).float() if routers

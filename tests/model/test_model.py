@@ -109,6 +109,44 @@ def test_bad_inputs_get_value_errors(model):
         model.set_router_bias(torch.zeros(3, 3))
 
 
+def test_solving_router_bias_routes_each_layer_with_its_solve_before_the_next(model):
+    """Inside solving_router_bias, MoE layer i's solve sees its routing under the biases solved for
+    the layers below it and its own bias in hand, and the tokens it routes with the returned bias
+    reach the layers above: a forward with every layer solved so equals a plain forward under the
+    solved biases. The hooks are gone afterwards, also after a solve that raises."""
+    gates = [layer.mlp.gate for layer in model.model.layers if layer.is_moe]
+    n, e = len(gates), model.cfg.num_experts
+    new = torch.randn(n, e, generator=torch.Generator().manual_seed(1)) * 0.3
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def solve(i, out):
+        seen[i] = (out.margins.clone(), out.counts.clone())
+        return new[i]
+
+    try:
+        with torch.no_grad():
+            with model.model.solving_router_bias(solve):
+                h, routers = model.model(ids, collect_router=True)
+            assert sorted(seen) == list(range(n)) and all(g.rebias is None for g in gates)
+            assert torch.equal(torch.stack([g.bias for g in gates]), new)
+            ref_h, ref = model.model(ids, collect_router=True)
+            assert torch.equal(h, ref_h) and all(torch.equal(a.expert_ids, b.expert_ids) for a, b in zip(routers, ref))
+            for i in range(n):  # what layer i's solve saw: layers below solved, its own bias not yet
+                model.set_router_bias(torch.cat([new[:i], torch.zeros(n - i, e)]))
+                r = model.model(ids, collect_router=True)[1][i]
+                assert torch.equal(seen[i][0], r.margins) and torch.equal(seen[i][1], r.counts), f"MoE layer {i}"
+            assert not torch.equal(seen[n - 1][1], ref[n - 1].counts)  # the solved bias did change the routing
+
+            def fails(i, out):
+                raise RuntimeError("solve failed")
+            with pytest.raises(RuntimeError, match="solve failed"), model.model.solving_router_bias(fails):
+                model.model(ids, collect_router=True)
+            assert all(g.rebias is None for g in gates)
+    finally:
+        model.set_router_bias(torch.zeros(n, e))
+
+
 @pytest.mark.parametrize("change,field", [
     (dict(num_experts_per_token=16), "num_experts_per_token"),
     (dict(layer_types=["kda"] * 7), "layer_types"),

@@ -409,9 +409,15 @@ def test_config_validation():
     with pytest.raises(ValueError):
         BalanceConfig(bins=1)
     assert BalanceConfig(**BalanceConfig(method="loss_free").model_dump()).method == "loss_free"
+    with pytest.raises(ValueError, match="layerwise=True solves each layer inside the after-step forward"):
+        BalanceConfig(margins_after_step=False)  # layerwise is the default
     with pytest.raises(ValueError, match="solve_rounds=2 re-runs the after-step forward"):
-        BalanceConfig(margins_after_step=False)  # solve_rounds defaults to 2
+        BalanceConfig(margins_after_step=False, layerwise=False, solve_rounds=2)
     with pytest.raises(ValueError, match="solve_rounds"):
         BalanceConfig(solve_rounds=0)
-    assert BalanceConfig(margins_after_step=False, solve_rounds=1).solve_rounds == 1
+    assert BalanceConfig(margins_after_step=False, layerwise=False).solve_rounds == 1
     assert BalanceConfig(method="loss_free", margins_after_step=False).method == "loss_free"  # rounds unused
+    # the coordinator numbers its solves with this: one per layer per round, or one per round
+    assert BalanceConfig().rounds_per_step(7) == 7
+    assert BalanceConfig(solve_rounds=2).rounds_per_step(7) == 14
+    assert BalanceConfig(layerwise=False, solve_rounds=2).rounds_per_step(7) == 2

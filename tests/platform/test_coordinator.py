@@ -15,6 +15,7 @@ from k3.platform.balance import BalanceConfig, expert_loads, make_balancer, rout
 from k3.platform.balance.coordinator import BiasUpdate, CoordinatorCore
 
 L, E, K, BINS, N = 2, 8, 2, 32, 48
+ALL_LAYERS = {"bins": BINS, "layerwise": False}  # one solve of every layer per step (the protocol's rules)
 POPULARITY = torch.linspace(-1.0, 1.0, E) * 1.5  # skewed experts, so the biases have work to do
 
 
@@ -35,7 +36,7 @@ def worker_report(update: BiasUpdate, worker: int, step: int) -> tuple[torch.Ten
 
 def reference_biases(workers: int, steps: int) -> list[torch.Tensor]:
     """The single-process solve on the union of every worker's tokens: bias [L, E] after each step."""
-    bal = make_balancer(BalanceConfig(bins=BINS), L, E, K)
+    bal = make_balancer(BalanceConfig(**ALL_LAYERS), L, E, K)
     out = []
     for step in range(steps):
         for layer in range(L):
@@ -60,7 +61,7 @@ def snapshot(core: CoordinatorCore) -> dict:
 
 
 def new_core(workers: int = 4, **kw) -> CoordinatorCore:
-    core = CoordinatorCore(L, E, K, {"bins": BINS}, **kw)
+    core = CoordinatorCore(L, E, K, ALL_LAYERS, **kw)
     for w in range(workers):
         core.register(f"w{w}")
     return core
@@ -133,7 +134,7 @@ def test_deregister_can_complete_a_step():
 
 
 def _bad_reports():
-    u = CoordinatorCore(L, E, K, {"bins": BINS}).latest()
+    u = CoordinatorCore(L, E, K, ALL_LAYERS).latest()
     hist, counts = worker_report(u, 0, 0)
     short = hist.clone()
     short[1, 3, 5] += 1
@@ -200,7 +201,7 @@ def test_state_dict_round_trip_and_get_bias():
             core.report(f"w{w}", step, *worker_report(u, w, step), u.step)
     u = core.latest()
     core.report("w0", 6, *worker_report(u, 0, 6), u.step)  # in flight: not part of the state
-    restored = CoordinatorCore(L, E, K, {"bins": BINS})
+    restored = CoordinatorCore(L, E, K, ALL_LAYERS)
     restored.load_state_dict(core.state_dict())
     assert restored.latest().step == 5 and restored.pending == {} and restored.workers == core.workers
     for c in (core, restored):
@@ -211,10 +212,51 @@ def test_state_dict_round_trip_and_get_bias():
     with pytest.raises(ValueError, match="is gone"):
         core.get_bias(0)
     with pytest.raises(ValueError, match=r"\(layers, experts, k, bins\)"):
-        CoordinatorCore(L, E, 3, {"bins": BINS}).load_state_dict(core.state_dict())
-    with pytest.raises(ValueError, match="balance.solve_rounds=2"):  # rounds are numbered per step
-        CoordinatorCore(L, E, K, {"bins": BINS, "solve_rounds": 1}).load_state_dict(core.state_dict())
+        CoordinatorCore(L, E, 3, ALL_LAYERS).load_state_dict(core.state_dict())
     assert restored.latest().step == 6  # the refused load changed nothing of the others
+    # Saved between steps, a state resumes under other solve settings, its solves renumbered: 7
+    # steps of one solve are 14 layerwise solves of 2 layers, with the same biases and windows.
+    layerwise = CoordinatorCore(L, E, K, {"bins": BINS})
+    layerwise.load_state_dict(core.state_dict())
+    assert layerwise.latest().step == 7 * L - 1 and torch.equal(layerwise.latest().bias, core.latest().bias)
+    assert torch.equal(layerwise.latest().lo, core.latest().lo)
+    u = layerwise.latest()
+    for w in range(4):  # one more solve, layer 0 of step 7: then the state stops inside a step
+        layerwise.report(f"w{w}", 7 * L, *(t[:1] for t in worker_report(u, w, 7)), u.step)
+    assert layerwise.latest().step == 7 * L
+    with pytest.raises(ValueError, match="stopped inside a step .*balance.solve_rounds=1 and balance.layerwise=True"):
+        CoordinatorCore(L, E, K, ALL_LAYERS).load_state_dict(layerwise.state_dict())
+
+
+def test_layerwise_rounds_solve_one_layer_each():
+    """layerwise: a step is L rounds, round l carries layer l's histogram alone; with inputs that
+    do not depend on the bias (these synthetic scores) that is the all-layers solve, one layer at
+    a time. A report of the wrong shape names the layer's round and changes nothing."""
+    core = CoordinatorCore(L, E, K, {"bins": BINS}, world_size=2)
+    for w in range(2):
+        core.register(f"w{w}")
+    reference = make_balancer(BalanceConfig(**ALL_LAYERS), L, E, K)
+    for step in range(3):
+        for layer in range(L):
+            u = core.latest()
+            assert u.step == step * L + layer - 1
+            if layer == 1 and step == 1:
+                before = snapshot(core)
+                with pytest.raises(ValueError, match=r"\[1, 8, 32\] \(layer 1's round\)"):
+                    core.report("w0", u.step + 1, *worker_report(u, 0, step), u.step)  # every layer
+                assert same_state(snapshot(core), before)
+            for w in range(2):
+                hist, counts = worker_report(u, w, step)
+                status = core.report(f"w{w}", step * L + layer, hist[layer:layer + 1], counts[layer:layer + 1], u.step)
+            assert status == "solved" and core.first_solve_of_step(core.last_step)
+            solved = core.latest().bias
+            assert torch.equal(solved[layer + 1:], u.bias[layer + 1:])  # later layers wait their round
+        for layer in range(L):
+            reference.observe_scores(layer, torch.cat([worker_scores(w, step, layer) for w in range(2)]))
+        reference.step()
+        assert torch.equal(core.latest().bias, reference.bias()), f"step {step}"
+    bytes_per_layer = [m["hist_bytes"] for m in core.metrics()["layers"]]
+    assert bytes_per_layer[0] == bytes_per_layer[1] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +296,7 @@ def run_steps(coord, workers, steps, kill=None) -> list[torch.Tensor]:
 
 @pytest.mark.ray
 def test_four_workers_twenty_steps_match_single_process(ray_local):
-    coord = get_or_create_coordinator("qb-test-4x20", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4)
+    coord = get_or_create_coordinator("qb-test-4x20", num_layers=L, num_experts=E, top_k=K, config=ALL_LAYERS, world_size=4)
     workers = [SimWorker.remote(coord, i, 5.0) for i in range(4)]
     try:
         got = run_steps(coord, workers, range(20))
@@ -273,7 +315,7 @@ def test_four_workers_twenty_steps_match_single_process(ray_local):
 
 @pytest.mark.ray
 def test_worker_killed_and_restarted_mid_run(ray_local):
-    coord = get_or_create_coordinator("qb-test-kill-worker", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4)
+    coord = get_or_create_coordinator("qb-test-kill-worker", num_layers=L, num_experts=E, top_k=K, config=ALL_LAYERS, world_size=4)
     workers = [SimWorker.remote(coord, i, 5.0) for i in range(4)]
 
     def after_report(step):  # w2 dies after its report landed, comes back and sends it again
@@ -303,7 +345,7 @@ def test_worker_killed_and_restarted_mid_run(ray_local):
 def test_killed_coordinator_restores_its_last_state(ray_local, tmp_path):
     path = str(tmp_path / "qb_state.pt")
     coord = get_or_create_coordinator(
-        "qb-test-kill-coord", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS}, world_size=4, state_path=path
+        "qb-test-kill-coord", num_layers=L, num_experts=E, top_k=K, config=ALL_LAYERS, world_size=4, state_path=path
     )
     workers = [SimWorker.remote(coord, i, 1.0) for i in range(4)]
     seen = {}
@@ -335,13 +377,13 @@ def test_killed_coordinator_restores_its_last_state(ray_local, tmp_path):
 @pytest.mark.ray
 def test_actor_rejects_bad_input_without_changing_state(ray_local):
     with pytest.raises(ValueError, match="1 <= top_k < experts"):
-        get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=E, config={"bins": BINS})
-    coord = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS})
+        get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=E, config=ALL_LAYERS)
+    coord = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config=ALL_LAYERS)
     try:
-        again = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config={"bins": BINS})
+        again = get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E, top_k=K, config=ALL_LAYERS)
         assert ray.get(again.describe.remote())["pid"] == ray.get(coord.describe.remote())["pid"]
         with pytest.raises(ValueError, match="exists with"):
-            get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E + 1, top_k=K, config={"bins": BINS})
+            get_or_create_coordinator("qb-test-bad", num_layers=L, num_experts=E + 1, top_k=K, config=ALL_LAYERS)
         update = ray.get(coord.register.remote("w0"))
         before = ray.get(coord.state_dict.remote())
         hist, counts = worker_report(update, 0, 0)
@@ -367,9 +409,9 @@ def test_local_ray_stays_on_loopback(ray_local):
 
 
 class RoundsModel:
-    """Stands in for the model in QuantileHist.observe: MoE layer l's scores for the step's batch
-    depend on the bias layer l - 1 routes with (as a deep router's input depends on how the layers
-    below it route), so a second round moves the deep layers' solve."""
+    """Stands in for the model in the strategies: MoE layer l's scores for the step's batch depend
+    on the bias layer l - 1 routes with (as a deep router's input depends on how the layers below
+    it route), so a second round, or solving layer by layer, moves the deep layers' solve."""
 
     def __init__(self):
         self.bias = torch.zeros(L, E)
@@ -377,44 +419,65 @@ class RoundsModel:
     def set_router_bias(self, bias):
         self.bias = bias.clone()
 
+    @staticmethod
+    def layer(step: int, layer: int, bias: torch.Tensor) -> SimpleNamespace:
+        shift = 4.0 * bias[layer - 1].roll(1) if layer else 0.0
+        scores = torch.sigmoid(torch.logit(worker_scores(0, step, layer)) + shift)
+        margins, idx = route(scores, bias[layer], K)
+        return SimpleNamespace(margins=margins, counts=expert_loads(idx, E))
+
     def routers(self, step: int, bias: torch.Tensor) -> list:
-        out = []
-        for layer in range(L):
-            shift = 4.0 * bias[layer - 1].roll(1) if layer else 0.0
-            scores = torch.sigmoid(torch.logit(worker_scores(0, step, layer)) + shift)
-            margins, idx = route(scores, bias[layer], K)
-            out.append(SimpleNamespace(margins=margins, counts=expert_loads(idx, E)))
-        return out
+        return [self.layer(step, layer, bias) for layer in range(L)]
+
+    def rerun(self, step: int):
+        """The trainer's router pass: with `solve`, each layer routes with what it returns before
+        the next layer is reached (K3Model.solving_router_bias)."""
+        def run(solve=None) -> list:
+            out = []
+            for layer in range(L):
+                r = self.layer(step, layer, self.bias)
+                if solve is not None and (new := solve(layer, r)) is not None:
+                    self.bias[layer] = new
+                    r = self.layer(step, layer, self.bias)
+                out.append(r)
+            return out
+        return run
 
 
 @pytest.mark.ray
-def test_quantile_hist_solves_rounds_through_the_coordinator_like_the_balancer(ray_local):
-    """solve_rounds=2: per step the strategy reports round 1, routes the same batch with its solve,
-    reports round 2 and leaves that for the next step; the biases equal the single-process
-    Balancer solving twice per step on the same re-routed batches, and differ from one round."""
+@pytest.mark.parametrize("layerwise, rounds", [(True, 1), (False, 2)], ids=["layerwise", "two_rounds"])
+def test_quantile_hist_solves_through_the_coordinator_like_the_balancer(ray_local, layerwise, rounds):
+    """layerwise: per step the strategy reports layer 0, routes it with the solve, reports layer
+    1 and leaves that for the next step. two_rounds: it reports every layer, routes the same batch
+    with the solve, reports again. The biases equal the single-process Balancer doing the same on
+    the same batches, and differ (layer 1) from one solve of every layer from one forward."""
     from k3.platform.balance.strategies import make_strategy
 
-    config = BalanceConfig(bins=BINS, solve_rounds=2)
-    coord = get_or_create_coordinator("qb-test-rounds", num_layers=L, num_experts=E, top_k=K, config=config, world_size=1)
+    config = BalanceConfig(bins=BINS, layerwise=layerwise, solve_rounds=rounds)
+    name = f"qb-test-rounds-{layerwise}"
+    coord = get_or_create_coordinator(name, num_layers=L, num_experts=E, top_k=K, config=config, world_size=1)
     try:
-        strategy = make_strategy(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name="qb-test-rounds")
+        strategy = make_strategy(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name=name)
         strategy.start(None)
-        model, bal, once = RoundsModel(), make_balancer(config, L, E, K), make_balancer(config, L, E, K)
+        model, bal = RoundsModel(), make_balancer(config, L, E, K)
+        once = make_balancer(BalanceConfig(**ALL_LAYERS), L, E, K)
         for step in range(6):
             strategy.begin_step(model)
             assert torch.equal(model.bias, bal.bias()), f"step {step}"
-            strategy.observe(model, step, model.routers(step, model.bias),
-                             lambda: model.routers(step, model.bias))
-            for _ in range(2):
-                for layer, r in enumerate(model.routers(step, bal.bias())):
-                    bal.observe(layer, r.margins, r.counts)
-                bal.step()
+            strategy.refresh(model, step, model.rerun(step))
+            for _ in range(rounds):
+                for layer in range(L) if layerwise else [None]:
+                    for i, r in enumerate(model.routers(step, bal.bias())):
+                        if layer is None or i == layer:  # layerwise: the layers below are solved already
+                            bal.observe(i, r.margins, r.counts)
+                    bal.step()
             for layer, r in enumerate(model.routers(step, once.bias())):
                 once.observe(layer, r.margins, r.counts)
             once.step()
         strategy.begin_step(model)  # waits for the last round's solve (reports return at once)
-        assert ray.get(coord.metrics.remote())["step"] == 2 * 6 - 1
+        assert ray.get(coord.metrics.remote())["step"] == config.rounds_per_step(L) * 6 - 1
         assert torch.equal(model.bias, bal.bias())
-        assert not torch.allclose(bal.bias()[1], once.bias()[1], atol=1e-3)  # the rounds did change layer 1
+        assert torch.equal(bal.bias()[0], once.bias()[0]) == (rounds == 1)  # layer 0's inputs never change
+        assert not torch.allclose(bal.bias()[1], once.bias()[1], atol=1e-3)  # solving for its real inputs moved layer 1
     finally:
         ray.kill(coord)

@@ -6,8 +6,9 @@ per step than its tokens differ. Three runs on the same batches:
 - margins of a forward under the weights the step just produced, one solve (the second): no
   collapse, but every layer from the second on sits above 1.3: a deep layer's bias is solved
   while the layers below it still route with last step's biases;
-- the same with solve_rounds=2 (now the default): the batch is routed again under the new biases
-  and solved again, and every layer stays under 1.0."""
+- the same solved layer by layer (layerwise, now the default): each MoE layer is solved as that
+  forward reaches it and routes with its new bias before the next is reached, so every layer is
+  solved for the inputs it will see, and every layer stays under 1.0."""
 from __future__ import annotations
 
 import os
@@ -21,9 +22,9 @@ pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast le
 
 STEPS, MICRO_BATCH, SEQ, LR = 20, 8, 64, 4e-2
 BOUND = 1.0  # per-layer MaxVio, mean over the last third of the run (collapse is 3.0)
-RUNS = {"training_forward": {"margins_after_step": False, "solve_rounds": 1},
-        "after_step_one_solve": {"margins_after_step": True, "solve_rounds": 1},
-        "after_step_two_rounds": {"margins_after_step": True, "solve_rounds": 2}}
+RUNS = {"training_forward": {"margins_after_step": False, "layerwise": False},
+        "after_step_one_solve": {"margins_after_step": True, "layerwise": False},
+        "after_step_layerwise": {"margins_after_step": True, "layerwise": True}}
 
 
 def _tokens(step: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -68,9 +69,9 @@ def maxvio(tmp_path_factory):
 @pytest.mark.parametrize("run", list(RUNS))
 def test_qb_keeps_every_layer_balanced_at_high_lr(maxvio, run):
     tail = maxvio[run][-STEPS // 3:].mean(0)  # [layers]
-    if run == "after_step_two_rounds":
+    if run == "after_step_layerwise":
         assert tail.max() <= BOUND, f"a layer left the bound {BOUND}: per-layer MaxVio {tail.tolist()}"
-    elif run == "after_step_one_solve":  # the previous default, kept as an option: above the bound
+    elif run == "after_step_one_solve":  # every layer from one forward, kept as an option: above the bound
         assert tail.max() >= 1.3, f"expected one solve per step to leave a layer above 1.3: {tail.tolist()}"
     else:  # the first behaviour, kept as an option: this is the collapse after-step margins remove
         assert tail.max() >= 2.0, f"expected the training forward's margins to let a layer near collapse: {tail.tolist()}"
