@@ -5,7 +5,9 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.k3-installed
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# DeepSpeed's C++ ops (the CPU shm all-reduce, cpu_adam) build once into torch's default directory
+# (~/.cache/torch_extensions/<py>_<device>, or TORCH_EXTENSIONS_DIR when set), the one every way of
+# starting k3 shares: make, the README's cluster jobs from a new terminal, the tests.
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 

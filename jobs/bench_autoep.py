@@ -39,7 +39,6 @@ import os
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,7 +48,6 @@ from k3.model.config import K3Config, get_preset
 from k3.model.moe import Experts, LatentMoE
 import k3.model
 
-REPO = Path(__file__).resolve().parents[1]
 EXPERT_ACTIVATION = "situ_glu"
 # A layer that routes on the hidden width and runs its experts on the latent width, found by the
 # same pattern DeepSeek-style presets use (k3's MoE blocks are model.layers.<i>.mlp).
@@ -373,8 +371,6 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # DeepSpeed builds its CPU comm op on first use; one shared build directory for every run.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     torch.set_num_threads(1)
     cfg = bench_config()
     refusals = autoep_refusals(cfg)

@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--cases", default="1x1x4096:ckpt,1x1x4096:full,1x4x4096:ckpt,2x2x2048:ckpt,2x2x2048:full,"
                                   "2x1x4096:ckpt:cp2,2x1x4096:full:cp2",
@@ -105,7 +104,6 @@ def peak_live_bytes(prof) -> int:
 def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile

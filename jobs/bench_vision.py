@@ -43,8 +43,7 @@ args = p.parse_args()
 # the job runs in Ray's copy of the working dir: it gets absolute paths
 args.data, args.runs = str(Path(args.data).resolve()), str(Path(args.runs).resolve())
 
-env = {"DS_ACCELERATOR": "cpu",
-       "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+env = {"DS_ACCELERATOR": "cpu"}
 head = LocalRayHead(num_cpus=2, env=env)
 summary_path = Path(args.runs) / f"{args.name}.summary.json"
 Path(args.runs).mkdir(parents=True, exist_ok=True)

@@ -28,13 +28,11 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from k3.model.hf_kimi import kimi_linear_torch_only, load_kimi_linear
 
-REPO = Path(__file__).resolve().parent.parent
 
 kimi_linear_torch_only()  # transformers' own torch path (never fla's GPU kernels)
 import transformers  # noqa: E402
@@ -180,7 +178,6 @@ def trainer(path: str | None, batch: int, preset: str | None = None):
     from k3.platform.train.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = str(free_port())
         import deepspeed

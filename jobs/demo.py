@@ -131,8 +131,7 @@ args.data, args.runs = str(Path(args.data).resolve()), str(Path(args.runs).resol
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 # 1. A private Ray cluster on loopback, every port chosen free, with its own auth token.
-env = {"DS_ACCELERATOR": "cpu",
-       "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+env = {"DS_ACCELERATOR": "cpu"}
 head = LocalRayHead(num_cpus=2, env=env)
 print(f"demo: starting Ray on {head.gcs_address} (dashboard {head.address}, log {head.log_path})", flush=True)
 # 2. Data (a no-op when already prepared), while Ray starts.

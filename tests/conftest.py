@@ -13,10 +13,9 @@ import pytest
 # Triton reads TRITON_INTERPRET when a kernel is decorated: set it before any test imports k3,
 # so the Triton tests run in the interpreter on a machine without a GPU (tests/kernel_cases.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# One DeepSpeed extensions directory for the whole session (what `make test` exports), so each op
-# (the CPU shm all-reduce, cpu_adam) compiles once, ~2 min each on 2 cores, whichever test is first:
-# in-process tests, spawned processes, Ray Train workers and `ray job submit` jobs all inherit it.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+# DeepSpeed's ops (the CPU shm all-reduce, cpu_adam; ~1-1.5 min each on 2 cores) build once, in
+# torch's default directory (or TORCH_EXTENSIONS_DIR when set): in-process tests, spawned processes,
+# Ray Train workers and the README's `ray job submit` jobs from a new terminal all use the same one.
 
 # Under `pytest -n 2` (the Makefile's unit tier) each worker process keeps to one thread: two
 # workers at torch's default of a thread per core would run four threads on the 2 cores.

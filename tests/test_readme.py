@@ -139,8 +139,8 @@ def _checkout(dest: Path) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dest / f)
     (dest / ".venv").symlink_to(REPO / ".venv")
-    # the copy's own .cache (its cluster and monitor state), sharing only what `make` unpacked or compiled
-    for shared in ("prometheus", "torch_extensions"):
+    # the copy's own .cache (its cluster and monitor state), sharing only what `make` unpacked
+    for shared in ("prometheus",):
         if (REPO / ".cache" / shared).exists():
             (dest / ".cache").mkdir(exist_ok=True)
             (dest / ".cache" / shared).symlink_to(REPO / ".cache" / shared)

@@ -122,12 +122,14 @@ def data_splits(cfg: TrainConfig) -> list:
 
 def worker_env(cfg: TrainConfig) -> dict[str, str]:
     env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu"),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "torch_extensions")),
            "PYTHONUNBUFFERED": "1",
            # one line per log interval: Ray Train's print patch both tees a worker's print to stdout
            # and logs it to the console, so every line came twice
            "RAY_TRAIN_ENABLE_PRINT_PATCH": os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")}
+    # DeepSpeed's ops build where the driver's would: TORCH_EXTENSIONS_DIR when set, else torch's
+    # default (a directory of k3's own here made a README job rebuild what `make demo` had built)
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
     return env

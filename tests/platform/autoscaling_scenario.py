@@ -95,7 +95,7 @@ cfg["available_node_types"]["ray.head.default"]["resources"]["head_node"] = 10
 # Serve's controller re-sets its replica-health gauge every RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S
 # (10 s): under 4 s here, or Ray drops it between two
 ENV = {"RAY_metrics_report_interval_ms": "2000", "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": "1",
-       "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
+       "DS_ACCELERATOR": "cpu"}
 CLUSTER, MONITOR = work / "cluster-state.json", work / "monitor-state.json"
 
 

@@ -91,3 +91,17 @@ def test_the_data_is_read_in_equal_ordered_splits_without_an_actor_per_read(ray_
     n = len(rows) // 2
     assert len(splits) == 2 and [len(g) for g in got] == [n, n]
     assert [list(map(int, r["tokens"])) for r in got[0] + got[1]] == [r["tokens"] for r in rows[:2 * n]]
+
+
+def test_workers_build_deepspeed_ops_where_the_driver_and_make_do(monkeypatch):
+    """One extensions directory for every way k3 starts DeepSpeed: a README job from a new
+    terminal (no TORCH_EXTENSIONS_DIR) builds into torch's default, as `make demo` and the tests
+    do; a directory of k3's own made that job rebuild each op (~1-1.5 min each on 2 cores)."""
+    from pathlib import Path
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert "TORCH_EXTENSIONS_DIR" not in launch.worker_env(TrainConfig())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/ops")
+    assert launch.worker_env(TrainConfig())["TORCH_EXTENSIONS_DIR"] == "/somewhere/ops"
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert not [line for line in makefile.splitlines() if "TORCH_EXTENSIONS_DIR" in line and not line.startswith("#")]

@@ -32,7 +32,6 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ds_env():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
 def run(ray_local, data_dir, tmp_path, name, **kw):

@@ -19,7 +19,6 @@ import k3.model
 pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
 
 CLIP = 0.05  # far below the first step's gradient norm, so the clip is active
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(ep_size: int) -> TrainConfig:
@@ -35,7 +34,6 @@ def _batch(rank: int, step: int, vocab: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     torch.set_num_threads(1)
     import deepspeed
 

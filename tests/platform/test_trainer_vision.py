@@ -22,7 +22,6 @@ import k3.model
 
 pytestmark = pytest.mark.distributed  # gloo worker processes (make test-fast leaves them out)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(data: str) -> TrainConfig:
@@ -33,7 +32,6 @@ def _cfg(data: str) -> TrainConfig:
 def _worker(rank: int, port: int, data: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
