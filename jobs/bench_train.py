@@ -121,9 +121,14 @@ def plot(out: dict, path: str) -> None:
 # --methods: a balancing method, or Quantile Balancing with another solve of its after-step forward
 VARIANTS = {
     "quantile_hist": ("QB (coordinator)", {"method": "quantile_hist"}),
+    "qb-layerwise-one": ("QB, layer by layer, one alternation", {"method": "quantile_hist", "layerwise": True,
+                                                                 "solve_rounds": 1}),
+    "qb-layerwise-two": ("QB, layer by layer, two alternations", {"method": "quantile_hist", "layerwise": True,
+                                                                  "solve_rounds": 2}),
     "qb-two-rounds": ("QB, all layers per forward, two rounds", {"method": "quantile_hist", "layerwise": False,
                                                                  "solve_rounds": 2}),
-    "qb-one-solve": ("QB, all layers from one forward", {"method": "quantile_hist", "layerwise": False}),
+    "qb-one-solve": ("QB, all layers from one forward", {"method": "quantile_hist", "layerwise": False,
+                                                         "solve_rounds": 1}),
     "loss_free": ("loss-free", {"method": "loss_free"}),
     "aux_loss": ("aux loss", {"method": "aux_loss"}),
     "none": ("none", {"method": "none"}),

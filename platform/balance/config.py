@@ -54,24 +54,36 @@ class BalanceConfig(BaseModel):
     )
     layerwise: bool = Field(
         True,
-        description="quantile/quantile_hist in the training job, with margins_after_step: the after-step forward "
+        description="quantile/quantile_hist in the training job, with margins_after_step (without it the default "
+        "is False, the only value that means anything there): the after-step forward "
         "solves each MoE layer as it reaches it and routes that layer with its new bias before going on, so each "
-        "layer's bias is solved for the router inputs the new biases below it give (one forward per round; with "
-        "the coordinator, one histogram round trip per layer, each a few layers' worth of ms). A layer's router "
+        "layer's bias is solved for the router inputs the new biases below it give (one forward; with the "
+        "coordinator, one histogram round trip per layer and alternation, each a few ms). A layer's router "
         "input depends on how the layers below it route: solved all at once from one forward, the deep layers' "
-        "biases are solved for inputs they will not see, and at high learning rates that left them 2x above the "
-        "fixed-bias floor (docs/benchmarks.md). False: every layer is solved from the same forward.",
+        "biases are solved for inputs they will not see. False: every layer is solved from the same forward.",
     )
     solve_rounds: int = Field(
-        1, ge=1, le=8,
-        description="quantile/quantile_hist in the training job, with margins_after_step: after-step forwards (and "
-        "solves of every layer) per step. Each further round routes the same batch again under the biases the "
-        "round before it solved and solves again: a deep layer's bias is then solved for the inputs the layers "
-        "below it will give it. Before `layerwise` this was the remedy (2 rounds); each round is one more no-grad "
-        "forward and, with the coordinator, more round trips that the step waits on.",
+        2, ge=1, le=8,
+        description="quantile/quantile_hist in the training job, with margins_after_step (without it the default "
+        "is 1): alternations of QB's solve per step. Layerwise, each layer's scores in hand are re-routed with "
+        "the bias just solved and solved again, solve_rounds times, before the forward goes on (no extra "
+        "forward; with the coordinator, one more round trip per layer each). Otherwise each round routes the "
+        "whole batch again under the biases the round before solved: one more no-grad forward each. A token's "
+        "margins are measured from its (k+1)-th biased score, so a solve moves the margins it was solved from; "
+        "the second alternation re-solves under the first's routing and keeps deep layers balanced at high "
+        "learning rates (docs/benchmarks.md, 'Solving layer by layer').",
     )
     loss_free_step: float = Field(1e-3, gt=0, description="loss_free: step size of b += step * sign(mean load - load).")
     aux_loss_coef: float = Field(1e-2, ge=0, description="aux_loss: coefficient of the Switch load-balancing loss.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _training_forward_defaults(cls, data):
+        # Solving from the training forward's margins is one solve of every layer per step: the
+        # after-step settings default to what that is, and are refused below only when given.
+        if isinstance(data, dict) and data.get("margins_after_step") is False:
+            data = {"layerwise": False, "solve_rounds": 1, **data}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "BalanceConfig":
@@ -82,7 +94,7 @@ class BalanceConfig(BaseModel):
             raise ValueError(f"min_halfwidth {self.min_halfwidth} > max_halfwidth {self.max_halfwidth}")
         if not self.margins_after_step and self.method in ("quantile", "quantile_hist"):
             if self.solve_rounds > 1:
-                raise ValueError(f"solve_rounds={self.solve_rounds} re-runs the after-step forward: it needs "
+                raise ValueError(f"solve_rounds={self.solve_rounds} re-solves from the after-step forward: it needs "
                                  "margins_after_step=True (or solve_rounds=1)")
             if self.layerwise:
                 raise ValueError("layerwise=True solves each layer inside the after-step forward: it needs "
@@ -90,6 +102,6 @@ class BalanceConfig(BaseModel):
         return self
 
     def rounds_per_step(self, num_layers: int) -> int:
-        """Solves per training step in the after-step forwards: every layer at once per round, or
-        (layerwise) one per layer per round. The coordinator numbers them step * this + round."""
+        """Solves per training step in the after-step forward(s): every layer at once per round, or
+        (layerwise) one per layer and alternation. The coordinator numbers them step * this + round."""
         return self.solve_rounds * (num_layers if self.layerwise else 1)

@@ -21,12 +21,13 @@ Rounds: a training step is `config.rounds_per_step(L)` rounds of 2-3, numbered s
 round, "step" above meaning a round. With BalanceConfig.layerwise (the default) a round solves one
 layer: the worker reports layer l's histogram [1, E, bins] and counts [1, E] as its after-step
 forward reaches layer l, waits for the solve and routes layer l with it before going on, so each
-layer is solved for the inputs the new biases below it give; rounds l = 0 .. L-1 of a step are
-its layers in order. Otherwise a round solves every layer at once ([L, E, bins]). With
-BalanceConfig.solve_rounds = R > 1 the workers route the same batch again after the step's
-solves and solve again, R times (the last round's update routes the next step). The maxvio gauge
-of a layer is set from its first solve of each step (the bias in hand under the new weights), the
-other gauges from every solve.
+layer is solved for the inputs the new biases below it give. With BalanceConfig.solve_rounds = R
+the worker re-routes layer l's scores in hand with each solve and reports again, R alternations
+of the solve per layer in the one forward: rounds l * R .. l * R + R - 1 of a step are layer l's.
+Otherwise a round solves every layer at once ([L, E, bins]), and with R > 1 the workers route
+the same batch again after the step's solves and solve again, R forwards. The last round's update
+routes the next step. The maxvio gauge of a layer is set from its first solve of each step (the
+bias in hand under the new weights), the other gauges from every solve.
 
 Bin edges: the coordinator owns them. Each update carries the windows for the next step,
 centred on each expert's new selection boundary -b_e with a half-width per layer that follows
@@ -126,14 +127,16 @@ class CoordinatorCore:
 
     def round_layers(self, round_: int) -> range:
         """The layers round `round_` solves: one (layerwise) or all."""
-        if self.config.layerwise:
-            layer = round_ % self.num_layers
+        if self.config.layerwise:  # a step's rounds: layer 0's solve_rounds alternations, then layer 1's, ...
+            layer = round_ % self.rounds_per_step // self.config.solve_rounds
             return range(layer, layer + 1)
         return range(self.num_layers)
 
     def first_solve_of_step(self, round_: int) -> bool:
         """Whether round `round_` is its layers' first solve in its step."""
-        return round_ % self.rounds_per_step < (self.num_layers if self.config.layerwise else 1)
+        if self.config.layerwise:
+            return round_ % self.config.solve_rounds == 0
+        return round_ % self.rounds_per_step == 0
 
     # -- worker set
     def register(self, worker_id: str) -> BiasUpdate:

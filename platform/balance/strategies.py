@@ -10,8 +10,9 @@ The Trainer calls the same hooks whatever the method (`--balance`):
                                      when it is True, after the optimizer step: `rerun(solve=None)`
                                      runs a no-grad forward of the step's batch under the updated
                                      weights and returns its router outputs; with `solve` each MoE
-                                     layer is solved as the forward reaches it (`layerwise`), and
-                                     each of `solve_rounds` rounds runs it again (returns seconds
+                                     layer is solved as the forward reaches it (`layerwise`,
+                                     `solve_rounds` alternations on the inputs in hand), or every
+                                     layer from each of `solve_rounds` forwards (returns seconds
                                      spent waiting for solves)
     after_step(model, step, loads)   the step's global loads [L, E] (methods without margins)
 
@@ -31,6 +32,7 @@ import torch
 
 from .config import BalanceConfig
 from .methods import Balancer, balancer_class, make_balancer
+from .routing import expert_loads, route
 
 
 def _bias(model) -> torch.Tensor:
@@ -51,6 +53,22 @@ def needs_coordinator(config: BalanceConfig) -> bool:
 class BalanceStrategy:
     def __init__(self, config: BalanceConfig, device: torch.device) -> None:
         self.config, self.device = config, device
+
+    def _alternate(self, layer: int, out, solve) -> torch.Tensor | None:
+        """`config.solve_rounds` alternations of QB's solve for one layer on the router inputs in
+        hand (layerwise): `solve(layer, r, margins, counts)` returns alternation r's solved bias
+        (None: not collected now), and alternation r + 1 re-routes the same scores with it. No
+        forward is re-run: a layer's inputs do not depend on its own bias."""
+        margins, counts = out.margins, out.counts
+        top_k, num_experts = out.expert_ids.shape[1], out.scores.shape[1]
+        bias = None
+        for r in range(self.config.solve_rounds):
+            bias = solve(layer, r, margins, counts)
+            if bias is None or r == self.config.solve_rounds - 1:
+                break
+            margins, idx = route(out.scores.detach().float(), bias.float(), top_k)
+            counts = expert_loads(idx, num_experts)
+        return bias
 
     def start(self, model) -> None:
         """After the model is built and any checkpoint loaded, before the first step."""
@@ -116,11 +134,11 @@ class LocalStrategy(BalanceStrategy):
             self._solve(model, routers)
 
     def refresh(self, model, step: int, rerun) -> float:
+        if self.config.layerwise:  # the layer routes with its new bias before the next is reached
+            rerun(lambda layer, out: self._alternate(layer, out, self._solve_layer))
+            return 0.0
         for _ in range(self.config.solve_rounds):
-            if self.config.layerwise:  # the layer routes with its new bias before the next is reached
-                rerun(self._solve_layer)
-            else:
-                self._solve(model, rerun())
+            self._solve(model, rerun())
         return 0.0
 
     def _solve(self, model, routers) -> None:
@@ -129,8 +147,8 @@ class LocalStrategy(BalanceStrategy):
         self.balancer.step()
         model.set_router_bias(self.balancer.bias().to(self.device))
 
-    def _solve_layer(self, layer: int, out) -> torch.Tensor:
-        self.balancer.observe(layer, out.margins, out.counts)
+    def _solve_layer(self, layer: int, r: int, margins: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        self.balancer.observe(layer, margins, counts)
         self.balancer.step()
         return self.balancer.bias(layer).to(self.device)
 
@@ -191,21 +209,20 @@ class CoordinatedStrategy(BalanceStrategy):
             waited += time.perf_counter() - t0
             return update
 
-        for r in range(self.config.solve_rounds):
-            if r:  # the previous round's solve, waited for: this forward routes with it
-                model.set_router_bias(fetch().bias.to(self.device))
-            if not self.config.layerwise:
-                self._report(step * self.config.solve_rounds + r, rerun())
-                continue
-            first = (step * self.config.solve_rounds + r) * n
+        R = self.config.solve_rounds
+        if not self.config.layerwise:
+            for r in range(R):
+                if r:  # the previous round's solve, waited for: this forward routes with it
+                    model.set_router_bias(fetch().bias.to(self.device))
+                self._report(step * R + r, rerun())
+            return waited
 
-            def solve(layer: int, out) -> torch.Tensor | None:
-                hist = self.client.histogram(layer, out.margins)[None]
-                self.client.report(first + layer, hist, out.counts[None])
-                # the last layer's solve routes nothing in this forward: collected later
-                return None if layer == n - 1 else fetch().bias[layer].to(self.device)
+        def solve(layer: int, r: int, margins: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+            self.client.report((step * n + layer) * R + r, self.client.histogram(layer, margins)[None], counts[None])
+            # the last layer's last solve routes nothing in this forward: collected later
+            return None if layer == n - 1 and r == R - 1 else fetch().bias[layer].to(self.device)
 
-            rerun(solve)
+        rerun(lambda layer, out: self._alternate(layer, out, solve))
         return waited
 
     def _report(self, round_: int, routers) -> None:

@@ -15,4 +15,4 @@ def test_unknown_method_is_refused_before_ray_starts():
     run = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_train.py"), "--methods", "quantile_hist,qb-3"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and not run.stdout, (run.returncode, run.stderr[-2000:])
-    assert "--methods: unknown qb-3; choose from quantile_hist, qb-two-rounds, qb-one-solve" in run.stderr
+    assert "--methods: unknown qb-3; choose from quantile_hist, qb-layerwise-one, qb-layerwise-two, qb-two-rounds" in run.stderr

@@ -410,14 +410,16 @@ def test_config_validation():
         BalanceConfig(bins=1)
     assert BalanceConfig(**BalanceConfig(method="loss_free").model_dump()).method == "loss_free"
     with pytest.raises(ValueError, match="layerwise=True solves each layer inside the after-step forward"):
-        BalanceConfig(margins_after_step=False)  # layerwise is the default
-    with pytest.raises(ValueError, match="solve_rounds=2 re-runs the after-step forward"):
-        BalanceConfig(margins_after_step=False, layerwise=False, solve_rounds=2)
+        BalanceConfig(margins_after_step=False, layerwise=True)
+    with pytest.raises(ValueError, match="solve_rounds=2 re-solves from the after-step forward"):
+        BalanceConfig(margins_after_step=False, solve_rounds=2)
     with pytest.raises(ValueError, match="solve_rounds"):
         BalanceConfig(solve_rounds=0)
-    assert BalanceConfig(margins_after_step=False, layerwise=False).solve_rounds == 1
+    # from the training forward's margins, the after-step settings default to one solve of every layer
+    plain = BalanceConfig(margins_after_step=False)
+    assert (plain.layerwise, plain.solve_rounds, plain.rounds_per_step(7)) == (False, 1, 1)
     assert BalanceConfig(method="loss_free", margins_after_step=False).method == "loss_free"  # rounds unused
-    # the coordinator numbers its solves with this: one per layer per round, or one per round
-    assert BalanceConfig().rounds_per_step(7) == 7
-    assert BalanceConfig(solve_rounds=2).rounds_per_step(7) == 14
+    # the coordinator numbers its solves with this: one per layer and alternation, or one per round
+    assert BalanceConfig().rounds_per_step(7) == 14  # the default: layerwise, two alternations
+    assert BalanceConfig(solve_rounds=1).rounds_per_step(7) == 7
     assert BalanceConfig(layerwise=False, solve_rounds=2).rounds_per_step(7) == 2

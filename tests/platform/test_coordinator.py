@@ -15,7 +15,7 @@ from k3.platform.balance import BalanceConfig, expert_loads, make_balancer, rout
 from k3.platform.balance.coordinator import BiasUpdate, CoordinatorCore
 
 L, E, K, BINS, N = 2, 8, 2, 32, 48
-ALL_LAYERS = {"bins": BINS, "layerwise": False}  # one solve of every layer per step (the protocol's rules)
+ALL_LAYERS = {"bins": BINS, "layerwise": False, "solve_rounds": 1}  # one solve of every layer per step (the protocol's rules)
 POPULARITY = torch.linspace(-1.0, 1.0, E) * 1.5  # skewed experts, so the biases have work to do
 
 
@@ -216,7 +216,7 @@ def test_state_dict_round_trip_and_get_bias():
     assert restored.latest().step == 6  # the refused load changed nothing of the others
     # Saved between steps, a state resumes under other solve settings, its solves renumbered: 7
     # steps of one solve are 14 layerwise solves of 2 layers, with the same biases and windows.
-    layerwise = CoordinatorCore(L, E, K, {"bins": BINS})
+    layerwise = CoordinatorCore(L, E, K, {"bins": BINS, "solve_rounds": 1})
     layerwise.load_state_dict(core.state_dict())
     assert layerwise.latest().step == 7 * L - 1 and torch.equal(layerwise.latest().bias, core.latest().bias)
     assert torch.equal(layerwise.latest().lo, core.latest().lo)
@@ -232,7 +232,7 @@ def test_layerwise_rounds_solve_one_layer_each():
     """layerwise: a step is L rounds, round l carries layer l's histogram alone; with inputs that
     do not depend on the bias (these synthetic scores) that is the all-layers solve, one layer at
     a time. A report of the wrong shape names the layer's round and changes nothing."""
-    core = CoordinatorCore(L, E, K, {"bins": BINS}, world_size=2)
+    core = CoordinatorCore(L, E, K, {"bins": BINS, "solve_rounds": 1}, world_size=2)
     for w in range(2):
         core.register(f"w{w}")
     reference = make_balancer(BalanceConfig(**ALL_LAYERS), L, E, K)
@@ -257,6 +257,20 @@ def test_layerwise_rounds_solve_one_layer_each():
         assert torch.equal(core.latest().bias, reference.bias()), f"step {step}"
     bytes_per_layer = [m["hist_bytes"] for m in core.metrics()["layers"]]
     assert bytes_per_layer[0] == bytes_per_layer[1] > 0
+
+
+def test_layerwise_alternations_are_consecutive_rounds_of_their_layer():
+    """solve_rounds=R layerwise: rounds l * R .. l * R + R - 1 of a step are layer l's, and its
+    maxvio gauge comes from the first; all layers at once: each round is every layer's."""
+    R = 2
+    core = CoordinatorCore(L, E, K, {"bins": BINS, "solve_rounds": R})
+    assert core.rounds_per_step == R * L
+    rounds = range(2 * R * L)  # two steps
+    assert [core.round_layers(r)[0] for r in rounds] == [layer for _ in range(2) for layer in range(L) for _ in range(R)]
+    assert [core.first_solve_of_step(r) for r in rounds] == [r % R == 0 for r in rounds]
+    core = CoordinatorCore(L, E, K, {"bins": BINS, "layerwise": False, "solve_rounds": R})
+    assert core.rounds_per_step == R and all(core.round_layers(r) == range(L) for r in rounds)
+    assert [core.first_solve_of_step(r) for r in rounds] == [r % R == 0 for r in rounds]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +438,7 @@ class RoundsModel:
         shift = 4.0 * bias[layer - 1].roll(1) if layer else 0.0
         scores = torch.sigmoid(torch.logit(worker_scores(0, step, layer)) + shift)
         margins, idx = route(scores, bias[layer], K)
-        return SimpleNamespace(margins=margins, counts=expert_loads(idx, E))
+        return SimpleNamespace(margins=margins, counts=expert_loads(idx, E), scores=scores, expert_ids=idx)
 
     def routers(self, step: int, bias: torch.Tensor) -> list:
         return [self.layer(step, layer, bias) for layer in range(L)]
@@ -444,17 +458,41 @@ class RoundsModel:
         return run
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_local_strategy_alternates_each_layer_before_the_next(rounds):
+    """Exact QB on one worker, layerwise: each layer's solve_rounds alternations (re-routing its
+    scores in hand with each solve) happen before the next layer is reached, as the Balancer
+    stepped by hand; the model ends routing with the last solve of every layer."""
+    from k3.platform.balance.strategies import make_strategy
+
+    config = BalanceConfig(method="quantile", solve_rounds=rounds)
+    strategy = make_strategy(config, L, E, K, torch.device("cpu"))
+    model, bal = RoundsModel(), make_balancer(config, L, E, K)
+    for step in range(4):
+        strategy.refresh(model, step, model.rerun(step))
+        for layer in range(L):
+            for _ in range(rounds):
+                r = model.routers(step, bal.bias())[layer]
+                bal.observe(layer, r.margins, r.counts)
+                bal.step()
+        assert torch.equal(model.bias, bal.bias()), f"step {step}"
+    assert bal.steps == 4 * L * rounds
+
+
 @pytest.mark.ray
-@pytest.mark.parametrize("layerwise, rounds", [(True, 1), (False, 2)], ids=["layerwise", "two_rounds"])
+@pytest.mark.parametrize("layerwise, rounds", [(True, 1), (True, 2), (False, 2)],
+                         ids=["layerwise", "layerwise_two_alternations", "two_rounds"])
 def test_quantile_hist_solves_through_the_coordinator_like_the_balancer(ray_local, layerwise, rounds):
-    """layerwise: per step the strategy reports layer 0, routes it with the solve, reports layer
-    1 and leaves that for the next step. two_rounds: it reports every layer, routes the same batch
-    with the solve, reports again. The biases equal the single-process Balancer doing the same on
-    the same batches, and differ (layer 1) from one solve of every layer from one forward."""
+    """layerwise: per step the strategy reports layer 0, routes it with the solve (two
+    alternations: re-routes layer 0's scores with it and reports again, routes with that), reports
+    layer 1 and leaves its last solve for the next step. two_rounds: it reports every layer, routes
+    the same batch with the solve, reports again. The biases equal the single-process Balancer
+    doing the same on the same batches, and differ (layer 1) from one solve of every layer from
+    one forward."""
     from k3.platform.balance.strategies import make_strategy
 
     config = BalanceConfig(bins=BINS, layerwise=layerwise, solve_rounds=rounds)
-    name = f"qb-test-rounds-{layerwise}"
+    name = f"qb-test-rounds-{layerwise}-{rounds}"
     coord = get_or_create_coordinator(name, num_layers=L, num_experts=E, top_k=K, config=config, world_size=1)
     try:
         strategy = make_strategy(config, L, E, K, torch.device("cpu"), rank=0, coordinator_name=name)
@@ -465,11 +503,16 @@ def test_quantile_hist_solves_through_the_coordinator_like_the_balancer(ray_loca
             strategy.begin_step(model)
             assert torch.equal(model.bias, bal.bias()), f"step {step}"
             strategy.refresh(model, step, model.rerun(step))
-            for _ in range(rounds):
-                for layer in range(L) if layerwise else [None]:
+            if layerwise:  # each layer's alternations before the next layer is reached
+                for layer in range(L):
+                    for _ in range(rounds):
+                        r = model.routers(step, bal.bias())[layer]  # the layers below are solved already
+                        bal.observe(layer, r.margins, r.counts)
+                        bal.step()
+            else:
+                for _ in range(rounds):
                     for i, r in enumerate(model.routers(step, bal.bias())):
-                        if layer is None or i == layer:  # layerwise: the layers below are solved already
-                            bal.observe(i, r.margins, r.counts)
+                        bal.observe(i, r.margins, r.counts)
                     bal.step()
             for layer, r in enumerate(model.routers(step, once.bias())):
                 once.observe(layer, r.margins, r.counts)
