@@ -42,6 +42,9 @@ import httpx
 
 from k3.platform.ops.local_ray import free_port, init_local_ray
 from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request, trace_summary
+from k3.serve.engine.params import EngineConfig
+
+SERVED = EngineConfig.model_fields  # the engine settings a served app gets unless its config says otherwise
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model-path", default=None, help="a k3 model directory (default: k3-tiny, random weights)")
@@ -51,8 +54,9 @@ p.add_argument("--num-prompts", type=int, default=12, help="requests per app in 
 p.add_argument("--max-concurrency", type=int, default=1, help="requests in flight in the side-by-side run")
 p.add_argument("--pool-groups", type=int, default=4, help="distinct long prefixes in the pool run")
 p.add_argument("--suffix-words", type=int, default=16, help="pool run: words after the shared prefix")
-p.add_argument("--page-size", type=int, default=16)
-p.add_argument("--snapshot-interval", type=int, default=8, help="pages between saved KDA states")
+p.add_argument("--page-size", type=int, default=SERVED["page_size"].default, help="tokens per page (default: the engine's)")
+p.add_argument("--snapshot-interval", type=int, default=SERVED["snapshot_interval"].default,
+               help="pages between saved KDA states (default: the engine's; a pool hit recomputes from the deepest one)")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 p.add_argument("--in-loop", action="store_true",
                help="run each replica's request path in its own event loop: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 "
