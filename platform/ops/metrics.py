@@ -4,7 +4,9 @@ Ray keeps a gauge only while it is set again: a value not re-set within two metr
 intervals (Ray 2.60's OpenTelemetry recorder, `metrics_report_interval_ms`, 10 s by default) is
 dropped, and a panel reading it goes blank. TrainMetrics therefore sets every gauge each step
 and re-sets the last values from a small thread between steps (a step or a checkpoint can take
-longer than the interval); the values go when the worker does, as they should.
+longer than the interval), twice per interval, so a re-set held back by up to an interval (a
+thread starved on a loaded machine) still lands before the gauge expires; the values go when the
+worker does, as they should.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class TrainMetrics:
 
     Args:
         enabled: whether this worker exports (rank 0); a disabled TrainMetrics does nothing.
-        refresh_s: seconds between re-sets of the last values (default: Ray's export interval).
+        refresh_s: seconds between re-sets of the last values (default: half Ray's export interval).
     """
 
     def __init__(self, enabled: bool = True, refresh_s: float | None = None) -> None:
@@ -54,8 +56,9 @@ class TrainMetrics:
         self.g.update({k: Gauge(f"k3_train_{k}", v, ("layer",)) for k, v in TRAIN_LAYER_GAUGES.items()})
         self.restarts = Counter("k3_train_restarts", "worker-group starts from a checkpoint (a worker failure, "
                                                      "or a resubmitted run)")
-        # Ray's export interval (never under 1 s): at least one re-set lands in every expiry window
-        self.refresh_s = refresh_s or max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+        # half Ray's export interval (at least 0.5 s): a re-set lands in every expiry window (two
+        # intervals) even when one is late by a whole interval
+        self.refresh_s = refresh_s or max(ray._config.metrics_report_interval_ms(), 1000) / 2000
         threading.Thread(target=self._keep, name="k3-train-metrics", daemon=True).start()
 
     def update(self, values: dict) -> None:
