@@ -146,7 +146,8 @@ def _error_text(status: int, raw: bytes) -> str:
 
 # The stamps of a traced request, in the order its first token passes them: the client's, then the
 # servers' (serve/servers.py, serve/ingress.py); "pd" passes all, "agg" skips the prefill hops.
-TRACE_STAMPS = ("client_send", "ingress_in", "ingress_call", "server_in", "prefill_call", "prefill_in", "pool_done",
+TRACE_STAMPS = ("client_send", "ingress_in", "ingress_call", "server_in", "prefill_call", "prefill_in", "pool_local",
+                "pool_fetched", "pool_done",
                 "engine_in", "engine_first", "prefill_out", "decode_reply", "server_out", "ingress_first",
                 "sse_first", "client_first")
 TRACE_HEADER = {"X-K3-Trace": "1"}

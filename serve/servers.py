@@ -203,8 +203,9 @@ class PrefillServer(EngineHost):
         self.pool_hit_tokens = 0
         self._publishing: set[asyncio.Task] = set()
 
-    async def _from_pool(self, prompt: list[int], spans: list) -> None:
-        """Load the prompt's prefix from the pool when it holds more than this replica does."""
+    async def _from_pool(self, prompt: list[int], spans: list, trace: dict | None = None) -> None:
+        """Load the prompt's prefix from the pool when it holds more than this replica does
+        (stamping a traced request after the local lookup and after the pool's answer)."""
         # only pages that end before the prompt's last token: a request resumes strictly inside its
         # prompt (the last token's logits are computed), so a snapshot at the prompt's end is no use
         ps = self.config.engine.page_size
@@ -213,9 +214,11 @@ class PrefillServer(EngineHost):
         # what this replica holds (in process, between two steps), then one round trip to the pool
         # that brings the pages only when it holds more; none when this replica holds all it could
         local = await self.engine.cached_prefix_tokens(prompt, spans)
+        stamp(trace, "pool_local")
         if local >= len(hashes) * ps:
             return
         pages = await self.pool.fetch_deeper.remote(hashes, local // ps)
+        stamp(trace, "pool_fetched")
         if not pages:
             return
         got = await self.engine.import_prefix(prompt, pages, spans)
@@ -257,7 +260,7 @@ class PrefillServer(EngineHost):
         if self.pool is not None:
             try:  # the pool's pages are keyed by media-aware hashes; bad media is refused below
                 spans = self.engine.media_spans(req.prompt_token_ids, media)
-                await self._from_pool(req.prompt_token_ids, spans)
+                await self._from_pool(req.prompt_token_ids, spans, req.trace)
             except Exception as e:  # noqa: BLE001 - a dead pool or a page that does not fit is a miss, not a failure
                 logger.warning("prefix pool skipped for this request: %s: %s", type(e).__name__, e)
             stamp(req.trace, "pool_done")
