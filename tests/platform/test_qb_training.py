@@ -3,9 +3,10 @@ per step than its tokens differ. Three runs on the same batches:
 
 - margins of the training forward (the first behaviour): the deep layers head for collapse onto k
   experts (MaxVio above 2; total collapse is E/k - 1 = 3);
-- margins of a forward under the weights the step just produced, one solve (the second): no
-  collapse, but every layer from the second on sits above 1.3: a deep layer's bias is solved
-  while the layers below it still route with last step's biases;
+- margins of a forward under the weights the step just produced, one solve of every layer (the
+  second): no collapse, but every layer from the second on sits above 1.3: a deep layer's bias is
+  solved while the layers below it still route with last step's biases (at this learning rate
+  that matters; at 2-4x the demo's the second alternation is what counts, docs/benchmarks.md);
 - the default: the same forward solved layer by layer, two alternations of the solve each: each
   MoE layer is solved as that forward reaches it (its scores re-routed with the solve and solved
   again) and routes with its new bias before the next is reached, so every layer is solved for
