@@ -101,10 +101,12 @@ def start_coordinator(cfg: TrainConfig, run: str):
 
 def data_splits(cfg: TrainConfig) -> list:
     """Deterministic, equal splits of the token shards, one per data-parallel group (the ranks of
-    a context-parallel group read the same one)."""
+    a context-parallel group read the same one). Ray Data's settings for this read are set for it
+    alone: the datasets keep their own copy, and the caller's DataContext is as it was."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
+    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.use_datasource_v2
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     # Ray Data's newer Parquet reader (Ray 2.60's default) lists the files through 32 new
@@ -113,11 +115,15 @@ def data_splits(cfg: TrainConfig) -> list:
     # and on an autoscaling cluster their 1-CPU placement requests add nodes for a read of a few
     # MB. The reader before it reads the footers in the read tasks (0.4-1.8 s here).
     ctx.use_datasource_v2 = False
-    paths = read_manifest(cfg.data).shard_paths(cfg.data)
-    # one block per shard, whatever the cluster's size: the workers' shuffle buffers fill from the
-    # blocks in order, so the batches (and a resumed run's) do not depend on how many CPUs read them
-    return ray.data.read_parquet(paths, override_num_blocks=len(paths)).split(
-        cfg.num_workers // cfg.context_parallel, equal=True)
+    try:
+        paths = read_manifest(cfg.data).shard_paths(cfg.data)
+        # one block per shard, whatever the cluster's size: the workers' shuffle buffers fill from
+        # the blocks in order, so the batches (and a resumed run's) do not depend on how many CPUs
+        # read them
+        return ray.data.read_parquet(paths, override_num_blocks=len(paths)).split(
+            cfg.num_workers // cfg.context_parallel, equal=True)
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.use_datasource_v2 = saved
 
 
 def worker_env(cfg: TrainConfig) -> dict[str, str]:

@@ -76,14 +76,20 @@ def test_fit_starts_a_run_again_when_its_controller_died_on_start(cfg, monkeypat
 def test_the_data_is_read_in_equal_ordered_splits_without_an_actor_per_read(ray_local, cfg):
     """`data_splits` is the driver's read of every token shard. Ray Data's default Parquet reader
     (Ray 2.60) started 32 footer-reading actors for it, every run: seconds of process start-up on
-    2 cores, and on an autoscaling cluster nodes added for a read of a few MB."""
+    2 cores, and on an autoscaling cluster nodes added for a read of a few MB. The settings it
+    reads with stay with the read: the caller's DataContext is left as it was."""
     import pyarrow.parquet as pq
+    import ray.data
     from ray._private import state
 
     from k3.platform.train.data import read_manifest
 
+    ctx = ray.data.DataContext.get_current()
+    settings = lambda: (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.use_datasource_v2)  # noqa: E731
+    caller = settings()
     before = {a["ActorID"] for a in state.actors().values()}
     splits = launch.data_splits(cfg)
+    assert settings() == caller  # the read's settings were its own: a program reading after fit() keeps Ray's
     started = sorted(a["ActorClassName"] for a in state.actors().values() if a["ActorID"] not in before)
     assert not [c for c in started if not c.startswith("_")], f"the read started actors: {started}"
     rows = [r for p in read_manifest(cfg.data).shard_paths(cfg.data) for r in pq.read_table(p).to_pylist()]
