@@ -25,6 +25,10 @@
    far plus a new user message: prefix hit rate and TTFT per turn, with the default cache and
    with 3 reserved snapshot slots. Uses only the engine's public API, so the same section runs on
    an older tree for a before/after comparison.
+10. full: a long-running server's cache, where every page holds some earlier prompt's cached
+   prefix and each new page evicts one: TTFT of a 2K-token prompt and decode tokens/s at 8
+   sequences, on an engine whose prefix cache is full (filled with random idle pages, as section
+   3 fills context) beside a fresh one, alternating.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn",
+p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn,full",
                help="comma-separated sections to run")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
@@ -364,6 +368,47 @@ def multiturn() -> dict:
     return out
 
 
+def fill_prefix_cache(eng: LLMEngine) -> int:
+    """Fill every free page with idle cached pages (random chains of 128 pages, random latents,
+    a snapshot-less prefix cache as a served engine's looks after many prompts). Returns the
+    pages filled."""
+    from k3.serve.engine.cache_manager import page_hashes
+
+    cache, ps, n = eng.cache, eng.cache.page_size, 0
+    while n < cache.num_pages:  # a fresh engine: every page free
+        tokens = rand(128 * ps)
+        for j, h in enumerate(page_hashes(tokens, ps)[: cache.num_pages - n]):
+            lat = {s.layer_idx: torch.randn(ps, s.latent_dim).to(cache.dtype) for s in cache.mla_specs}
+            assert cache.import_prefix_page(h, tuple(tokens[j * ps:(j + 1) * ps]), j + 1, lat, None)
+            n += 1
+    assert cache.usage()["pages_free"] == 0
+    return n
+
+
+def full_cache() -> dict:
+    """A full prefix cache against a fresh one: 2K-token TTFT and 8-sequence decode tokens/s."""
+    reps, prompt_len, out_tokens = (1, 512, 16) if args.quick else (3, 2048, 64)
+    sides: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "decode_tokens_per_s": []} for k in ("fresh", "full")}
+    filled = 0
+    LLMEngine(tiny, EngineConfig()).generate([rand(64)], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    for rep in range(reps):
+        for name in ("fresh", "full") if rep % 2 == 0 else ("full", "fresh"):
+            eng = LLMEngine(tiny, EngineConfig())
+            if name == "full":
+                filled = fill_prefix_cache(eng)
+            sides[name]["ttft_s"].append(first_token_time(eng, rand(prompt_len))[0])
+            prompts = [rand(128) for _ in range(8)]
+            t = time.perf_counter()
+            outs = eng.generate(prompts, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True))
+            sides[name]["decode_tokens_per_s"].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+    out = {"pages_total": LLMEngine(tiny, EngineConfig()).cache.num_pages, "pages_filled": filled,
+           "prompt_tokens": prompt_len, "decode_sequences": 8, "decode_tokens": out_tokens}
+    for name, side in sides.items():
+        out[name] = {"ttft_s_median": round(statistics.median(side["ttft_s"]), 4),
+                     "decode_tokens_per_s_median": round(statistics.median(side["decode_tokens_per_s"]), 1)}
+    return out
+
+
 if "throughput" in only:
     result["throughput"] = throughput()
 if "ttft" in only:
@@ -380,5 +425,7 @@ if "vs_transformers" in only:
     result["vs_transformers"] = vs_transformers()
 if "multiturn" in only:
     result["multiturn"] = multiturn()
+if "full" in only:
+    result["full_prefix_cache"] = full_cache()
 result["machine"]["load_average_at_end"] = os.getloadavg()
 print(json.dumps(result, indent=2))

@@ -21,6 +21,7 @@ tables and pools are its own.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -84,6 +85,54 @@ class SeqCache:
     base: int = 0  # the deepest kept snapshot of the cached prefix it matched: its new snapshots save only what lies past it
 
 
+class _IdlePages:
+    """The cached pages no running sequence holds, in eviction order: least recently used first,
+    and among equals the deepest, so a chain is cut from its end. A served engine's cache is full
+    of such pages and every page a new token needs evicts one, so this is a heap (a page is pushed
+    again when it goes idle or is touched; entries that no longer match their page are skipped on
+    the way out), not a scan of the whole cache per page."""
+
+    def __init__(self, entries: dict[bytes, _CachedPage]) -> None:
+        self._entries = entries  # the manager's: a page evicted from it is no longer idle
+        self._heap: list[tuple[int, int, int, _CachedPage]] = []
+        self._pushed = 0  # tie-break, so heap entries never compare pages
+        self.count = 0  # idle pages now
+
+    def add(self, blk: _CachedPage) -> None:
+        """blk went idle (registered unheld, or its last holder let go)."""
+        self.count += 1
+        self.touch(blk)
+
+    def discard(self, blk: _CachedPage) -> None:
+        """blk, idle until now, is held again or evicted (its heap entries go stale)."""
+        self.count -= 1
+
+    def touch(self, blk: _CachedPage) -> None:
+        """blk is idle under a new last_used."""
+        self._pushed += 1
+        heapq.heappush(self._heap, (blk.last_used, -blk.depth, self._pushed, blk))
+        if len(self._heap) > 2 * self.count + 1024:  # stale entries: drop them, keep one per page
+            live = {id(item[3]): item for item in self._heap if self._current(item)}
+            self._heap = list(live.values())
+            heapq.heapify(self._heap)
+
+    def pop(self) -> _CachedPage | None:
+        """The idle page to evict next (still cached: the caller evicts it), or None."""
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            if self._current(item):
+                return item[3]
+        return None
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self.count = 0
+
+    def _current(self, item: tuple[int, int, int, _CachedPage]) -> bool:
+        blk = item[3]
+        return blk.ref == 0 and blk.last_used == item[0] and self._entries.get(blk.hash) is blk
+
+
 @dataclass(frozen=True, eq=False)
 class PrefixHit:
     """A cached prefix a sequence can start from: its pages and the KDA snapshot after the last."""
@@ -115,6 +164,7 @@ class CacheManager:
         self._slots = SlotTable(n_slots, ec.max_num_seqs, self.page_size)
         self._entries: dict[bytes, _CachedPage] = {}  # chain hash -> cached page
         self._page_entry: dict[int, _CachedPage] = {}  # page -> its cache entry, when cached
+        self._idle = _IdlePages(self._entries)  # the cached pages no sequence holds: the ones a new page may evict
         self._clock = 0
         self.stats = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evicted_pages": 0,
                       "snapshots_taken": 0, "snapshots_rejected": 0}
@@ -146,7 +196,7 @@ class CacheManager:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def usage(self) -> dict:
-        cached_idle = sum(1 for b in self._entries.values() if b.ref == 0)
+        cached_idle = self._idle.count
         return {
             "pages_total": self.num_pages, "pages_free": len(self._free_pages), "pages_cached_idle": cached_idle,
             "pages_in_use": self.num_pages - len(self._free_pages) - cached_idle,
@@ -187,7 +237,7 @@ class CacheManager:
 
     def can_grow(self, mem: SeqCache, num_tokens: int) -> bool:
         need = self.pages_for(num_tokens) - len(mem.pages)
-        return len(self._free_pages) + sum(1 for b in self._entries.values() if b.ref == 0) >= need
+        return len(self._free_pages) + self._idle.count >= need
 
     def release(self, mem: SeqCache, failed: bool = False) -> None:
         """Give back mem's slot and pages (cached ones lose a reference, private ones are freed).
@@ -214,6 +264,8 @@ class CacheManager:
             else:
                 assert blk.ref > 0, f"page {p} released more often than it was held"
                 blk.ref -= 1
+                if blk.ref == 0:
+                    self._idle.add(blk)
         mem.pages, mem.shared = [], 0
 
     def share_pages(self, mem: SeqCache, tokens: list[int], hashes: list[bytes], num_computed: int) -> None:
@@ -276,6 +328,8 @@ class CacheManager:
         self._clock += 1
         for j, blk in enumerate(self._walk(tokens, hashes)):
             blk.last_used = self._clock
+            if blk.ref == 0:
+                self._idle.touch(blk)
             chain.append(blk)
             if blk.snapshot_slot is not None and (j + 1) * self.page_size < limit:
                 best = j + 1
@@ -297,7 +351,7 @@ class CacheManager:
         if last.snapshot_slot is None:
             return False
         for blk in hit.chain:
-            blk.ref += 1
+            self._hold(blk)
         mem.pages = [b.page for b in hit.chain]
         mem.shared = len(hit.chain)
         self._copy_slot(last.snapshot_slot, mem.slot)
@@ -354,6 +408,7 @@ class CacheManager:
         for b in idle:
             self._evict(b)
             self._free_pages.append(b.page)
+        self._idle.clear()
         return len(idle)
 
     # -- state in and out (the handoff connector, handoff.py) ----------------------------------------
@@ -373,7 +428,7 @@ class CacheManager:
         held here; None (mem unchanged) when the pages do not fit now."""
         reuse = list(self._walk(prompt, hashes))
         for blk in reuse:
-            blk.ref += 1
+            self._hold(blk)
         mem.pages, mem.shared = [b.page for b in reuse], len(reuse)
         if not self.can_grow(mem, len(prompt) + 1):
             self._release_pages(mem)
@@ -425,12 +480,20 @@ class CacheManager:
         blk = _CachedPage(h, tokens, depth, page, ref=ref, last_used=self._clock)
         self._entries[h] = blk
         self._page_entry[page] = blk
+        if ref == 0:
+            self._idle.add(blk)
         return True
+
+    def _hold(self, blk: _CachedPage) -> None:
+        """One more running sequence holds blk (an idle page no longer is)."""
+        if blk.ref == 0:
+            self._idle.discard(blk)
+        blk.ref += 1
 
     def _alloc_page(self) -> int | None:
         if self._free_pages:
             return self._free_pages.pop()
-        victim = self._lru([b for b in self._entries.values() if b.ref == 0])
+        victim = self._idle.pop()
         if victim is None:
             return None
         self._evict(victim)
@@ -445,11 +508,9 @@ class CacheManager:
         self.stats["snapshots_taken"] += 1
         return True
 
-    def _lru(self, cands: list[_CachedPage]) -> _CachedPage | None:
-        # Oldest first; among equals the deepest, so a chain is cut from its end.
-        return min(cands, key=lambda b: (b.last_used, -b.depth), default=None)
-
     def _evict(self, blk: _CachedPage) -> None:
+        if blk.ref == 0:
+            self._idle.discard(blk)
         self._slots.drop(blk)
         del self._entries[blk.hash]
         del self._page_entry[blk.page]

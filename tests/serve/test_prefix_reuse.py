@@ -21,9 +21,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def budget(model, max_num_seqs: int, snapshots: int, pages: int) -> dict:
+def budget(cfg, max_num_seqs: int, snapshots: int, pages: int) -> dict:
     """EngineConfig fields for exactly this many running slots, reserved snapshot slots and pages."""
-    probe = CacheManager(model.cfg, EngineConfig(max_num_seqs=1, page_size=PS))
+    probe = CacheManager(cfg, EngineConfig(max_num_seqs=1, page_size=PS))
     rest = snapshots * probe.slot_bytes + pages * probe.page_bytes
     return dict(max_num_seqs=max_num_seqs, page_size=PS, snapshot_memory_fraction=(snapshots + 0.5) * probe.slot_bytes / rest,
                 cache_memory_bytes=max_num_seqs * probe.slot_bytes + rest)
@@ -69,7 +69,7 @@ def test_a_shared_prefix_outlives_one_off_prompts(tiny_model):
     # 1 running slot, 3 reserved snapshot slots: every one-off prompt (100 tokens) brings two
     # snapshots (64 tokens, and its last full page at 96). By arrival order (LRU) the system
     # prompt's snapshot is gone two one-offs later; by worth it stays.
-    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 1, 3, 64), snapshot_interval=4))
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model.cfg, 1, 3, 64), snapshot_interval=4))
     system = tokens(128, seed=1)
     hits = []
     for i in range(8):
@@ -83,7 +83,7 @@ def test_a_shared_prefix_outlives_one_off_prompts(tiny_model):
 def test_snapshots_borrow_idle_running_slots(tiny_model):
     # No reserved snapshot slot; 4 running slots, one request at a time: 3 slots hold snapshots,
     # and a request that arrives takes one back.
-    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 4, 0, 64)))
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model.cfg, 4, 0, 64)))
     assert eng.cache.num_snapshot_slots == 0
     a = tokens(64, seed=3)
     eng.generate([a], greedy(2))
@@ -100,7 +100,7 @@ def test_shared_system_prompts_survive_interleaved_conversations_in_few_slots(ti
     # system prompts, turns interleaved. Untried snapshots must not push out the system prompts'
     # (before: none survived to the next request on the same prompt), and a conversation's own
     # snapshot saves only what lies past its system prompt, so it does not outbid one.
-    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model, 2, 2, 96), snapshot_interval=2))
+    eng = LLMEngine(tiny_model, EngineConfig(**budget(tiny_model.cfg, 2, 2, 96), snapshot_interval=2))
     systems = [tokens(64, seed=200 + s) for s in range(2)]
     history = [systems[c % 2] + tokens(21 + 5 * c, seed=300 + c) for c in range(4)]
     cached = []
@@ -141,3 +141,59 @@ def test_an_unused_snapshot_never_displaces_a_used_one():
     assert table.worth(past) - table.worth(Page(depth=2, hits=1)) == 0
     assert table.keep(past) is not None and shared.snapshot_slot is not None  # the unused one went
     assert table.keep(Page(depth=3000)) is None  # unused, and every kept one has served a request
+
+
+def test_a_full_cache_evicts_its_least_recently_used_idle_page_first():
+    """Idle cached pages leave in LRU order (the deepest first among equals) through random
+    prompts, hits, holds and releases on a cache that is always full: the order a scan of every
+    page gives, and the idle count usage() reports (kept incrementally: a served cache is full of
+    idle pages and every new page evicts one)."""
+    import random
+
+    from k3.model import get_preset
+    from k3.serve.engine.cache_manager import SeqCache, page_hashes
+
+    cache = CacheManager(get_preset("k3-tiny"), EngineConfig(**budget(get_preset("k3-tiny"), 3, 4, pages=24)))
+    assert cache.num_pages == 24
+    rng, prompts, running = random.Random(0), [tokens(PS * 6, seed=s) for s in range(8)], []
+
+    def idle() -> list:
+        return [b for b in cache._entries.values() if b.ref == 0]
+
+    evictions = 0
+    for step in range(400):
+        assert cache.usage()["pages_cached_idle"] == len(idle()), step
+        op, prompt = rng.random(), rng.choice(prompts)
+        n = PS * rng.randint(1, 6)
+        hashes = page_hashes(prompt[:n], PS)
+        if op < 0.4 and len(running) < 3:  # a prompt computed: new pages evict the idle ones, LRU first
+            mem = SeqCache()
+            assert cache.take_slot(mem)
+            need = cache.pages_for(n) - len(cache._free_pages)
+            order = sorted(idle(), key=lambda b: (b.last_used, -b.depth))
+            expect_gone = {b.hash for b in order[:max(0, need)]}
+            assert cache.grow(mem, n)
+            gone = {b.hash for b in order} - set(cache._entries)
+            assert gone == expect_gone, step
+            evictions += len(gone)
+            cache.share_pages(mem, prompt[:n], hashes, n)
+            cache.store_snapshot(mem, hashes[-1], len(hashes))
+            running.append(mem)
+        elif op < 0.7:  # a lookup touches the pages it walks
+            hit = cache.find_prefix(prompt[:n], hashes, limit=n + 1)
+            if hit is not None and len(running) < 3 and rng.random() < 0.5:
+                mem = SeqCache()
+                assert cache.take_slot(mem)
+                if cache.start_from(mem, hit):
+                    running.append(mem)
+                else:
+                    cache.release(mem)
+        elif running:
+            cache.release(running.pop(rng.randrange(len(running))))
+    assert evictions > 50  # the cache was full most of the time
+    for mem in running:
+        cache.release(mem)
+    cached = len(cache._entries)
+    assert cache.usage()["pages_cached_idle"] == len(idle()) == cached > 0
+    assert cache.evict_idle() == cached and cache.usage()["pages_cached_idle"] == 0
+    assert cache.usage()["pages_free"] == 24
