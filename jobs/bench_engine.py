@@ -104,21 +104,29 @@ def first_token_time(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
 
 
 def ttft() -> dict:
-    """TTFT, prefix hit vs miss."""
+    """TTFT, prefix hit vs miss; the hit also with the KDA layers' 64-token chunks for its short
+    tail (model/kda.py SHORT_PREFILL off), alternating with the default."""
+    import k3.model.kda as kda_layer
+
     prefix_len = 512 if args.quick else 2048
     prefix = rand(prefix_len)
     ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=4)
-    miss, hit = [], []
-    for _ in range(3):
+    miss, hit, hit64 = [], [], []
+    short = kda_layer.SHORT_PREFILL
+    for rep in range(3 if args.quick else 8):
         eng = LLMEngine(tiny, ec)
         m, cached = first_token_time(eng, prefix + rand(32))
         assert cached == 0
         miss.append(m)
-        h, cached = first_token_time(eng, prefix + rand(32))  # same engine: the prefix is now cached
-        assert cached == prefix_len, cached
-        hit.append(h)
+        for side in (hit, hit64) if rep % 2 == 0 else (hit64, hit):  # same engine: the prefix is now cached
+            kda_layer.SHORT_PREFILL = short if side is hit else 0
+            h, cached = first_token_time(eng, prefix + rand(32))
+            assert cached == prefix_len, cached
+            side.append(h)
+    kda_layer.SHORT_PREFILL = short
     return {"prefix_tokens": prefix_len, "new_tokens": 32, "miss_s_median": round(statistics.median(miss), 4),
             "hit_s_median": round(statistics.median(hit), 4),
+            "hit_with_64_token_kda_chunks_s_median": round(statistics.median(hit64), 4),
             "speedup": round(statistics.median(miss) / statistics.median(hit), 1)}
 
 

@@ -88,8 +88,9 @@ class CacheBatch:
     """Memory views and bookkeeping for one cached forward over N sequences.
 
     cu_seqlens [N + 1]: the new (query) tokens of each sequence, packed.
-    context_lens [N]: tokens cached before this forward; `max_context` is its maximum, known on
-    the host (no device sync inside layers).
+    context_lens [N]: tokens cached before this forward; `max_context` is its maximum and
+    `max_new` the most new tokens of any sequence, both known on the host (no device sync inside
+    layers; 0: not known).
     kda_slots [N]: each sequence's slot in every KDA layer's pool; kda {layer: KDAPool} is
     updated in place.
     page_table [N, max_pages]: each sequence's MLA pages; mla_pages {layer: [num_pages,
@@ -108,6 +109,7 @@ class CacheBatch:
     mla_pages: dict[int, torch.Tensor] = field(default_factory=dict)
     decode: bool = False
     max_context: int = 0
+    max_new: int = 0
     snapshot_offsets: dict[int, list[int]] = field(default_factory=dict)
     snapshots: dict[int, list[KDASnapshot]] = field(default_factory=dict)
 
@@ -153,7 +155,7 @@ class HybridCache:
             cu_seqlens=torch.tensor(cu, device=self.device),
             context_lens=torch.tensor(self.lengths, device=self.device),
             kda_slots=rows, page_table=rows[:, None], kda=self.kda, mla_pages=self.mla_pages,
-            decode=all(q == 1 for q in query_lens), max_context=max(self.lengths),
+            decode=all(q == 1 for q in query_lens), max_context=max(self.lengths), max_new=max(query_lens),
         )
 
     def advance(self, query_lens: list[int]) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.kernels.dispatch import use_triton
 from k3.kernels.kda import chunk_kda, kda_step
 from k3.kernels.kda.shards import chunk_kda_shard, fold_shard_states, shard_output
 
@@ -27,6 +28,12 @@ from .cache import CacheBatch, KDAPool, KDASnapshot
 from .config import K3Config
 from .norm import rms_norm
 from .shard import SequenceShard
+
+# A cached forward whose sequences all have at most SHORT_PREFILL new tokens runs SHORT_CHUNK-token
+# chunks on the torch path, which pads every chunk to the chunk size: k3-tiny's KDA (4 heads of
+# 32) took 2.2-3.1 ms per call for 8-96 tokens at 16 against 3.6-4.5 ms at 64 (and lost at 128);
+# a prefix hit's 32-token prefill over 2K cached tokens, 48.9 against 54.6 ms (docs/benchmarks.md).
+SHORT_PREFILL, SHORT_CHUNK = 96, 16
 
 
 @dataclass
@@ -194,7 +201,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, g, beta = self._inputs(qkv, x)
         o, final, snapshots = chunk_kda(
             q, k, v, g, beta, initial_state=None if state is None else state.recurrent, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=self.cfg.kda_chunk_size, lower_bound=self._lower_bound(),
+            cu_seqlens=cu_seqlens, chunk_size=self._chunk_size(cache), lower_bound=self._lower_bound(),
             states_at=cache.snapshot_offsets if cache is not None else None,
         )
         starts, pre_conv = (conv_cu.tolist(), qkv_in.detach()) if snapshots else ([], None)
@@ -202,6 +209,15 @@ class KimiDeltaAttention(nn.Module):
             conv = self._snapshot_window(i, c, starts[i], pre_conv, state)
             cache.record_snapshot(self.layer_idx, KDASnapshot(i, c, recurrent, conv))
         return self._out(o, x), KDAState(conv=conv_state, recurrent=final)
+
+    def _chunk_size(self, cache: CacheBatch | None) -> int:
+        """The config's chunk size, but SHORT_CHUNK for a cached forward of short sequences on the
+        torch path (a prefix hit's tail, a conversation's new turn: tens of tokens that paid for a
+        64-token chunk each). Only rounding differs."""
+        if cache is not None and 0 < cache.max_new <= SHORT_PREFILL and \
+                self.cfg.kda_chunk_size > SHORT_CHUNK and not use_triton("kda", cache.cu_seqlens, None):
+            return SHORT_CHUNK
+        return self.cfg.kda_chunk_size
 
     def _snapshot_window(self, i: int, c: int, a: int, qkv_in: torch.Tensor, state) -> torch.Tensor:
         """The conv state of sequence i (starting at flat token a) after its first c new tokens:

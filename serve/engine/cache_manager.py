@@ -318,7 +318,7 @@ class CacheManager:
                           context_lens=torch.tensor(context, dtype=torch.long, device=dev),
                           kda_slots=torch.tensor([m.slot for m in mems], dtype=torch.long, device=dev),
                           page_table=table, kda=self._kda, mla_pages=self._mla, decode=all(n == 1 for n in lengths),
-                          max_context=max(context), snapshot_offsets=snapshot_offsets or {})
+                          max_context=max(context), max_new=max(lengths), snapshot_offsets=snapshot_offsets or {})
 
     # -- prefix hits -----------------------------------------------------------------------------
     def find_prefix(self, tokens: list[int], hashes: list[bytes], limit: int) -> PrefixHit | None:

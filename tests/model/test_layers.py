@@ -9,7 +9,7 @@ from k3.kernels.situ_glu import naive_swiglu, situ_glu
 from k3.model import get_preset
 from k3.model.attn_res import BlockStats, merge_partial, mix_naive
 from k3.model.cache import CacheBatch, KDAPool
-from k3.model.kda import KimiDeltaAttention
+from k3.model.kda import SHORT_CHUNK, KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import LatentMoE
 from k3.model.norm import rms_norm
@@ -19,12 +19,14 @@ def tiny(**kw):
     return get_preset("k3-tiny", **kw)
 
 
-def kda_batch(layer, lens, context, pool, slots=None, offsets=None):
-    """A CacheBatch over one KDA layer's pool (slot i for sequence i unless given)."""
+def kda_batch(layer, lens, context, pool, slots=None, offsets=None, max_new=None):
+    """A CacheBatch over one KDA layer's pool (slot i for sequence i unless given; max_new: the
+    longest sequence's new tokens unless given, 0 for not known)."""
     cu = torch.tensor([0] + lens).cumsum(0)
     return CacheBatch(cu_seqlens=cu, context_lens=torch.tensor(context),
                       kda_slots=torch.arange(len(lens)) if slots is None else slots, kda={layer.layer_idx: pool},
-                      decode=all(n == 1 for n in lens), max_context=max(context), snapshot_offsets=offsets or {})
+                      decode=all(n == 1 for n in lens), max_context=max(context),
+                      max_new=max(lens) if max_new is None else max_new, snapshot_offsets=offsets or {})
 
 
 def mla_batch(layer, lens, context, pages, table):
@@ -210,14 +212,18 @@ def test_situ_glu_bounds_and_small_signal():
         situ_glu(torch.ones(3), torch.ones(4))
 
 
-def test_kda_snapshots_are_the_exact_prefix_states():
+@pytest.mark.parametrize("short", [True, False])
+def test_kda_snapshots_are_the_exact_prefix_states(short):
+    """A cached forward (snapshots inside it, then a continuation) equals uncached forwards, in
+    the short chunks a short batch runs (`short`) and in the config's."""
     cfg = tiny()
     layer = build(KimiDeltaAttention, cfg)
     x = torch.randn(1, 100, cfg.hidden_size)
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     pool = KDAPool(torch.zeros(2, H, K, K), torch.zeros(2, 3 * H * K, cfg.kda_conv_size - 1))
     with torch.no_grad():
-        cb = kda_batch(layer, [60, 40], [0, 0], pool, offsets={0: [2, 33], 1: [5]})
+        cb = kda_batch(layer, [60, 40], [0, 0], pool, offsets={0: [2, 33], 1: [5]}, max_new=None if short else 0)
+        assert layer._chunk_size(cb) == (SHORT_CHUNK if short else cfg.kda_chunk_size) and SHORT_CHUNK < cfg.kda_chunk_size
         y = layer.forward_cached(x, cb)
         full0, st0 = layer(x[:, :60])
         assert_close("output unchanged by snapshots", y[:, :60], full0, 1e-5)
@@ -228,6 +234,11 @@ def test_kda_snapshots_are_the_exact_prefix_states():
     for i, c, s in snaps:
         assert_close(f"recurrent@{i},{c}", s.recurrent, want[(i, c)].recurrent[0], 1e-5)
         assert_close(f"conv@{i},{c}", s.conv, want[(i, c)].conv[0], 1e-6)
+    with torch.no_grad():  # sequence 0 goes on from its slot
+        cb = kda_batch(layer, [20], [60], pool, slots=torch.tensor([0]), max_new=None if short else 0)
+        more = layer.forward_cached(x[:, 60:80], cb)
+        assert_close("continued from the slot", more, layer(x[:, :80])[0][:, 60:], 1e-5)
+    assert layer._chunk_size(kda_batch(layer, [200], [0], pool, slots=torch.tensor([0]))) == cfg.kda_chunk_size
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8])
