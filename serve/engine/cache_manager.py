@@ -25,6 +25,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from k3.model.cache import CacheBatch, KDACacheSpec, KDAPool, MLACacheSpec, layer_cache_specs
@@ -44,9 +45,10 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: S
     (serve/engine/prompt_media.py); each item's digest is mixed into every page its
     placeholders touch, so same ids with another picture hash differently from there on."""
     out = []
+    ids = np.asarray(tokens[first * page_size:len(tokens) // page_size * page_size], dtype=np.int64)
     for i in range(first, len(tokens) // page_size):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(torch.tensor(tokens[i * page_size:(i + 1) * page_size], dtype=torch.int64).numpy().tobytes())
+        h.update(ids[(i - first) * page_size:(i - first + 1) * page_size].data)  # the page's int64 bytes
         for s in media:
             if s.start < (i + 1) * page_size and s.end > i * page_size:
                 h.update(s.digest)
