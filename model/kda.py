@@ -32,7 +32,7 @@ from .shard import SequenceShard
 # A cached forward whose sequences all have at most SHORT_PREFILL new tokens runs SHORT_CHUNK-token
 # chunks on the torch path, which pads every chunk to the chunk size: k3-tiny's KDA (4 heads of
 # 32) took 2.2-3.1 ms per call for 8-96 tokens at 16 against 3.6-4.5 ms at 64 (and lost at 128);
-# a prefix hit's 32-token prefill over 2K cached tokens, 48.9 against 54.6 ms (docs/benchmarks.md).
+# a prefix hit's 32-token prefill over 2K cached tokens, 47.8 against 51.6 ms (docs/benchmarks.md).
 SHORT_PREFILL, SHORT_CHUNK = 96, 16
 
 
