@@ -179,17 +179,14 @@ def placement() -> dict:
     return where
 
 
-def prefill_replica_on(node_id: str):
-    """The actor of the k3 app's PrefillServer replica on node_id."""
-    import ray
+def prefill_replicas() -> dict[str, str]:
+    """The k3 app's PrefillServer replica actors by node id (their names end with the replica's
+    unique id, the one the prefill router hashes)."""
     from ray.util.state import list_actors
 
-    names = [a.name for a in list_actors(address=head.address, filters=[("state", "=", "ALIVE")], limit=1000,
-                                         timeout=60)
-             if a.class_name == "ServeReplica:k3:PrefillServer" and a.node_id == node_id]
-    if not names:
-        raise RuntimeError(f"no PrefillServer replica on node {node_id}")
-    return ray.get_actor(names[0], namespace="serve")
+    return {a.node_id: a.name for a in list_actors(address=head.address, filters=[("state", "=", "ALIVE")],
+                                                    limit=1000, timeout=60)
+            if a.class_name == "ServeReplica:k3:PrefillServer"}
 
 
 def handoff_retries() -> int:
@@ -207,9 +204,16 @@ def remove_mid_request(victim: str, traffic: Traffic) -> dict:
     the evidence: requests in flight there at the removal, the decode side's retries before."""
     import ray
 
-    replica = prefill_replica_on(victim)
+    names = prefill_replicas()
+    if victim not in names:
+        raise RuntimeError(f"no PrefillServer replica on node {victim}: {names}")
+    replica = ray.get_actor(names[victim], namespace="serve")
     retries_before = handoff_retries()
-    traffic.burst()
+    # the long prompts whose prefix the router sends to the victim's replica (random prompts split
+    # between the replicas by their hashes: a burst of four once all went to the other one, and the
+    # kill found only a short request there, finishing)
+    sent = traffic.burst(to_replica=names[victim].rsplit("#", 1)[-1],
+                         replica_ids=[n.rsplit("#", 1)[-1] for n in names.values()])
     time.sleep(1.0)  # the long prompts reach the prefill replicas (each prefill then takes seconds)
     pids = node_processes(head.pid, victim, head_node_id())
     in_flight, deadline = 0, time.time() + 60
@@ -221,7 +225,7 @@ def remove_mid_request(victim: str, traffic: Traffic) -> dict:
     kill_processes(pids)
     t_kill = time.time()
     return {"node": victim, "pids": pids, "in_flight": in_flight, "read_to_kill_s": round(t_kill - t_read, 4),
-            "retries_before": retries_before, "t": t_kill}
+            "long_prompts_sent": sent, "retries_before": retries_before, "t": t_kill}
 
 
 def head_node_id() -> str:

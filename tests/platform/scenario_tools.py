@@ -159,7 +159,7 @@ class Traffic:
     and, on demand, a burst of long prompts (a prefill of seconds: in flight when a node goes)."""
 
     def __init__(self, url: str, config: dict, seed_prompts: int = 24, prompt_len: int = 400,
-                 long_prompts: int = 4, long_len: int = 2000):
+                 long_prompts: int = 8, long_len: int = 2000):
         import torch
         from tokenizers import Tokenizer
 
@@ -177,6 +177,7 @@ class Traffic:
         model = k3.model.build(k3.model.get_preset(config["model"]["preset"]), seed=0).eval()
         tokenizer = Tokenizer.from_file(config["model"]["tokenizer_path"])
         engine = LLMEngine(model, EngineConfig(**config["engine"]), tokenizer)
+        self.page_size = engine.config.page_size
         self.want = []
         for prompt in self.prompts:
             rid = engine.add_request(None, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
@@ -236,10 +237,21 @@ class Traffic:
         self._threads.append(t)
         t.start()
 
-    def burst(self) -> None:
-        """Send every long prompt once, all at once, beside the looping clients (inside running())."""
-        for i in range(self.n_short, len(self.prompts)):
+    def burst(self, to_replica: str | None = None, replica_ids: list[str] = ()) -> int:
+        """Send long prompts once, all at once, beside the looping clients (inside running()): the
+        ones the prefill router prefers to send to replica `to_replica` (its unique id among
+        `replica_ids`: the rendezvous hashing of serve/router.py), so a replica chosen beforehand
+        gets them; every long prompt when none would go there, or without `to_replica`. Returns
+        how many were sent."""
+        from k3.serve.engine.cache_manager import page_hashes
+        from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key, rendezvous_order
+
+        ps, longs = self.page_size, range(self.n_short, len(self.prompts))
+        aimed = [i for i in longs if to_replica is not None and rendezvous_order(
+            prefix_route_key(page_hashes(self.prompts[i][:DEFAULT_ROUTE_PAGES * ps], ps)), replica_ids)[0] == to_replica]
+        for i in aimed or longs:
             self._start(self._record, i)
+        return len(aimed or longs)
 
     @contextlib.contextmanager
     def running(self, clients: int):
