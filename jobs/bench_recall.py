@@ -11,9 +11,13 @@ evaluation sequences keep the pairs and queries and add filler, so the distance 
 its pair grows with the length (4x the training length: about 4x the distance).
 
 Variants (k3-tiny's shapes, random init, the same seed and data): `hybrid` (k3-tiny as is: 6 KDA +
-2 MLA layers), `all_kda` and `all_mla` (every layer one kind). One torch thread per run; two runs may
-go side by side, one per core. Accuracy: the share of query values predicted exactly (greedy) over
-`--eval-batches` batches per length.
+2 MLA layers), `all_kda` and `all_mla` (every layer one kind). `--layers kda,mla` gives the hybrid
+another layer pattern (the other two variants take its depth): a shallower stack of k3-tiny's
+layers, its first layer's MLP dense and the others MoE as in k3-tiny. At k3-tiny's 8 layers no
+variant left the loss plateau at ln(values) within 3,000 steps on this CPU, while 2 layers of the
+same widths learn the task in a few hundred (docs/benchmarks.md). One torch thread per run; two runs
+may go side by side, one per core. Accuracy: the share of query values predicted exactly (greedy)
+over `--eval-batches` batches per length.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ VARIANTS = {"hybrid": None, "all_kda": "kda", "all_mla": "mla"}
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--variant", choices=sorted(VARIANTS), help="train and evaluate this variant")
+p.add_argument("--layers", help="the hybrid's layer kinds, comma-separated (kda, mla); default k3-tiny's 8")
 p.add_argument("--train-len", type=int, default=256, help="tokens per training sequence")
 p.add_argument("--eval-mults", default="1,4,16", help="evaluation lengths as multiples of --train-len")
 p.add_argument("--pairs", type=int, default=16, help="key-value pairs per sequence (all queried)")
@@ -45,6 +50,8 @@ p.add_argument("--out", type=Path, help="write the variant's result JSON here")
 p.add_argument("--report", nargs="*", type=Path, help="result JSONs to tabulate (no training)")
 p.add_argument("--plot", type=Path, help="with --report: accuracy against length, one line per variant")
 args = p.parse_args()
+if args.layers is not None and any(k not in ("kda", "mla") for k in args.layers.split(",")):
+    p.error(f"--layers takes kda and mla, comma-separated; got {args.layers!r}")
 
 
 def mqar_batch(gen, batch: int, length: int, pairs: int):
@@ -76,8 +83,9 @@ def variant_model(name: str):
 
     kind = VARIANTS[name]
     cfg = get_preset("k3-tiny")
-    if kind is not None:
-        cfg = cfg.replace(layer_types=[kind] * cfg.num_layers)
+    kinds = cfg.layer_types if args.layers is None else args.layers.split(",")
+    mlps = ["dense"] + ["moe"] * (len(kinds) - 1)  # k3-tiny's: the first layer's MLP dense
+    cfg = cfg.replace(num_layers=len(kinds), layer_types=[kind] * len(kinds) if kind else kinds, mlp_types=mlps)
     torch.manual_seed(args.seed)
     return K3ForCausalLM(cfg)
 
@@ -163,7 +171,7 @@ def report(paths: list[Path]) -> None:
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("recall accuracy (%)")
         ax.set_ylim(0, 102)
-        ax.set_title(f"MQAR, {runs[0]['args']['pairs']} pairs, k3-tiny shapes")
+        ax.set_title(f"MQAR, {runs[0]['args']['pairs']} pairs, k3-tiny widths, {len(runs[0]['layer_types'])} layers")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
