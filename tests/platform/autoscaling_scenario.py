@@ -53,8 +53,9 @@ p.add_argument("--data", required=True)
 p.add_argument("--work", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--idle-timeout-min", type=float, default=0.2)
-# enough steps for 8 and more sampled moments, 1-3 s apart, and three log lines whose loss falls:
-# a step of this job took 3-8 s on 2 cores (48 steps: 312 s of the suite's 637 s on a slow day)
+# enough steps for 8 and more sampled moments and three log lines whose loss falls: a step of
+# this job took 3-8 s on 2 cores (48 steps: 312 s of the suite's 637 s on a slow day), 0.6 s on a
+# quiet one (2026-12-04: the phase lasted ~10 s; the sampler's first moments are closer together)
 p.add_argument("--steps", type=int, default=24)
 args = p.parse_args()
 work = Path(args.work)
@@ -130,7 +131,7 @@ def train() -> None:
     # moments from two scrapes after the first step (a rate needs two samples) to the last step
     first_step = Since(lambda: bool(prom.client.query("ray_k3_train_step")))
     sampler = PanelSampler(prom, ["k3-training", "k3-cluster"], started=lambda: first_step.for_s(2.0),
-                           finished=lambda: bool(prom.client.query(f"ray_k3_train_step >= {args.steps}")))
+                           finished=lambda: bool(prom.client.query(f"ray_k3_train_step >= {args.steps}")), dense=10)
     with NodeWatch() as w, sampler:
         job = head.submit_job(entry, working_dir=REPO, echo=False)
     logs = job.stdout
