@@ -82,12 +82,13 @@ def variant_model(name: str):
     import torch
 
     from k3.model import K3ForCausalLM, get_preset
+    from k3.model.config import moe_schedule
 
     kind = VARIANTS[name]
     cfg = get_preset("k3-tiny")
     kinds = cfg.layer_types if args.layers is None else args.layers.split(",")
-    mlps = ["dense"] + ["moe"] * (len(kinds) - 1)  # k3-tiny's: the first layer's MLP dense
-    cfg = cfg.replace(num_layers=len(kinds), layer_types=[kind] * len(kinds) if kind else kinds, mlp_types=mlps)
+    cfg = cfg.replace(num_layers=len(kinds), layer_types=[kind] * len(kinds) if kind else kinds,
+                      mlp_types=moe_schedule(len(kinds), 1))  # k3-tiny's rule: the first layer's MLP dense
     torch.manual_seed(args.seed)
     return K3ForCausalLM(cfg)
 
