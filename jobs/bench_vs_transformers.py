@@ -1,16 +1,17 @@
 """k3 against transformers on the same Kimi Linear weights, side by side in this process, as JSON.
 
-    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--compile-decode]
+    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--engines default,compiled]
 
 Two Kimi-Linear-shaped models, built by transformers (random weights, seed 0), saved, and
 imported into k3 with `load_kimi_linear`:
 - `kimi8`: 8 layers (KDA KDA KDA MLA) x 2, hidden 256, 8 experts top-2, 1 shared, 11M parameters;
 - `kimi4`: 4 layers (KDA KDA KDA MLA), hidden 256, 16 experts top-4, 9M parameters.
 
-decode: the k3 engine (default `EngineConfig`, with `--compile-decode` its compiled decode step; a
-fresh engine per repeat, warmed up) against transformers'
-`generate`, 128-token prompts and 64 greedy tokens at 1 and 8 sequences, prefill included on both
-sides; the repeats interleave the two sides and the best of each is kept; tokens compared.
+decode: k3's engines (`default`: the default `EngineConfig`; `compiled`: `compile_decode=True`,
+its decode graphs compiled when the engine starts, outside the timing; a fresh engine per repeat,
+warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
+sequences, prefill included on every side; the repeats interleave the sides and the best of each
+is kept; tokens compared.
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
@@ -67,9 +68,12 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
+ENGINES = {"default": EngineConfig, "compiled": lambda: EngineConfig(compile_decode=True)}
+
+
 def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int, gen: torch.Generator,
-           ec: EngineConfig) -> dict:
-    """Engine (config ec) vs generate: best of `repeats` interleaved runs per batch size."""
+           engines: list[str]) -> dict:
+    """k3's engines vs generate: best of `repeats` interleaved runs per batch size."""
     hf.eval()
     ours = load_kimi_linear(path).eval()
     out: dict = {}
@@ -88,20 +92,24 @@ def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int,
 
         with torch.no_grad():
             hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
-        hf_times, k3_times, same = [], [], []
+        hf_times: list[float] = []
+        k3_times: dict[str, list[float]] = {e: [] for e in engines}
+        same: dict[str, list[int]] = {e: [] for e in engines}
         for _ in range(repeats):
             dt, want = timed(run_hf)
             hf_times.append(dt)
-            eng = LLMEngine(ours, ec)
-            eng.generate([p[:8] for p in prompts], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-            dt, got = timed(lambda: run_k3(eng))
-            k3_times.append(dt)
-            same.append(sum(g == w for g, w in zip(got, want)))
-        hf_s, k3_s = min(hf_times), min(k3_times)
-        out[str(batch)] = {"transformers_s": round(hf_s, 3), "k3_s": round(k3_s, 3),
-                           "transformers_tokens_per_s": round(batch * new / hf_s, 1),
-                           "k3_tokens_per_s": round(batch * new / k3_s, 1), "speedup": round(hf_s / k3_s, 2),
-                           "sequences_identical": f"{min(same)}/{batch}"}
+            for e in engines:
+                eng = LLMEngine(ours, ENGINES[e]())
+                eng.generate([p[:8] for p in prompts], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+                dt, got = timed(lambda: run_k3(eng))
+                k3_times[e].append(dt)
+                same[e].append(sum(g == w for g, w in zip(got, want)))
+        hf_s = min(hf_times)
+        out[str(batch)] = {"transformers_s": round(hf_s, 3), "transformers_tokens_per_s": round(batch * new / hf_s, 1)}
+        for e in engines:
+            k3_s = min(k3_times[e])
+            out[str(batch)][e] = {"k3_s": round(k3_s, 3), "k3_tokens_per_s": round(batch * new / k3_s, 1),
+                                  "speedup": round(hf_s / k3_s, 2), "sequences_identical": f"{min(same[e])}/{batch}"}
     return out
 
 
@@ -256,13 +264,18 @@ def main() -> None:
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--train-seq", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
-    p.add_argument("--compile-decode", action="store_true", help="EngineConfig(compile_decode=True)")
+    p.add_argument("--engines", default="default,compiled",
+                   help="decode: k3 engines to time, comma-separated: default (EngineConfig()), compiled "
+                        "(compile_decode=True)")
     p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
                    "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
+    engines = args.engines.split(",")
+    if not engines or set(engines) - set(ENGINES):
+        p.error(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
     res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                              "torch": torch.__version__, "transformers": transformers.__version__,
                              "load_average_at_start": os.getloadavg()}}
@@ -273,8 +286,7 @@ def main() -> None:
             res[name] = {"params_million": round(sum(x.numel() for x in hf.parameters()) / 1e6, 2)}
             if "decode" in only:
                 res[name]["decode"] = decode(name, path, hf, [int(b) for b in args.batches.split(",")],
-                                             args.new_tokens, args.repeats, gen,
-                                             EngineConfig(compile_decode=True) if args.compile_decode else EngineConfig())
+                                             args.new_tokens, args.repeats, gen, engines)
             if "train" in only and name == "kimi8":
                 res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen,
                                            args.profile)

@@ -111,12 +111,15 @@ class EngineHost:
     """One engine in a replica, and the replica's engine gauges reported every second."""
 
     role = "llm"
+    decodes = True  # runs decode steps (a prefill replica stops at each prompt's first token)
 
     def __init__(self, config: LLMServingConfig | dict) -> None:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
         model = load_model(self.config.model).to(replica_device())
-        engine = LLMEngine(model, self.config.engine, self.config.model.tokenizer())
+        # decode graphs only where decode steps run: a prefill replica would compile them for nothing
+        ec = self.config.engine if self.decodes else self.config.engine.model_copy(update={"compile_decode": False})
+        engine = LLMEngine(model, ec, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)
         self._reporter: asyncio.Task | None = None
@@ -196,6 +199,7 @@ class PrefixPoolServer:
 
 class PrefillServer(EngineHost):
     role = "prefill"
+    decodes = False
 
     def __init__(self, config: LLMServingConfig | dict, pool=None) -> None:
         super().__init__(config)

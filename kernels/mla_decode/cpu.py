@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 CHUNK = 4096  # tokens per slice
+# Traced by torch.compile (the engine's decode graphs), a context of up to this many tokens is read
+# in one slice: the table's width stays a symbolic size, so one graph serves every width up to
+# it (a loop over slices would fix the width in the graph). Its fp32 copy of the latents is
+# 64K x (L + R) x 4 bytes per sequence at most: 21 MB for k3-tiny's 80 values a token.
+TRACED_SLICE = 1 << 16
 
 
 def mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, w_uv=None, gate=None, max_len=None):
@@ -25,8 +30,12 @@ def mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, w_uv=
     s = q.new_zeros(N, H, 1)
     acc = q.new_zeros(N, H, L)
     step = max(ps, CHUNK // ps * ps)  # whole pages per slice
-    for t0 in range(0, T, step):
-        p0, p1 = t0 // ps, min((T + ps - 1) // ps, (t0 + step) // ps)
+    if torch.compiler.is_compiling() and T <= TRACED_SLICE:
+        slices = [(0, page_table.shape[1])]
+    else:
+        slices = [(t0 // ps, min((T + ps - 1) // ps, (t0 + step) // ps)) for t0 in range(0, T, step)]
+    for p0, p1 in slices:
+        t0 = p0 * ps
         # Pages past a sequence's end may hold any id (they are masked); clamp so the gather is safe.
         ids = page_table[:, p0:p1].long().clamp(0, kv_cache.shape[0] - 1)
         rows = kv_cache[ids].reshape(N, (p1 - p0) * ps, -1).float()  # [N, tokens, L + R]

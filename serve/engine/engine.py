@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -34,7 +35,7 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.vision_processor import MediaItem
 
-from .cache_manager import CacheManager, KDAStates, PrefixHit
+from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache
 from .detokenizer import Detokenizer, StopMatcher
 from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage
@@ -42,6 +43,8 @@ from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, m
 from .params import EngineConfig, SamplingParams
 from .sampler import SampleRow, sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +101,8 @@ class LLMEngine:
         # text models only: a vision model's decode carries media rows, and a wrapper may do anything
         self.decode_graph = DecodeGraph(model, self.device) if self.config.compile_decode and \
             type(model) is K3ForCausalLM else None
+        if self.decode_graph is not None:
+            self._compile_decode_graphs()
         self.seqs: dict[str, Sequence] = {}  # admitted to the scheduler (the step thread's view)
         self._live: dict[str, Sequence] = {}  # every accepted, unfinished, unaborted request (guarded by _lock)
         self._pending: deque = deque()
@@ -327,6 +332,27 @@ class LLMEngine:
         ok = all(s.num_tokens == 1 and not s.snapshot_offsets and s.seq.num_computed + 1 == s.seq.length for s in sched)
         return g if ok else None
 
+    @torch.no_grad()
+    def _compile_decode_graphs(self) -> None:
+        """Compile the decode graphs before the first request: a decode batch of one sequence and
+        of two, each a token over one token of context, in slots and pages taken from the free
+        lists and given back after (a slot is zeroed when taken again; a page's rows are never
+        read past a sequence's length), so no request's first decode step compiles one."""
+        t0, g = time.perf_counter(), self.decode_graph
+        for n in (1, 2)[:self.config.max_num_seqs]:
+            mems = [SeqCache() for _ in range(n)]
+            try:
+                if not all(self.cache.take_slot(m) and self.cache.grow(m, 2) for m in mems):
+                    return  # a cache too small for two pages: the first steps compile them
+                cb = self.cache.cache_batch([1] * n, mems, [1] * n, table_width=g.table_width)
+                if g.compile(torch.zeros((1, n), dtype=torch.long, device=self.device), cb) is None:
+                    return  # graphs are off (logged); steps run eagerly
+            finally:
+                for m in mems:
+                    self.cache.release(m)
+        g.compile_seconds = time.perf_counter() - t0
+        log.info("decode graphs compiled in %.1f s", g.compile_seconds)
+
     def _build(self, sched: list[Scheduled], graph: DecodeGraph | None = None):
         ids, lengths, context, rows, sample_idx, offsets = [], [], [], [], [], {}
         media: list[torch.Tensor] = []  # rows of the placeholders in the batch, in batch order
@@ -489,10 +515,12 @@ class LLMEngine:
         return [final[r] for r in rids]
 
     def stats(self) -> dict:
-        u = self.cache.usage()
+        u, g = self.cache.usage(), self.decode_graph
         q = u["prefix_query_tokens"]
         return {**u, "steps": self.steps, "preemptions": self.scheduler.preemptions,
                 "failed_forwards": self.failed_forwards, "media_items_encoded": self.media_items_encoded,
+                "decode_graph_steps": g.calls if g is not None else 0,
+                "decode_graph_compile_s": g.compile_seconds if g is not None else None,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "prefix_hit_rate": (u["prefix_hit_tokens"] / q) if q else 0.0}

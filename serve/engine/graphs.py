@@ -11,15 +11,20 @@ run the compiled code:
 - batch: the number of sequences is a dynamic dimension, so one graph serves every batch of 2 to
   max_num_seqs sequences (torch specialises a batch of 1 into its own graph);
 - page table: padded to a power of two of pages, at least `MIN_TABLE_PAGES` (the padding holds
-  page 0, never read: it lies past every sequence's length), so a graph serves every context up
-  to its bucket and a new one is traced once per doubling;
+  page 0, never read: it lies past every sequence's length); its width is a dynamic dimension
+  too, and the traced attention reads the whole table in one slice, so the same two graphs serve
+  every context up to `k3.kernels.mla_decode.cpu.TRACED_SLICE` (64K) tokens; past it the
+  context is read in slices, and a graph is traced once per doubling;
+- when: `LLMEngine` compiles both graphs when it starts (`compile_decode`), so no request's step
+  pays for a compile below that length;
 - mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
   these shapes in torch 2.13 and tune for minutes); "reduce-overhead" (CUDA graphs) on a GPU.
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
-(tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: each
-new bucket compiles inside a step, 10-30 s on a 2-core CPU, docs/benchmarks.md); a
+(tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: the
+compile at start costs about a minute for k3-tiny on a 2-core CPU with a cold inductor cache,
+docs/benchmarks.md; serve/config.yaml turns it on for its decode replicas); a
 graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
 engine with a warning, and that step runs eagerly.
 
@@ -52,7 +57,8 @@ class DecodeGraph:
         mode = "reduce-overhead" if device.type == "cuda" else None
         self._fn = torch.compile(_decode_logits, fullgraph=True, mode=mode)
         self.error: str | None = None  # why graphs are off, once they are
-        self.calls = 0
+        self.calls = 0  # decode steps the graphs ran
+        self.compile_seconds: float | None = None  # the engine's compile before traffic
 
     @staticmethod
     def table_width(pages: int) -> int:
@@ -63,13 +69,20 @@ class DecodeGraph:
         """Logits [N, vocab] of a decode batch (input_ids [1, N], one new token per sequence;
         its page table one of `table_width`'s buckets), or None when graphs are off (the caller
         then runs the eager forward)."""
+        out = self.compile(input_ids, cache)
+        if out is not None:
+            self.calls += 1
+        return out
+
+    def compile(self, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor | None:
+        """`logits` without counting a step: compiles the batch's graph if no graph serves it."""
         if self.error is not None:
             return None
         if input_ids.is_cuda:  # CUDA graphs replay fixed addresses: the pools stay where they are
             for t in [*(x for p in cache.kda.values() for x in (p.recurrent, p.conv)), *cache.mla_pages.values()]:
                 torch._dynamo.mark_static_address(t)
         for t, dim in ((input_ids, 1), (cache.cu_seqlens, 0), (cache.context_lens, 0), (cache.kda_slots, 0),
-                       (cache.page_table, 0)):
+                       (cache.page_table, 0), (cache.page_table, 1)):
             torch._dynamo.maybe_mark_dynamic(t, dim)
         try:
             with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
@@ -78,5 +91,4 @@ class DecodeGraph:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("decode graphs are off for this engine, steps run eagerly: %s", self.error)
             return None
-        self.calls += 1
         return out

@@ -78,3 +78,19 @@ def test_garbage_past_a_sequence_end_stays_out():
     got = mla_decode(q_lat, q_rope, dirty, table, lens, 0.2)
     assert torch.isfinite(got).all()
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_traced_by_torch_compile_one_graph_serves_every_table_width():
+    # the engine's decode graphs trace it with the page table's width symbolic (one slice over the
+    # whole table, each sequence masked to its length): widths 3, 5 and 9 pages, one graph
+    from torch._dynamo.utils import counters
+
+    fn = torch.compile(mla_decode, backend="aot_eager", fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for lens in ([1, 40, 17], [70, 3, 33], [130, 9, 64]):
+        case = list(mla_case(lens, seed=len(lens) + lens[0]))
+        case[3] = case[3].clamp_min(0)  # the engine pads with page 0, never read
+        torch._dynamo.mark_dynamic(case[3], 1)
+        torch._dynamo.mark_dynamic(case[2], 0)  # the pool's page count differs between these cases (an engine's is fixed)
+        check_mla(fn, case, with_uv=True)
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -61,3 +61,16 @@ def test_bad_bounds_name_the_argument_on_every_backend(backend, name, bad):
 def test_bad_backend():
     with pytest.raises(ValueError, match="backend"):
         situ_glu(torch.ones(2), torch.ones(2), backend="gpu")
+
+
+def test_traced_by_torch_compile_one_graph_serves_every_batch():
+    # the engine's decode graphs trace it with the batch symbolic: the blocks' Python loop would fix
+    # the element count in the graph; traced, the formula runs as is (forward and backward). The
+    # first shape compiles a static graph, the second a dynamic one, which the third reuses.
+    from torch._dynamo.utils import counters
+
+    fn = torch.compile(lambda gate, up: situ_glu(gate, up), backend="aot_eager", fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for rows in (3, 5, 9):
+        check_situ(fn, *situ_inputs((rows, 40), seed=rows))
+    assert counters["stats"]["unique_graphs"] - before == 2

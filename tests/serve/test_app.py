@@ -293,6 +293,17 @@ def test_the_default_config_serves_text_and_chat_out_of_the_box(default_app):
         model=model, stream=True, max_tokens=8, temperature=0,
         messages=[{"role": "user", "content": "hello"}]) if ev.choices]
     assert "".join(pieces)
+    # the file's compile_decode: the decode replica compiled its graphs when it started and decoded
+    # through them; the prefill replica built none (it never runs a decode step)
+    from ray import serve
+
+    decode, prefill = (serve.get_deployment_handle(d, app_name="k3") for d in ("DecodeServer", "PrefillServer"))
+    # (autoscaling may have started a second decode replica: ask a few times, any replica that decoded)
+    ds = [decode.stats.remote().result(timeout_s=60) for _ in range(6)]
+    p = prefill.stats.remote().result(timeout_s=60)
+    assert all(d["decode_graph_compile_s"] is not None for d in ds), ds
+    assert max(d["decode_graph_steps"] for d in ds) >= 7, ds
+    assert p["decode_graph_compile_s"] is None and p["decode_graph_steps"] == 0, p
 
 
 def _replica_actor(app: str, deployment: str):

@@ -1,11 +1,13 @@
 """The compiled decode forward (serve/engine/graphs.py) against the eager one, on a 2-layer model
 (one KDA and one MLA layer, MoE, Block AttnRes) so the compiles stay short: the same greedy
-tokens and logprobs within float rounding, across batch sizes and a page-table bucket change;
-the eager switch; a model that cannot be traced falls back to eager steps."""
+tokens and logprobs within float rounding, across batch sizes and a page-table bucket change,
+with every graph compiled when the engine starts (none inside a step); the eager switch; a model
+that cannot be traced falls back to eager steps."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from k3.model import K3ForCausalLM, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -29,7 +31,11 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def run(model, ps, compile_decode: bool, max_tokens: int):
     eng = LLMEngine(model, EngineConfig(compile_decode=compile_decode, page_size=8))
+    graphs = counters["stats"]["unique_graphs"]
     outs = eng.generate(ps, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True))
+    # every graph was compiled when the engine started: batch sizes, the batch shrinking as
+    # sequences finish, and the page table's growth past its first bucket compile nothing more
+    assert counters["stats"]["unique_graphs"] == graphs
     return eng, outs
 
 
@@ -48,6 +54,7 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
     eng, compiled = run(model, ps, True, 60)
     assert eager_eng.decode_graph is None
     assert eng.decode_graph.error is None and eng.decode_graph.calls >= 59
+    assert eng.stats()["decode_graph_compile_s"] > 0
     for a, b in zip(compiled, eager):
         assert a.token_ids == b.token_ids
         worst = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs))

@@ -1,0 +1,36 @@
+"""jobs/bench_vs_transformers.py as a user runs it: the decode comparison of k3's engines against
+transformers' `generate` on the same imported weights gives the same tokens and one entry per
+engine asked for; a bad engine name is refused before any model is built. The speedups are the
+benchmark's to show (docs/benchmarks.md), not a test's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = str(REPO / "jobs" / "bench_vs_transformers.py")
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, SCRIPT, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_bad_engine_is_refused_naming_the_flag():
+    done = run("--engines", "default,fast")
+    assert done.returncode == 2 and "--engines takes default, compiled, got 'default,fast'" in done.stderr
+
+
+def test_decode_gives_transformers_tokens_for_each_engine():
+    done = run("--only", "decode", "--models", "kimi4", "--batches", "1,2", "--new-tokens", "3", "--repeats", "1",
+               "--engines", "default")
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(done.stdout)["kimi4"]["decode"]
+    assert set(res) == {"1", "2"}
+    for batch, r in res.items():
+        assert set(r) == {"transformers_s", "transformers_tokens_per_s", "default"}
+        assert r["default"]["sequences_identical"] == f"{batch}/{batch}" and r["default"]["speedup"] > 0
