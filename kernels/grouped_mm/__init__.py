@@ -3,9 +3,10 @@
 `grouped_mm(x, w, offs)` runs every group in one call, with no host sync and no padding:
 `torch._grouped_mm` where this build has it for the dtype and device (CPU: every float dtype;
 CUDA: bf16) and the layout suits it (strides of 16 bytes), otherwise the per-group loop of the
-readable reference `naive_grouped_mm` (same signature). It is registered as the custom op `k3::grouped_mm`, so `torch.compile` keeps it as
-one opaque call (the fake-tensor rule of `torch._grouped_mm` accepts only bf16), with its own
-backward: dx = dy w^T per group, dw = x^T dy per group.
+readable reference `naive_grouped_mm` (same signature). It is registered as the custom op
+`k3::grouped_mm`, so `torch.compile` keeps it as one opaque call (the fake-tensor rule of
+`torch._grouped_mm` accepts only bf16), with its own backward: dx = dy w^T per group (the same
+op), dw = x^T dy per group (`k3::grouped_mm_weight_grad`, opaque as well).
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def _(x, w, offs):
     return x.new_empty(x.shape[0], w.shape[-1])
 
 
+@torch.library.custom_op("k3::grouped_mm_weight_grad", mutates_args=())
 def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[G, K, N]: x_g^T dy_g per group (zero for an empty group)."""
+    """[G, K, N]: x_g^T dy_g per group (zero for an empty group). A custom op too, so a compiled
+    backward keeps it opaque (traced, `torch._grouped_mm` would meet its bf16-only fake rule)."""
     if _native(x.t(), dy):
         return torch._grouped_mm(x.t(), dy, offs=offs)
     out = x.new_zeros(offs.numel(), x.shape[1], dy.shape[1])
@@ -55,6 +58,11 @@ def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch
         out[g] = x[start:end].t() @ dy[start:end]
         start = end
     return out
+
+
+@_weight_grad.register_fake
+def _(x, dy, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
 def _setup(ctx, inputs, output) -> None:
