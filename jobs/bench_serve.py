@@ -3,6 +3,7 @@ on a private local Ray (127.0.0.1); JSON out.
 
     python jobs/bench_serve.py                      # k3-tiny, random weights, 2K-token prompts
     python jobs/bench_serve.py --model-path runs/demo/model --prompt-words 2000 --out serve.json
+    python jobs/bench_serve.py --compile-decode     # decode graphs in both apps, as serve/config.yaml has them
 
 Both applications are deployed on one Serve instance, with the same engine settings: "pd"
 (Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
@@ -61,6 +62,9 @@ p.add_argument("--out", type=Path, default=None, help="also write the JSON here"
 p.add_argument("--in-loop", action="store_true",
                help="run each replica's request path in its own event loop: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 "
                     "and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in every k3 replica's environment")
+p.add_argument("--compile-decode", action="store_true",
+               help="EngineConfig.compile_decode in both apps, as serve/config.yaml has it: the decode and LLM "
+                    "replicas compile their decode graphs when they start (prefill replicas never do)")
 args = p.parse_args()
 
 
@@ -85,7 +89,8 @@ def app_config(tok: str, disaggregated: bool) -> dict:
     model = {"path": args.model_path} if args.model_path else {"preset": "k3-tiny", "seed": 0, "tokenizer_path": tok}
     return {"model_id": "k3", "model": model, "disaggregated": disaggregated,
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,
-                       "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20},
+                       "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20,
+                       "compile_decode": args.compile_decode},
             "prefill": one, "decode": one, "llm": one, "ingress": one}
 
 
