@@ -11,12 +11,13 @@ run the compiled code:
 - batch: the number of sequences is a dynamic dimension, so one graph serves every batch of 2 to
   max_num_seqs sequences (torch specialises a batch of 1 into its own graph);
 - page table: padded to a power of two of pages, at least `MIN_TABLE_PAGES` (the padding holds
-  page 0, never read: it lies past every sequence's length); its width is a dynamic dimension
-  too, and the traced attention reads the whole table in one slice, so the same two graphs serve
-  every context up to `k3.kernels.mla_decode.cpu.TRACED_SLICE` (64K) tokens; past it the
-  context is read in slices, and a graph is traced once per doubling;
-- when: `LLMEngine` compiles both graphs when it starts (`compile_decode`), so no request's step
-  pays for a compile below that length;
+  page 0, never read: it lies past every sequence's length); on CPU its width is a dynamic
+  dimension too, and the traced attention reads the whole table in one slice, so the same two
+  graphs serve every context up to `k3.kernels.mla_decode.cpu.TRACED_SLICE` (64K) tokens; past
+  it the context is read in slices, and a graph is traced once per doubling, as it is for every
+  bucket on a GPU (a CUDA graph records one shape);
+- when: `LLMEngine` compiles both graphs when it starts (`compile_decode`), for the first bucket,
+  so on CPU no request's step pays for a compile below that length;
 - mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
   these shapes in torch 2.13 and tune for minutes); "reduce-overhead" (CUDA graphs) on a GPU.
 
@@ -81,8 +82,11 @@ class DecodeGraph:
         if input_ids.is_cuda:  # CUDA graphs replay fixed addresses: the pools stay where they are
             for t in [*(x for p in cache.kda.values() for x in (p.recurrent, p.conv)), *cache.mla_pages.values()]:
                 torch._dynamo.mark_static_address(t)
-        for t, dim in ((input_ids, 1), (cache.cu_seqlens, 0), (cache.context_lens, 0), (cache.kda_slots, 0),
-                       (cache.page_table, 0), (cache.page_table, 1)):
+        dims = [(input_ids, 1), (cache.cu_seqlens, 0), (cache.context_lens, 0), (cache.kda_slots, 0),
+                (cache.page_table, 0)]
+        if not input_ids.is_cuda:  # CUDA graphs record one width each anyway: a graph per bucket there
+            dims.append((cache.page_table, 1))
+        for t, dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
         try:
             with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):

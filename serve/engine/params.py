@@ -83,12 +83,13 @@ class EngineConfig(BaseModel):
     compile_decode: bool = Field(False, description="Run decode steps through the model's forward compiled with "
                                                     "torch.compile (two graphs, a batch of one sequence and of more, "
                                                     "each serving every page-table width up to 64K tokens of "
-                                                    "context; CUDA graphs on a GPU), compiled when the engine starts "
-                                                    "(about a minute for k3-tiny on a 2-core CPU, seconds when "
-                                                    "inductor's on-disk cache holds them) and replayed by every "
-                                                    "decode step: ~2x faster decode on CPU. A longer context compiles "
-                                                    "one more graph per doubling, inside a step. False runs every "
-                                                    "step eagerly. Text models only.")
+                                                    "context on CPU; CUDA graphs on a GPU, one per page-table "
+                                                    "bucket), compiled when the engine starts (about a minute for "
+                                                    "k3-tiny on a 2-core CPU, seconds when inductor's on-disk cache "
+                                                    "holds them) and replayed by every decode step: 1.4-2.1x faster "
+                                                    "decode on CPU (docs/benchmarks.md). A graph not compiled at "
+                                                    "start compiles inside the first step that needs it. False runs "
+                                                    "every step eagerly. Text models only.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the generator used by requests without their own seed.")
     media_cache_bytes: int = Field(32 * 2**20, ge=0, description="Feature rows of recently encoded images / video "
                                                                  "chunks kept by content (0: none); the same picture "
