@@ -273,7 +273,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
-    engines = args.engines.split(",")
+    engines = [e.strip() for e in args.engines.split(",")]
     if not engines or set(engines) - set(ENGINES):
         p.error(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
     res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -14,7 +14,9 @@ CHUNK = 4096  # tokens per slice
 # Traced by torch.compile (the engine's decode graphs), a context of up to this many tokens is read
 # in one slice: the table's width stays a symbolic size, so one graph serves every width up to
 # it (a loop over slices would fix the width in the graph). Its fp32 copy of the latents is
-# 64K x (L + R) x 4 bytes per sequence at most: 21 MB for k3-tiny's 80 values a token.
+# 64K x (L + R) x 4 bytes per sequence at most, per MLA layer's step, with the masked copy and the
+# scores beside it: 21 MB a sequence for k3-tiny's 80 values a token (336 MB for a batch of 16),
+# 151 MB for K3's 576 (on a GPU K3 decodes through the Triton kernel, not this path).
 TRACED_SLICE = 1 << 16
 
 

@@ -338,20 +338,26 @@ class LLMEngine:
         of two, each a token over one token of context, in slots and pages taken from the free
         lists and given back after (a slot is zeroed when taken again; a page's rows are never
         read past a sequence's length), so no request's first decode step compiles one."""
-        t0, g = time.perf_counter(), self.decode_graph
+        t0, g, compiled = time.perf_counter(), self.decode_graph, 0
         for n in (1, 2)[:self.config.max_num_seqs]:
             mems = [SeqCache() for _ in range(n)]
             try:
                 if not all(self.cache.take_slot(m) and self.cache.grow(m, 2) for m in mems):
-                    return  # a cache too small for two pages: the first steps compile them
+                    break  # a cache too small for two pages: the first step of that batch compiles it
                 cb = self.cache.cache_batch([1] * n, mems, [1] * n, table_width=g.table_width)
                 if g.compile(torch.zeros((1, n), dtype=torch.long, device=self.device), cb) is None:
                     return  # graphs are off (logged); steps run eagerly
+                compiled += 1
+            except Exception as e:  # noqa: BLE001 - a graph that fails to run (memory, ...) must not stop the engine
+                g.error = f"{type(e).__name__}: {e}"
+                log.warning("decode graphs are off for this engine, steps run eagerly: %s", g.error)
+                return
             finally:
                 for m in mems:
                     self.cache.release(m)
-        g.compile_seconds = time.perf_counter() - t0
-        log.info("decode graphs compiled in %.1f s", g.compile_seconds)
+        if compiled:
+            g.compile_seconds = time.perf_counter() - t0
+            log.info("decode graphs compiled in %.1f s (%d)", g.compile_seconds, compiled)
 
     def _build(self, sched: list[Scheduled], graph: DecodeGraph | None = None):
         ids, lengths, context, rows, sample_idx, offsets = [], [], [], [], [], {}

@@ -29,8 +29,10 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model, ps, compile_decode: bool, max_tokens: int):
-    eng = LLMEngine(model, EngineConfig(compile_decode=compile_decode, page_size=8))
+def run(model, ps, compile_decode: bool, max_tokens: int, **config):
+    eng = LLMEngine(model, EngineConfig(compile_decode=compile_decode, page_size=8, **config))
+    # the compile at start gave back every slot and page it took, and cached nothing
+    assert eng.cache.usage() == LLMEngine(model, EngineConfig(page_size=8, **config)).cache.usage()
     graphs = counters["stats"]["unique_graphs"]
     outs = eng.generate(ps, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True))
     # every graph was compiled when the engine started: batch sizes, the batch shrinking as
@@ -59,6 +61,30 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
         assert a.token_ids == b.token_ids
         worst = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs))
         assert worst < 1e-4, f"logprob differs by {worst}"
+
+
+@pytest.mark.slow
+def test_one_sequence_at_a_time_compiles_the_batch_of_one_only(model):
+    ps = prompts([4, 11], seed=5)
+    (_, eager), (eng, compiled) = (run(model, ps, c, 12, max_num_seqs=1) for c in (False, True))
+    assert eng.stats()["decode_graph_compile_s"] > 0 and eng.decode_graph.calls >= 2 * 11
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+
+
+def test_a_graph_that_fails_at_start_leaves_the_engine_eager(monkeypatch, caplog):
+    # not a tracing error (those are handled inside DecodeGraph): the compiled code itself failing
+    def boom(self, input_ids, cache):
+        raise MemoryError("no room for the graph")
+
+    monkeypatch.setattr(DecodeGraph, "compile", boom)
+    m = two_layer_model()
+    ps, sp = prompts([6, 4], seed=4), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
+    assert "MemoryError: no room for the graph" in eng.decode_graph.error and "steps run eagerly" in caplog.text
+    assert eng.stats()["decode_graph_compile_s"] is None
+    eager = LLMEngine(m, EngineConfig(page_size=8))
+    assert eng.cache.usage() == eager.cache.usage()
+    assert [o.token_ids for o in eng.generate(ps, sp)] == [o.token_ids for o in eager.generate(ps, sp)]
 
 
 def test_a_model_that_cannot_be_traced_runs_eagerly(caplog):
