@@ -76,6 +76,14 @@ def select_experts(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tupl
     return top_idx[:, :top_k], scores - top_vals[:, top_k:]
 
 
+def tokens_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the expert ids (any shape, each in [0, num_experts)) name each expert: [E] int64.
+    A scatter_add, not a bincount: its length does not depend on the values, so a traced graph
+    keeps it as one fused loop (a bincount is data-dependent, and inductor has no C++ shim for it)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
@@ -98,11 +106,11 @@ class Router(nn.Module):
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         with torch.no_grad():
             idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
-            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            counts = tokens_per_expert(idx, self.num_experts)
             if self.rebias is not None and (bias := self.rebias(RouterOutput(idx, None, scores, counts, margins))) is not None:
                 self.bias.copy_(bias)
                 idx, margins = select_experts(scores.detach(), self.bias.float(), self.top_k)
-                counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+                counts = tokens_per_expert(idx, self.num_experts)
         w = scores.gather(1, idx)
         if self.cfg.moe_renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -153,11 +161,7 @@ class Experts(nn.Module):
         collapsed onto other ranks' experts) the result is empty but stays in the autograd graph
         of x and the weights, so every rank runs the same backward collectives."""
         order = local_ids.argsort(stable=True)
-        # scatter_add, not bincount: a bincount's length depends on the values, which a traced
-        # graph cannot know
-        counts = torch.zeros(self.count, dtype=torch.long, device=x.device).scatter_add_(
-            0, local_ids, torch.ones_like(local_ids))
-        offs = counts.cumsum(0).to(torch.int32)
+        offs = tokens_per_expert(local_ids, self.count).cumsum(0).to(torch.int32)
         xs = x[order]
         g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
         u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)

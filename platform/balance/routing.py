@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from k3.model.moe import select_experts
+from k3.model.moe import tokens_per_expert as expert_loads  # expert_ids [N, top_k] -> tokens per expert [E] int64
 
 def _check_scores(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
     if scores.dim() != 2 or not scores.is_floating_point():
@@ -42,11 +43,6 @@ def route(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
 def token_margins(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
     """scores [N, E], bias [E] -> margins [N, E] = s - alpha, alpha = (k+1)-th largest of s + b per token."""
     return route(scores, bias, top_k)[0]
-
-
-def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """expert_ids [N, top_k] -> tokens per expert [E] int64."""
-    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
 
 
 def max_violation(loads: torch.Tensor) -> float:

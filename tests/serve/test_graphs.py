@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from k3.model import K3ForCausalLM, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph
+from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, compiled_forward
 
 
 def two_layer_model():
@@ -69,6 +69,44 @@ def test_one_sequence_at_a_time_compiles_the_batch_of_one_only(model):
     (_, eager), (eng, compiled) = (run(model, ps, c, 12, max_num_seqs=1) for c in (False, True))
     assert eng.stats()["decode_graph_compile_s"] > 0 and eng.decode_graph.calls >= 2 * 11
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+
+
+def other_model():
+    """The same layers and cache as two_layer_model, another MLP schedule: nothing the graphs'
+    guards check tells the two apart, and a graph traced from one is wrong for the other."""
+    torch.manual_seed(1)
+    cfg = get_preset("k3-tiny", num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"],
+                     attn_res_block_size=1)
+    return K3ForCausalLM(cfg).eval()
+
+
+def test_each_model_has_its_own_compiled_forward(model):
+    # its graphs' guards skip the model's modules, so no other model may reach them
+    cpu = torch.device("cpu")
+    assert compiled_forward(model, cpu) is compiled_forward(model, cpu)
+    assert DecodeGraph(model, cpu)._fn is compiled_forward(model, cpu)
+    assert compiled_forward(other_model(), cpu) is not compiled_forward(model, cpu)
+
+
+@pytest.mark.slow
+def test_engines_on_other_models_and_changed_weights_get_their_own_tokens(model):
+    # in one process: a model of another structure compiles its own graphs (one traced from the
+    # fixture's model would run its first MLP as experts it does not have), and weights changed in place after
+    # the compile are what the graphs read
+    ps, sp = prompts([7, 3], seed=6), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for m in (model, other_model()):
+        eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
+        want = LLMEngine(m, EngineConfig(page_size=8)).generate(ps, sp)
+        assert [o.token_ids for o in eng.generate(ps, sp)] == [o.token_ids for o in want]
+        assert eng.decode_graph.error is None and eng.decode_graph.calls >= 9
+    m = other_model()
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
+    before = [o.token_ids for o in eng.generate(ps, sp)]
+    with torch.no_grad():
+        m.lm_head.weight.copy_(torch.randn_like(m.lm_head.weight))
+    after = [o.token_ids for o in eng.generate(ps, sp)]
+    assert after != before
+    assert after == [o.token_ids for o in LLMEngine(m, EngineConfig(page_size=8)).generate(ps, sp)]
 
 
 def test_a_graph_that_fails_at_start_leaves_the_engine_eager(monkeypatch, caplog):
