@@ -382,6 +382,9 @@ def server_metric_deltas(before: dict[str, float], after: dict[str, float], ttft
     return out
 
 
+HEAD_GAPS = 8  # inter-token gaps reported one by one (itl_p50_by_position_ms)
+
+
 def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     """mean, p50, p90, p99 of seconds, in milliseconds (None without values)."""
     if not values_s:
@@ -442,6 +445,10 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: 
         # prompt's state there
         "itl_first_ms": stats_ms([r.itl_s[0] for r in ok if r.itl_s]),
         "itl_rest_ms": stats_ms([x for r in ok for x in r.itl_s[1:]]),
+        # the median of each of the first gaps: where work after the first token (a state's load,
+        # a pool publish on a shared host) shows, and where the gaps settle
+        "itl_p50_by_position_ms": [round(float(np.median([r.itl_s[i] for r in ok if len(r.itl_s) > i])) * 1e3, 3)
+                                   for i in range(min(HEAD_GAPS, max((len(r.itl_s) for r in ok), default=0)))],
         "goodput": None,
     }
     traced = [r.trace for r in ok if r.trace]
