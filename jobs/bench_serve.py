@@ -4,6 +4,7 @@ on a private local Ray (127.0.0.1); JSON out.
     python jobs/bench_serve.py                      # k3-tiny, random weights, 2K-token prompts
     python jobs/bench_serve.py --model-path runs/demo/model --prompt-words 2000 --out serve.json
     python jobs/bench_serve.py --compile-decode     # decode graphs in both apps, as serve/config.yaml has them
+    python jobs/bench_serve.py --compile-decode --output-len 64 --no-pool   # pd without the prefix pool
 
 Both applications are deployed on one Serve instance, with the same engine settings: "pd"
 (Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
@@ -53,7 +54,11 @@ p.add_argument("--prompt-words", type=int, default=2000, help="words per prompt 
 p.add_argument("--output-len", type=int, default=16, help="max_tokens per request")
 p.add_argument("--num-prompts", type=int, default=12, help="requests per app in the side-by-side run")
 p.add_argument("--max-concurrency", type=int, default=1, help="requests in flight in the side-by-side run")
-p.add_argument("--pool-groups", type=int, default=4, help="distinct long prefixes in the pool run")
+p.add_argument("--pool-groups", type=int, default=4,
+               help="distinct long prefixes in the pool run (0: no pool run)")
+p.add_argument("--no-pool", action="store_true",
+               help="the pd app without the prefix pool (prefix_pool_bytes: 0), and no pool run: what the prefill "
+                    "replica's publishing costs the decode beside it")
 p.add_argument("--suffix-words", type=int, default=16, help="pool run: words after the shared prefix")
 p.add_argument("--page-size", type=int, default=SERVED["page_size"].default, help="tokens per page (default: the engine's)")
 p.add_argument("--snapshot-interval", type=int, default=SERVED["snapshot_interval"].default,
@@ -91,6 +96,7 @@ def app_config(tok: str, disaggregated: bool) -> dict:
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,
                        "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20,
                        "compile_decode": args.compile_decode},
+            **({"prefix_pool_bytes": 0} if args.no_pool else {}),
             "prefill": one, "decode": one, "llm": one, "ingress": one}
 
 
@@ -151,8 +157,8 @@ def main() -> dict:
         t0 = time.perf_counter()
         side = asyncio.run(run_side_by_side(cfg, {"pd": f"{base}/pd", "agg": f"{base}/agg"}))
         out = {"side_by_side": side}
-        pool = asyncio.run(pool_run(f"{base}/pd", prefill))
-        out["pool"] = pool
+        if args.pool_groups and not args.no_pool:
+            out["pool"] = asyncio.run(pool_run(f"{base}/pd", prefill))
         out["wall_s"] = round(time.perf_counter() - t0, 1)
         out["load_avg_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
         serve.shutdown()
