@@ -8,12 +8,13 @@ on a private local Ray (127.0.0.1); JSON out.
 
 Both applications are deployed on one Serve instance, with the same engine settings: "pd"
 (Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
-through the object store, the prefix pool on) and "agg" (Ingress -> LLMServer). Then:
+through the object store, the prefix pool on unless --no-pool) and "agg" (Ingress -> LLMServer).
+Then:
 
 1. `serve_bench`'s workload (random prompts of --prompt-words words, streamed) against each app
    in turn, with the Ray node's metrics scraped before and after each run: the handoff's mean
    seconds (export + object-store fetch + check/import) as a share of the mean TTFT the client saw.
-2. The pool: for each of --pool-groups long prefixes, one request at a time and greedy: a miss
+2. The pool (skipped with --no-pool or --pool-groups 0): for each of --pool-groups long prefixes, one request at a time and greedy: a miss
    (nothing cached anywhere), then, after the prefill replica's local prefix cache is dropped, a
    request with the same prefix and another suffix (a hit only in the pool: the replica loads the
    prefix's pages and KDA snapshot instead of recomputing them), then a third (a local hit). TTFT
@@ -54,8 +55,7 @@ p.add_argument("--prompt-words", type=int, default=2000, help="words per prompt 
 p.add_argument("--output-len", type=int, default=16, help="max_tokens per request")
 p.add_argument("--num-prompts", type=int, default=12, help="requests per app in the side-by-side run")
 p.add_argument("--max-concurrency", type=int, default=1, help="requests in flight in the side-by-side run")
-p.add_argument("--pool-groups", type=int, default=4,
-               help="distinct long prefixes in the pool run (0: no pool run)")
+p.add_argument("--pool-groups", type=int, default=4, help="distinct long prefixes in the pool run (0: no pool run)")
 p.add_argument("--no-pool", action="store_true",
                help="the pd app without the prefix pool (prefix_pool_bytes: 0), and no pool run: what the prefill "
                     "replica's publishing costs the decode beside it")
@@ -71,6 +71,8 @@ p.add_argument("--compile-decode", action="store_true",
                help="EngineConfig.compile_decode in both apps, as serve/config.yaml has it: the decode and LLM "
                     "replicas compile their decode graphs when they start (prefill replicas never do)")
 args = p.parse_args()
+if args.pool_groups < 0:
+    p.error(f"--pool-groups must be >= 0, got {args.pool_groups}")
 
 
 def tokenizer_path(workdir: Path) -> str:

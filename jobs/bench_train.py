@@ -39,7 +39,7 @@ def random_routing_floor(n_tokens: int, num_experts: int, k: int, draws: int = 2
     out = []
     for _ in range(draws):
         idx = torch.rand(n_tokens, num_experts, generator=g).topk(k, dim=1).indices
-        loads = torch.bincount(idx.reshape(-1), minlength=num_experts).double()
+        loads = expert_loads(idx, num_experts).double()
         out.append(float(loads.max() / loads.mean() - 1))
     return statistics.mean(out)
 

@@ -77,10 +77,11 @@ def select_experts(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tupl
 
 
 def tokens_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of the expert ids (any shape, each in [0, num_experts)) name each expert: [E] int64.
-    A scatter_add, not a bincount: its length does not depend on the values, so a traced graph
-    keeps it as one fused loop (a bincount is data-dependent, and inductor has no C++ shim for it)."""
-    flat = ids.reshape(-1)
+    """How many of the expert ids (any shape, any integer dtype, each in [0, num_experts)) name
+    each expert: [E] int64. A scatter_add, not a bincount: its length does not depend on the values,
+    so a traced graph keeps it as one fused loop (a bincount is data-dependent, and inductor has no
+    C++ shim for it); an id outside the range is an index error, not a longer result."""
+    flat = ids.reshape(-1).long()
     return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from k3.model.moe import select_experts
-from k3.model.moe import tokens_per_expert as expert_loads  # expert_ids [N, top_k] -> tokens per expert [E] int64
+# expert_ids [N, top_k] (each in [0, E)) -> tokens per expert [E] int64
+from k3.model.moe import tokens_per_expert as expert_loads
 
 def _check_scores(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
     if scores.dim() != 2 or not scores.is_floating_point():

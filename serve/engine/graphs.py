@@ -20,16 +20,16 @@ run the compiled code:
   so on CPU no request's step pays for a compile below that length;
 - mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
   these shapes in torch 2.13 and tune for minutes) with a C++ wrapper (`cpp_wrapper`: the
-  graph's few hundred kernel and GEMM calls made from C++, not from generated Python; ~20 s more
-  to compile cold); "reduce-overhead" (CUDA graphs) on a GPU;
+  graph's few hundred kernel and GEMM calls made from C++, not from generated Python; ~25-30 s
+  more to compile cold); "reduce-overhead" (CUDA graphs) on a GPU;
 - guards: each model gets a traced function of its own (one per model, shared by the engines on
   it), so the graphs in its cache were all traced from that model, and on CPU the guards that
   would check the model's modules before every step (hundreds, ~0.3 ms a step for an 8-layer
   model) are skipped (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`); the inputs' guards
-  (batch, table width, dtypes) stay. Together the two cut a CPU decode step by 14-19%
+  (batch, table width, dtypes) stay. Together the two cut a CPU decode step by 7-18%
   (docs/benchmarks.md). The contract: weights may change in place (they are the graph's inputs,
-  read at every call), but a model's modules are not replaced or restructured once an engine
-  has compiled its graphs.
+  read at every call), but a model's modules and parameters are not replaced (nor retied,
+  reshaped or recast) once an engine has compiled its graphs: nothing checks them any more.
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
@@ -55,7 +55,7 @@ from k3.model.cache import CacheBatch
 log = logging.getLogger(__name__)
 
 MIN_TABLE_PAGES = 8
-# Graphs one engine may trace for the decode forward: (batch of 1, batch of 2+) x page buckets.
+# Graphs one model's decode forward may trace: (batch of 1, batch of 2+) x page buckets.
 MAX_GRAPHS = 64
 
 

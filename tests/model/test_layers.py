@@ -11,7 +11,7 @@ from k3.model.attn_res import BlockStats, merge_partial, mix_naive
 from k3.model.cache import CacheBatch, KDAPool
 from k3.model.kda import SHORT_CHUNK, KimiDeltaAttention
 from k3.model.mla import GatedMLA
-from k3.model.moe import LatentMoE
+from k3.model.moe import LatentMoE, tokens_per_expert
 from k3.model.norm import rms_norm
 
 
@@ -148,6 +148,16 @@ def test_grouped_experts_equal_loop(latent):
     assert torch.equal(r.expert_ids, r2.expert_ids)
     assert_close("moe output", y, y2, 1e-6)
     assert int(r.counts.sum()) == 3 * 17 * cfg.num_experts_per_token
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_tokens_per_expert_counts_as_bincount(dtype):
+    ids = torch.randint(0, 6, (37, 3), generator=torch.Generator().manual_seed(0))
+    got = tokens_per_expert(ids.to(dtype), 8)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(ids.reshape(-1), minlength=8))
+    assert torch.equal(tokens_per_expert(ids[:0], 8), torch.zeros(8, dtype=torch.long))
+    with pytest.raises((IndexError, RuntimeError)):  # an id past the experts is not a longer count
+        tokens_per_expert(torch.tensor([[1, 8]]), 8)
 
 
 def test_router_bias_changes_selection_only_and_gets_no_gradient():

@@ -5,6 +5,9 @@ with every graph compiled when the engine starts (none inside a step); the eager
 that cannot be traced falls back to eager steps."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -107,6 +110,11 @@ def test_engines_on_other_models_and_changed_weights_get_their_own_tokens(model)
     after = [o.token_ids for o in eng.generate(ps, sp)]
     assert after != before
     assert after == [o.token_ids for o in LLMEngine(m, EngineConfig(page_size=8)).generate(ps, sp)]
+    # the per-model traced function does not keep its model alive
+    gone = weakref.ref(m)
+    del eng, m
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_graph_that_fails_at_start_leaves_the_engine_eager(monkeypatch, caplog):
