@@ -42,20 +42,25 @@ class PrefixPool:
 
     def publish(self, pages: list[PoolPage]) -> int:
         """Store pages (a page already held keeps its data but may gain a snapshot); evict the
-        least recently used past the budget. Returns how many were stored or updated."""
+        least recently used past the budget. Returns how many were stored or updated.
+
+        What is stored is a copy (`PoolPage.owned`): the arrays a Ray call delivers are views of
+        that call's one argument buffer, held in the object store while any of them lives, so a
+        single surviving page would keep a whole publish's bytes (6 MB for a 2K-token prompt of
+        k3-tiny) outside the budget."""
         stored = 0
         for p in pages:
             have = self.pages.get(p.hash)
             if have is not None:
                 if have.snapshot is None and p.snapshot is not None:
                     self.bytes += p.nbytes - have.nbytes
-                    self.pages[p.hash] = p
+                    self.pages[p.hash] = p.owned()
                     stored += 1
                 self.pages.move_to_end(p.hash)
                 continue
             if p.nbytes > self.budget:
                 continue
-            self.pages[p.hash] = p
+            self.pages[p.hash] = p.owned()
             self.bytes += p.nbytes
             stored += 1
         self.counts["published"] += stored

@@ -183,6 +183,15 @@ class PoolPage:
     def without_snapshot(self) -> PoolPage:
         return dataclasses.replace(self, snapshot=None, snapshot_digest=b"")
 
+    def owned(self) -> PoolPage:
+        """The page with arrays of its own (the same bytes, so the same digests). Received through
+        Ray, a page's arrays are read-only views of the call's whole argument buffer, which stays
+        alive (in the object store, for a large call) while any one of them is held."""
+        return dataclasses.replace(
+            self, latents={k: np.array(a, copy=True) for k, a in self.latents.items()},
+            snapshot=None if self.snapshot is None else
+            {k: (np.array(c, copy=True), np.array(r, copy=True)) for k, (c, r) in self.snapshot.items()})
+
     @property
     def nbytes(self) -> int:
         n = sum(a.nbytes for a in self.latents.values())

@@ -104,6 +104,28 @@ def test_budget_and_lru(tiny_model):
         PrefixPool(0)
 
 
+def test_the_pool_keeps_copies_not_views_of_what_it_was_sent(tiny_model):
+    # as Ray delivers a publish: every array a read-only view of one buffer of the whole call
+    pages = pages_of(tiny_model, rand(32, 4) + [1])
+    arrays = [a for p in pages for a in [*p.latents.values(), *(x for cr in (p.snapshot or {}).values() for x in cr)]]
+    buf = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+    buf.flags.writeable = False
+    ends = np.cumsum([a.nbytes for a in arrays])
+    views = iter([buf[e - a.nbytes:e].view(a.dtype).reshape(a.shape) for a, e in zip(arrays, ends)])
+    sent_pages = [dataclasses.replace(p, latents={k: next(views) for k in p.latents},
+                                      snapshot=None if p.snapshot is None else
+                                      {k: (next(views), next(views)) for k in p.snapshot}) for p in pages]
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    assert pool.publish(sent_pages) == len(pages)
+    held = pool.fetch([p.hash for p in pages])
+    for p, h in zip(pages, held):
+        for k in p.latents:
+            assert np.array_equal(h.latents[k], p.latents[k]) and not np.shares_memory(h.latents[k], buf)
+        for k in (p.snapshot or {}):
+            assert all(not np.shares_memory(x, buf) for x in h.snapshot[k])
+        assert h.verified(KEY)  # the same bytes: the seals hold
+
+
 @pytest.mark.parametrize("have_pages, fetched", [(0, 4), (2, 4), (3, 4), (4, 0), (9, 0)])
 def test_fetch_deeper_brings_the_resumable_prefix_only_when_it_is_deeper(tiny_model, have_pages, fetched):
     prompt = rand(32, 3) + [1]
