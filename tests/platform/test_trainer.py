@@ -98,6 +98,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.save({"norms": norms, "ds_has_moe": engine.has_moe_layers, "experts_same_on_both_ranks":
                 torch.equal(both[0], both[1]), "muon_graphs": counters["stats"]["unique_graphs"] - graphs,
                 "muon_matrices": len(moved), "muon_moved": sum(moved)}, root / f"rank{rank}.pt")
+    # an orderly end: a process that exits with the gloo group's threads still running can abort in
+    # their destructors ("terminate called without an active exception", SIGABRT), failing the spawn
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
