@@ -14,12 +14,12 @@ Then:
 1. `serve_bench`'s workload (random prompts of --prompt-words words, streamed) against each app
    in turn, with the Ray node's metrics scraped before and after each run: the handoff's mean
    seconds (export + object-store fetch + check/import) as a share of the mean TTFT the client saw.
-2. The pool (skipped with --no-pool or --pool-groups 0): for each of --pool-groups long prefixes, one request at a time and greedy: a miss
-   (nothing cached anywhere), then, after the prefill replica's local prefix cache is dropped, a
-   request with the same prefix and another suffix (a hit only in the pool: the replica loads the
-   prefix's pages and KDA snapshot instead of recomputing them), then a third (a local hit). TTFT
-   of each, as the client measured it; the pool's hit tokens are read back from the replica to
-   show the hits were pool hits.
+2. The pool (skipped with --no-pool or --pool-groups 0): for each of --pool-groups long prefixes,
+   one request at a time and greedy: a miss (nothing cached anywhere), then, after the prefill
+   replica's local prefix cache is dropped, a request with the same prefix and another suffix (a
+   hit only in the pool: the replica loads the prefix's pages and KDA snapshot instead of
+   recomputing them), then a third (a local hit). TTFT of each, as the client measured it; the
+   pool's hit tokens are read back from the replica to show the hits were pool hits.
 
 Every request is traced (header X-K3-Trace: 1): the servers stamp the wall clock at each point on
 the way to the first token and send the stamps back, so `trace_ms` says, per app and per pool

@@ -253,8 +253,10 @@ def test_summarize_tpot_and_goodput():
     assert summarize([fast], 1.0)["goodput"] is None
     # gap by gap: the median over the requests that have a gap there
     long = RequestResult(ok=True, ttft_s=0.1, e2e_s=1.0, output_tokens=12, itl_s=[0.3] + [0.05] * 10)
-    assert summarize([fast, long], 1.0)["itl_p50_by_position_ms"] == pytest.approx([200.0, 75.0, 75.0, 75.0] + [50.0] * 4)
-    assert summarize([RequestResult(ok=True, ttft_s=0.1, e2e_s=0.1, output_tokens=1)], 1.0)["itl_p50_by_position_ms"] == []
+    by_position = summarize([fast, long], 1.0)["itl_p50_by_position_ms"]
+    assert by_position == pytest.approx([200.0, 75.0, 75.0, 75.0] + [50.0] * 4)
+    one_token = RequestResult(ok=True, ttft_s=0.1, e2e_s=0.1, output_tokens=1)
+    assert summarize([one_token], 1.0)["itl_p50_by_position_ms"] == []
     with pytest.raises(ValueError):
         summarize([fast], 0.0)
 

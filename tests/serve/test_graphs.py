@@ -94,8 +94,8 @@ def test_each_model_has_its_own_compiled_forward(model):
 @pytest.mark.slow
 def test_engines_on_other_models_and_changed_weights_get_their_own_tokens(model):
     # in one process: a model of another structure compiles its own graphs (one traced from the
-    # fixture's model would run its first MLP as experts it does not have), and weights changed in place after
-    # the compile are what the graphs read
+    # fixture's model would run its first MLP as experts it does not have), and weights changed in
+    # place after the compile are what the graphs read
     ps, sp = prompts([7, 3], seed=6), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     for m in (model, other_model()):
         eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True))
