@@ -11,7 +11,7 @@ from k3.model.attn_res import BlockStats, merge_partial, mix_naive
 from k3.model.cache import CacheBatch, KDAPool
 from k3.model.kda import SHORT_CHUNK, KimiDeltaAttention
 from k3.model.mla import GatedMLA
-from k3.model.moe import LatentMoE, tokens_per_expert
+from k3.model.moe import Experts, LatentMoE, read_by_index, tokens_per_expert
 from k3.model.norm import rms_norm
 
 
@@ -261,6 +261,50 @@ def test_decode_sized_expert_batches_equal_the_loop(tokens):
         moe.experts.forward = moe.experts.forward_loop
         slow, _ = moe(x)
     assert_close("grouped vs loop", fast, slow, 1e-6)
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+@pytest.mark.parametrize("first,count", [(0, 16), (8, 8)])
+def test_experts_read_by_index_equal_the_loop(activation, first, count):
+    cfg = tiny(activation=activation)
+    experts = Experts(cfg, cfg.moe_latent_size, first=first, count=count)
+    torch.manual_seed(0)
+    experts.reset_parameters()
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, cfg.moe_latent_size)
+        idx = torch.stack([first + torch.randperm(count)[:cfg.num_experts_per_token] for _ in range(tokens)])
+        w = torch.rand(tokens, cfg.num_experts_per_token)
+        with torch.no_grad():
+            assert_close(f"by index, {tokens} tokens", experts.by_index(x, idx, w), experts.forward_loop(x, idx, w), 1e-6)
+
+
+def test_which_expert_path_runs():
+    one, many = torch.randn(1, 8), torch.randn(4, 8)
+    assert not read_by_index(one)  # autograd on: grouped (the weights' gradient per expert)
+    with torch.no_grad():
+        assert read_by_index(one) and not read_by_index(many)  # eagerly: one token only
+        assert not read_by_index(one.to("meta"))  # not a CPU tensor
+        assert torch.compile(read_by_index, fullgraph=True, backend="eager")(many)  # a compiled CPU graph
+
+
+def test_a_compiled_inference_graph_reads_the_experts_by_index():
+    """No grouped call in a compiled no-grad MoE forward (the decode graphs'), and the same
+    output; with autograd on the graph keeps the grouped calls."""
+    cfg = tiny()
+    moe = build(LatentMoE, cfg)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    x = torch.randn(6, cfg.hidden_size)
+    forward = torch.compile(lambda t: moe(t)[0], backend=record, fullgraph=True)
+    torch._dynamo.mark_dynamic(x, 0)  # as the decode graphs' batch
+    with torch.no_grad():
+        assert_close("compiled by index", forward(x), moe(x)[0], 1e-6)
+    forward(x)
+    assert [any("grouped_mm" in t for t in g) for g in graphs] == [False, True]
 
 
 def test_grouped_expert_gradients_equal_the_loop():
