@@ -22,6 +22,9 @@ run the compiled code:
   these shapes in torch 2.13 and tune for minutes) with a C++ wrapper (`cpp_wrapper`: the
   graph's few hundred kernel and GEMM calls made from C++, not from generated Python; ~25-30 s
   more to compile cold); "reduce-overhead" (CUDA graphs) on a GPU;
+- experts: traced without autograd on a CPU, the routed experts read each token's weights by
+  index in fused loops instead of the sort and grouped calls (`k3.model.moe.read_by_index`:
+  25-44% off a decode step, docs/benchmarks.md);
 - guards: each model gets a traced function of its own (one per model, shared by the engines on
   it), so the graphs in its cache were all traced from that model, and on CPU the guards that
   would check the model's modules before every step (hundreds, ~0.3 ms a step for an 8-layer
