@@ -118,22 +118,32 @@ class Router(nn.Module):
         return RouterOutput(idx, w * self.cfg.routed_scaling, scores, counts, margins)
 
 
-def read_by_index(x: torch.Tensor) -> bool:
+# Eagerly a token's experts are copied out before they are read: worth it while the copy is small.
+EAGER_GATHER_BYTES = 2 << 20
+
+
+def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
     """Whether the routed experts read each token's weights by index (`Experts.by_index`) rather
-    than group the tokens by expert (`Experts.grouped`), for inference on a CPU.
+    than group the tokens by expert (`Experts.grouped`), for inference on a CPU; `token_bytes`:
+    the weights of one token's k experts.
 
     The grouped path pays a fixed cost per call (the sort, three opaque grouped calls of a
     matmul per expert, the scatter back); reading by index moves the experts' weights once per
-    (token, slot) row instead of once per expert. Side by side on one thread (docs/benchmarks.md,
-    top-2 of 8 experts 256 x 128): compiled, 30 against 123 us a layer at 1 token, 75 against 193
-    at 8, even at ~128 tokens, behind at 256 (1.5 against 1.15 ms; k3-tiny's 64-wide experts still
-    ahead at 256 tokens); eagerly the weights are copied first, which pays only for one token
-    (97 against 133 us). So: in a compiled inference graph on a CPU (the engine's decode graphs,
-    at most `max_num_seqs` tokens) and for a single token eagerly; never with autograd on (the
-    weights' gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
+    (token, slot) row instead of once per expert. Side by side on one thread (docs/benchmarks.md):
+    compiled, inductor reads the weights in place in fused loops, and by index was ahead at every
+    expert size tried at 1 and 8 tokens (top-2 of 8 experts 256 x 128: 30 against 123 us a layer
+    at 1 token, 75 against 193 at 8; top-8 of 32 experts 2048 x 768: 4.3 against 8.7 ms at 1
+    token), about even at ~128 tokens of the first and behind at 256 (1.5 against 1.15 ms). Eagerly
+    the k experts are copied first, which pays for one token while the copy is small (0.75 MB:
+    101 against 132 us; 1.5 MB: 162 against 184; 6 MB: 525 against 247). So: in a compiled
+    inference graph on a CPU (the engine's decode graphs, at most `max_num_seqs` tokens), and for
+    a single token eagerly up to `EAGER_GATHER_BYTES`; never with autograd on (the weights'
+    gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return False
-    return torch.compiler.is_compiling() or x.shape[0] == 1
+    if torch.compiler.is_compiling():
+        return True
+    return x.shape[0] == 1 and token_bytes <= EAGER_GATHER_BYTES
 
 
 class Experts(nn.Module):
@@ -203,7 +213,7 @@ class Experts(nn.Module):
         """x: [N, D_e]; idx (global expert ids), weight: [N, k] -> sum_k weight * expert(x): [N, D_e]."""
         if self.dispatch is not None:
             return self.dispatch(self, x, idx, weight)
-        if read_by_index(x):
+        if read_by_index(x, idx.shape[1] * 3 * self.w_gate[0].numel() * self.w_gate.element_size()):
             return self.by_index(x, idx, weight)
         N, top_k = idx.shape
         token = torch.arange(N, device=x.device).repeat_interleave(top_k)

@@ -279,12 +279,14 @@ def test_experts_read_by_index_equal_the_loop(activation, first, count):
 
 
 def test_which_expert_path_runs():
-    one, many = torch.randn(1, 8), torch.randn(4, 8)
-    assert not read_by_index(one)  # autograd on: grouped (the weights' gradient per expert)
+    one, many, small, large = torch.randn(1, 8), torch.randn(4, 8), 1 << 20, 8 << 20
+    assert not read_by_index(one, small)  # autograd on: grouped (the weights' gradient per expert)
     with torch.no_grad():
-        assert read_by_index(one) and not read_by_index(many)  # eagerly: one token only
-        assert not read_by_index(one.to("meta"))  # not a CPU tensor
-        assert torch.compile(read_by_index, fullgraph=True, backend="eager")(many)  # a compiled CPU graph
+        assert read_by_index(one, small) and not read_by_index(many, small)  # eagerly: one token only,
+        assert not read_by_index(one, large)  # and only while its experts' copy is small
+        assert not read_by_index(one.to("meta"), small)  # not a CPU tensor
+        compiled = torch.compile(read_by_index, fullgraph=True, backend="eager")
+        assert compiled(many, large)  # a compiled CPU graph reads them in place, at any size
 
 
 def test_a_compiled_inference_graph_reads_the_experts_by_index():
