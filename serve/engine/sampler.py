@@ -65,13 +65,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
     M = logits.shape[0]
     params = [r.params for r in rows]
     generators = [r.generator for r in rows]
-    # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token.
-    bad = ((torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)).tolist()
+    # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token. A
+    # row's max is NaN when it holds a NaN (max propagates it), else +inf or -inf exactly then.
+    bad = (~torch.isfinite(logits.amax(-1))).tolist()
     tokens = [None] * M
     greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
-    if greedy:
-        for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
-            tokens[i] = t
+    if greedy:  # every row's argmax in one call (no gather of the greedy rows first)
+        top = logits.argmax(-1).tolist()
+        for i in greedy:
+            tokens[i] = top[i]
     sampled = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
     if sampled:
         probs = _probs(logits[sampled], [params[i] for i in sampled])
