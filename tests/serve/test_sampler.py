@@ -102,3 +102,17 @@ def test_a_frequency_penalty_breaks_a_greedy_repeat():
 def test_bad_adjustments_name_the_field(field, value):
     with pytest.raises(ValidationError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_rows_with_nan_inf_or_nothing_left_fail_alone():
+    x = logits(6)
+    x[1, 7] = float("nan")
+    x[2, 9] = float("inf")
+    x[3, 5], x[3, 6] = float("inf"), float("nan")
+    rows = [row(), row(), row(), row(), row(banned=range(V)), row()]
+    rows[5] = SampleRow(SamplingParams(temperature=0.8, seed=3), None, [], [])  # a sampled row among them
+    got = draw(x, rows)
+    assert [d.error is not None for d in got] == [False, True, True, True, True, False]
+    assert all(d.token is None for d in got[1:5])
+    assert got[0].token == int(x[0].argmax()) and got[0].error is None
+    assert 0 <= got[5].token < V
