@@ -37,7 +37,7 @@ run the compiled code:
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
 (tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: the
-compile at start costs ~2 min for k3-tiny on a 2-core CPU with a cold inductor cache (~10 s warm),
+compile at start costs ~1.5 min for k3-tiny on a 2-core CPU with a cold inductor cache (~10 s warm),
 docs/benchmarks.md; serve/config.yaml turns it on for its decode replicas); a
 graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
 engine with a warning, and that step runs eagerly.
