@@ -120,6 +120,8 @@ class Router(nn.Module):
 
 # Eagerly a token's experts are copied out before they are read: worth it while the copy is small.
 EAGER_GATHER_BYTES = 2 << 20
+# A compiled graph of a fixed token count reads by index up to this many tokens.
+COMPILED_TOKENS = 128
 
 
 def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
@@ -136,13 +138,16 @@ def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
     token), about even at ~128 tokens of the first and behind at 256 (1.5 against 1.15 ms). Eagerly
     the k experts are copied first, which pays for one token while the copy is small (0.75 MB:
     101 against 132 us; 1.5 MB: 162 against 184; 6 MB: 525 against 247). So: in a compiled
-    inference graph on a CPU (the engine's decode graphs, at most `max_num_seqs` tokens), and for
-    a single token eagerly up to `EAGER_GATHER_BYTES`; never with autograd on (the weights'
-    gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
+    inference graph on a CPU: always over a dynamic token count (the engine's decode graphs, at
+    most `max_num_seqs` tokens; a bound there would add a guard and a recompile inside a step), up
+    to `COMPILED_TOKENS` over a fixed one (a compiled no-grad forward of a long sequence stays
+    grouped); eagerly for a single token up to `EAGER_GATHER_BYTES`; never with autograd on (the
+    weights' gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return False
-    if torch.compiler.is_compiling():
-        return True
+    if torch.compiler.is_compiling():  # a dynamic count is never statically above the bound: no guard
+        # (symbolic_shapes is loaded while compiling; importing it with this module costs ~0.5 s)
+        return not torch.fx.experimental.symbolic_shapes.statically_known_true(x.shape[0] > COMPILED_TOKENS)
     return x.shape[0] == 1 and token_bytes <= EAGER_GATHER_BYTES
 
 

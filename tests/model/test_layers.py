@@ -285,8 +285,13 @@ def test_which_expert_path_runs():
         assert read_by_index(one, small) and not read_by_index(many, small)  # eagerly: one token only,
         assert not read_by_index(one, large)  # and only while its experts' copy is small
         assert not read_by_index(one.to("meta"), small)  # not a CPU tensor
-        compiled = torch.compile(read_by_index, fullgraph=True, backend="eager")
-        assert compiled(many, large)  # a compiled CPU graph reads them in place, at any size
+        fixed = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager", dynamic=False)
+        assert fixed(many, large)  # a compiled CPU graph reads them in place, at any size,
+        assert not fixed(torch.randn(1000, 8), small)  # but a long fixed-size forward stays grouped
+        batch = torch.randn(1000, 8)
+        torch._dynamo.mark_dynamic(batch, 0)
+        dynamic = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager")
+        assert dynamic(batch, small)  # a dynamic count is the decode batch: no guard on it
 
 
 def test_a_compiled_inference_graph_reads_the_experts_by_index():
