@@ -120,8 +120,8 @@ class Router(nn.Module):
 
 # Eagerly a token's experts are copied out before they are read: worth it while the copy is small.
 EAGER_GATHER_BYTES = 2 << 20
-# A compiled graph of a fixed token count reads by index up to this many tokens.
-COMPILED_TOKENS = 128
+# A compiled graph traced at up to this many tokens reads by index.
+COMPILED_TOKENS = 64
 
 
 def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
@@ -132,22 +132,24 @@ def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
     The grouped path pays a fixed cost per call (the sort, three opaque grouped calls of a
     matmul per expert, the scatter back); reading by index moves the experts' weights once per
     (token, slot) row instead of once per expert. Side by side on one thread (docs/benchmarks.md):
-    compiled, inductor reads the weights in place in fused loops, and by index was ahead at every
-    expert size tried at 1 and 8 tokens (top-2 of 8 experts 256 x 128: 30 against 123 us a layer
-    at 1 token, 75 against 193 at 8; top-8 of 32 experts 2048 x 768: 4.3 against 8.7 ms at 1
-    token), about even at ~128 tokens of the first and behind at 256 (1.5 against 1.15 ms). Eagerly
-    the k experts are copied first, which pays for one token while the copy is small (0.75 MB:
-    101 against 132 us; 1.5 MB: 162 against 184; 6 MB: 525 against 247). So: in a compiled
-    inference graph on a CPU: always over a dynamic token count (the engine's decode graphs, at
-    most `max_num_seqs` tokens; a bound there would add a guard and a recompile inside a step), up
-    to `COMPILED_TOKENS` over a fixed one (a compiled no-grad forward of a long sequence stays
-    grouped); eagerly for a single token up to `EAGER_GATHER_BYTES`; never with autograd on (the
-    weights' gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
+    compiled, inductor reads the weights in place in fused loops, and by index was ahead at 1 and
+    8 tokens for every expert size tried (top-2 of 8 experts 256 x 128: 30 against 114 us a layer
+    at 1 token, 79 against 188 at 8; top-8 of 32 experts 2048 x 768: 4.3 against 8.7 ms at 1
+    token, 37.6 against 48.7 at 8), and for kimi8's experts up to 64 tokens (383 against 482 us),
+    10% behind at 128 and 30% at 256. Eagerly the k experts are copied first, which pays for one
+    token while the copy is small (0.75 MB: 101 against 132 us; 1.5 MB: 162 against 184; 6 MB: 525
+    against 247). So: in a compiled inference graph on a CPU traced at up to `COMPILED_TOKENS`
+    tokens (the engine's decode graphs are traced at 1 and 2 sequences and serve up to
+    `max_num_seqs`; a compiled forward of a long sequence stays grouped, also once dynamo makes its
+    length dynamic), and eagerly for a single token up to `EAGER_GATHER_BYTES`; never with autograd
+    on (the weights' gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return False
-    if torch.compiler.is_compiling():  # a dynamic count is never statically above the bound: no guard
-        # (symbolic_shapes is loaded while compiling; importing it with this module costs ~0.5 s)
-        return not torch.fx.experimental.symbolic_shapes.statically_known_true(x.shape[0] > COMPILED_TOKENS)
+    if torch.compiler.is_compiling():
+        # The count the graph is traced at, read without a guard (both paths compute the same
+        # function, so a later call of another count only runs at the other's speed); symbolic_shapes
+        # is loaded while compiling (importing it with this module costs ~0.5 s).
+        return torch.fx.experimental.symbolic_shapes.optimization_hint(x.shape[0]) <= COMPILED_TOKENS
     return x.shape[0] == 1 and token_bytes <= EAGER_GATHER_BYTES
 
 
@@ -218,7 +220,7 @@ class Experts(nn.Module):
         """x: [N, D_e]; idx (global expert ids), weight: [N, k] -> sum_k weight * expert(x): [N, D_e]."""
         if self.dispatch is not None:
             return self.dispatch(self, x, idx, weight)
-        if read_by_index(x, idx.shape[1] * 3 * self.w_gate[0].numel() * self.w_gate.element_size()):
+        if read_by_index(x, idx.shape[1] * 3 * (self.w_gate.numel() // self.count) * self.w_gate.element_size()):
             return self.by_index(x, idx, weight)
         N, top_k = idx.shape
         token = torch.arange(N, device=x.device).repeat_interleave(top_k)

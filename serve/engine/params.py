@@ -84,9 +84,9 @@ class EngineConfig(BaseModel):
                                                     "torch.compile (two graphs, a batch of one sequence and of more, "
                                                     "each serving every page-table width up to 64K tokens of "
                                                     "context on CPU; CUDA graphs on a GPU, one per page-table "
-                                                    "bucket), compiled when the engine starts (~2 min for k3-tiny "
+                                                    "bucket), compiled when the engine starts (~1.5 min for k3-tiny "
                                                     "on a 2-core CPU, ~10 s when inductor's on-disk cache holds "
-                                                    "them) and replayed by every decode step: 1.2-2.1x faster "
+                                                    "them) and replayed by every decode step: 1.9-2.9x faster "
                                                     "decode on CPU (docs/benchmarks.md). A graph not compiled at "
                                                     "start compiles inside the first step that needs it. False runs "
                                                     "every step eagerly. Text models only.")

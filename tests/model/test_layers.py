@@ -285,13 +285,23 @@ def test_which_expert_path_runs():
         assert read_by_index(one, small) and not read_by_index(many, small)  # eagerly: one token only,
         assert not read_by_index(one, large)  # and only while its experts' copy is small
         assert not read_by_index(one.to("meta"), small)  # not a CPU tensor
+        traces = []
+
+        def count(gm, example_inputs):
+            traces.append(gm)
+            return gm.forward
+
         fixed = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager", dynamic=False)
         assert fixed(many, large)  # a compiled CPU graph reads them in place, at any size,
-        assert not fixed(torch.randn(1000, 8), small)  # but a long fixed-size forward stays grouped
-        batch = torch.randn(1000, 8)
+        assert not fixed(torch.randn(1000, 8), small)  # but not one traced at a long sequence
+        batch = torch.randn(2, 8)
         torch._dynamo.mark_dynamic(batch, 0)
-        dynamic = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager")
-        assert dynamic(batch, small)  # a dynamic count is the decode batch: no guard on it
+        decode = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend=count)
+        assert decode(batch, small) and decode(torch.randn(40, 8), small)  # as the decode graphs:
+        assert len(traces) == 1  # traced at 2, one graph for every batch, no guard on the count
+        auto = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager")
+        assert auto(torch.randn(3, 8), small)
+        assert not auto(torch.randn(1000, 8), small) and not auto(torch.randn(1200, 8), small)  # made dynamic at 1000
 
 
 def test_a_compiled_inference_graph_reads_the_experts_by_index():
