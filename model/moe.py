@@ -120,8 +120,11 @@ class Router(nn.Module):
 
 # Eagerly a token's experts are copied out before they are read: worth it while the copy is small.
 EAGER_GATHER_BYTES = 2 << 20
-# A compiled graph traced at up to this many tokens reads by index.
+# A compiled graph traced at up to this many tokens reads by index, while one token's experts
+# weigh at most COMPILED_TOKEN_BYTES (larger ones fall behind from 16 tokens, which a decode graph
+# traced at 2 still serves).
 COMPILED_TOKENS = 64
+COMPILED_TOKEN_BYTES = 32 << 20
 
 
 def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
@@ -134,22 +137,25 @@ def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
     (token, slot) row instead of once per expert. Side by side on one thread (docs/benchmarks.md):
     compiled, inductor reads the weights in place in fused loops, and by index was ahead at 1 and
     8 tokens for every expert size tried (top-2 of 8 experts 256 x 128: 30 against 114 us a layer
-    at 1 token, 79 against 188 at 8; top-8 of 32 experts 2048 x 768: 4.3 against 8.7 ms at 1
-    token, 37.6 against 48.7 at 8), and for kimi8's experts up to 64 tokens (383 against 482 us),
-    10% behind at 128 and 30% at 256. Eagerly the k experts are copied first, which pays for one
-    token while the copy is small (0.75 MB: 101 against 132 us; 1.5 MB: 162 against 184; 6 MB: 525
-    against 247). So: in a compiled inference graph on a CPU traced at up to `COMPILED_TOKENS`
-    tokens (the engine's decode graphs are traced at 1 and 2 sequences and serve up to
-    `max_num_seqs`; a compiled forward of a long sequence stays grouped, also once dynamo makes its
-    length dynamic), and eagerly for a single token up to `EAGER_GATHER_BYTES`; never with autograd
-    on (the weights' gradient would be a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
+    at 1 token, 79 against 188 at 8; top-8 of 32 experts 2048 x 768, 144 MB a token: 4.3 against
+    8.7 ms at 1 token, 37.6 against 48.7 at 8, but 61.5 against 52.5 at 16), to 32 tokens for
+    experts of up to 24 MB a token (even there), and for kimi8's experts up to 64 tokens (383
+    against 482 us), 10% behind at 128 and 30% at 256. Eagerly the k experts are copied first,
+    which pays for one token while the copy is small (0.75 MB: 101 against 132 us; 1.5 MB: 162
+    against 184; 6 MB: 525 against 247). So: in a compiled inference graph on a CPU traced at up to
+    `COMPILED_TOKENS` tokens of experts up to `COMPILED_TOKEN_BYTES` (the engine's decode graphs are
+    traced at 1 and 2 sequences and serve up to `max_num_seqs`, 16 by default; a compiled forward of
+    a long sequence stays grouped, also once dynamo makes its length dynamic), and eagerly for a
+    single token up to `EAGER_GATHER_BYTES`; never with autograd on (the weights' gradient would be
+    a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return False
     if torch.compiler.is_compiling():
         # The count the graph is traced at, read without a guard (both paths compute the same
         # function, so a later call of another count only runs at the other's speed); symbolic_shapes
         # is loaded while compiling (importing it with this module costs ~0.5 s).
-        return torch.fx.experimental.symbolic_shapes.optimization_hint(x.shape[0]) <= COMPILED_TOKENS
+        return token_bytes <= COMPILED_TOKEN_BYTES and \
+            torch.fx.experimental.symbolic_shapes.optimization_hint(x.shape[0]) <= COMPILED_TOKENS
     return x.shape[0] == 1 and token_bytes <= EAGER_GATHER_BYTES
 
 

@@ -292,8 +292,9 @@ def test_which_expert_path_runs():
             return gm.forward
 
         fixed = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend="eager", dynamic=False)
-        assert fixed(many, large)  # a compiled CPU graph reads them in place, at any size,
-        assert not fixed(torch.randn(1000, 8), small)  # but not one traced at a long sequence
+        assert fixed(many, large)  # a compiled CPU graph reads them in place,
+        assert not fixed(many, 64 << 20)  # not experts of 64 MB a token (behind from 16 tokens),
+        assert not fixed(torch.randn(1000, 8), small)  # nor in a graph traced at a long sequence
         batch = torch.randn(2, 8)
         torch._dynamo.mark_dynamic(batch, 0)
         decode = torch.compile(lambda t, b: read_by_index(t, b), fullgraph=True, backend=count)
