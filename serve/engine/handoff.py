@@ -460,9 +460,7 @@ class Handoff:
                 any(not isinstance(cr, tuple) or len(cr) != 2 for cr in snap.values()) or \
                 any(not _numeric(a) for a in [*p.latents.values(), *(a for cr in snap.values() for a in cr)]):
             _refuse("its latents and snapshot must be numeric numpy arrays", where)
-        p = dataclasses.replace(p, latents={k: np.array(a, copy=True) for k, a in p.latents.items()},
-                                snapshot=None if p.snapshot is None else
-                                {k: (np.array(c, copy=True), np.array(r, copy=True)) for k, (c, r) in snap.items()})
+        p = dataclasses.replace(p, snapshot=None if p.snapshot is None else snap).owned()  # a private copy
         if not p.verified(self._secret):
             _refuse("its digest does not verify under this engine's handoff_key (sealed with another key, or "
                     "changed after sealing)", where)
