@@ -70,7 +70,9 @@ def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bo
         blk = X.new_empty(*Xr.shape[:-1], s)
         for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
             E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
-            blk[r] = torch.einsum("...ipk,...jk,...ijk->...ipj", Xr[r], Yr[r][..., 0, :], E)
+            # P_ij = X_i . (Y_j e_ij): the decayed Y rows first ([.., s, s, K]), then one batched
+            # matmul (a three-operand einsum builds the [.., s, P, s, K] product and copies it)
+            blk[r] = Xr[r] @ (Yr[r][..., None, :, 0, :] * E).transpose(-1, -2)
     for i in range(n):
         out[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] = blk[..., i, :, :, :]
     return out
@@ -112,8 +114,8 @@ def pair_products_backward(
         dYd = torch.empty_like(Yr.expand(*Xr.shape[:-2], 1, Xr.shape[-1]))
         for r in _row_slices(Xr.shape[0], Xr[0].numel() * s):
             E = _pairwise_decay(Gr[r][..., 0, :])  # [m, ..., n, s, s, K]
-            dXd[r] = torch.einsum("...ipj,...jk,...ijk->...ipk", dPd[r], Yr[r][..., 0, :], E)
-            dYd[r] = torch.einsum("...ipj,...ipk,...ijk->...jk", dPd[r], Xr[r], E)[..., None, :]
+            dXd[r] = dPd[r] @ (Yr[r][..., None, :, 0, :] * E)
+            dYd[r] = ((dPd[r].transpose(-1, -2) @ Xr[r]) * E).sum(-3)[..., None, :]
     dX += dXd.flatten(-4, -3)
     dY += dYd.flatten(-4, -3)
     return dX, dY
