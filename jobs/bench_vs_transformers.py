@@ -11,7 +11,11 @@ decode: k3's engines (`default`: the default `EngineConfig`; `compiled`: `compil
 its decode graphs compiled when the engine starts, outside the timing; a fresh engine per repeat,
 warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
 sequences, prefill included on every side; the repeats interleave the sides and the best of each
-is kept; tokens compared.
+is kept; tokens compared. `floor` is the shortest time any engine could take for k3's run here
+(`decode_floor`: the prefill's counted FLOPs at this machine's matmul rate, each decode step's
+weight, expert and cache bytes at its memory-read rate or its FLOPs, whichever is longer; rates
+measured in the same run), `max_speedup` transformers' time over it, and each engine's
+`fraction_of_floor` how close it came.
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
@@ -105,12 +109,87 @@ def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int,
                 k3_times[e].append(dt)
                 same[e].append(sum(g == w for g, w in zip(got, want)))
         hf_s = min(hf_times)
-        out[str(batch)] = {"transformers_s": round(hf_s, 3), "transformers_tokens_per_s": round(batch * new / hf_s, 1)}
+        floor = decode_floor(ours, prompts, new)
+        floor["max_speedup"] = round(hf_s / floor["floor_s"], 2)
+        out[str(batch)] = {"transformers_s": round(hf_s, 3), "transformers_tokens_per_s": round(batch * new / hf_s, 1),
+                           "floor": floor}
         for e in engines:
             k3_s = min(k3_times[e])
             out[str(batch)][e] = {"k3_s": round(k3_s, 3), "k3_tokens_per_s": round(batch * new / k3_s, 1),
-                                  "speedup": round(hf_s / k3_s, 2), "sequences_identical": f"{min(same[e])}/{batch}"}
+                                  "speedup": round(hf_s / k3_s, 2), "sequences_identical": f"{min(same[e])}/{batch}",
+                                  "fraction_of_floor": round(floor["floor_s"] / k3_s, 3)}
     return out
+
+
+def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
+    """Best bytes/s this process reads memory at (torch's threads summing a buffer larger than
+    any cache): what a step that reads its weights once cannot beat."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best, t0 = 0.0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
+    """The shortest time any engine could take for k3's run of these prompts here: the prefill's
+    arithmetic (the FLOPs torch counts in k3's own prefill) at this machine's matmul rate, then
+    every decode step's bytes at its memory-read rate or its FLOPs at the matmul rate, whichever
+    is longer. A decode step reads every weight but the routed experts' and the embedding table's
+    (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
+    run of the same prompts: the same tokens, so the same routing, as the timed runs), each
+    sequence's KDA state (read and written) and its MLA latents so far. Rates are the best
+    measured in this process, so the floor is a lower bound on the timed runs."""
+    from k3.model.cache import cache_bytes
+    from k3.model.moe import Experts, LatentMoE
+
+    cfg, batch = model.cfg, len(prompts)
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    chosen: list[int] = []  # expert bytes read per decode-step call of each MoE layer, in call order
+
+    def record(moe):
+        per_expert = sum(w[0].numel() * w.element_size() for w in (moe.experts.w_gate, moe.experts.w_up,
+                                                                      moe.experts.w_down))
+
+        def hook(_, args, out):
+            if args[0].reshape(-1, args[0].shape[-1]).shape[0] <= batch:  # a decode step: a token a sequence
+                chosen.append(int(out[1].expert_ids.unique().numel()) * per_expert)
+        return hook
+
+    hooks = [m.register_forward_hook(record(m)) for m in model.modules() if isinstance(m, LatentMoE)]
+    try:
+        prefill_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(
+            prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
+        chosen.clear()
+        run_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(prompts, sp))
+    finally:
+        for h in hooks:
+            h.remove()
+    steps = new - 1  # the first token comes from the prefill
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    table = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()
+                  if id(p) not in expert_ids and (p is not table or model.lm_head.weight is table))
+    weights += batch * table[0].numel() * table.element_size() if model.lm_head.weight is not table else 0
+    fixed = cache_bytes(cfg, 0, torch.float32)  # the KDA state (fp32 in the engine's pools)
+    context = [sum(cache_bytes(cfg, len(p) + i, torch.float32) - fixed for p in prompts) for i in range(steps)]
+    n_moe = len(hooks)
+    if len(chosen) != steps * n_moe:
+        raise RuntimeError(f"recorded {len(chosen)} decode-step MoE calls, expected {steps} steps x {n_moe} layers")
+    step_bytes = [weights + sum(chosen[i * n_moe:(i + 1) * n_moe]) + batch * 2 * fixed + context[i]
+                  for i in range(steps)]
+    rate = step_matmul_rate(cfg, sum(len(p) for p in prompts))
+    bw = stream_rate()
+    step_flop = (run_flops - prefill_flops) / max(steps, 1)
+    all_weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_s = max(prefill_flops / rate, all_weights / bw) + sum(max(step_flop / rate, b / bw) for b in step_bytes)
+    return {"prefill_gflop": round(prefill_flops / 1e9, 3), "decode_mflop_per_step": round(step_flop / 1e6, 2),
+            "decode_mb_per_step": round(sum(step_bytes) / max(steps, 1) / 1e6, 2),
+            "matmul_gflop_per_s": round(rate / 1e9, 1), "read_gb_per_s": round(bw / 1e9, 1),
+            "floor_s": round(floor_s, 4)}
 
 
 def hf_step(hf, opt, ids) -> float:

@@ -1,6 +1,7 @@
 """jobs/bench_vs_transformers.py as a user runs it: the decode comparison of k3's engines against
 transformers' `generate` on the same imported weights gives the same tokens and one entry per
-engine asked for; a bad engine name is refused before any model is built. The speedups are the
+engine asked for, and a floor (the run's counted arithmetic and bytes at this machine's rates) below
+what k3 measured; a bad engine name is refused before any model is built. The speedups are the
 benchmark's to show (docs/benchmarks.md), not a test's."""
 from __future__ import annotations
 
@@ -32,5 +33,10 @@ def test_decode_gives_transformers_tokens_for_each_engine():
     res = json.loads(done.stdout)["kimi4"]["decode"]
     assert set(res) == {"1", "2"}
     for batch, r in res.items():
-        assert set(r) == {"transformers_s", "transformers_tokens_per_s", "default"}
+        assert set(r) == {"transformers_s", "transformers_tokens_per_s", "floor", "default"}
         assert r["default"]["sequences_identical"] == f"{batch}/{batch}" and r["default"]["speedup"] > 0
+        # the floor is a lower bound: below what k3 measured, with all its parts counted
+        f = r["floor"]
+        assert 0 < f["floor_s"] < r["default"]["k3_s"] and 0 < r["default"]["fraction_of_floor"] < 1
+        assert f["max_speedup"] > r["default"]["speedup"]
+        assert f["prefill_gflop"] > 0 and f["decode_mflop_per_step"] > 0 and f["decode_mb_per_step"] > 0
