@@ -11,10 +11,10 @@ decode: k3's engines (`default`: the default `EngineConfig`; `compiled`: `compil
 its decode graphs compiled when the engine starts, outside the timing; a fresh engine per repeat,
 warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
 sequences, prefill included on every side; the repeats interleave the sides and the best of each
-is kept; tokens compared. `floor` is the shortest time any engine could take for k3's run here
-(`decode_floor`: the prefill's counted FLOPs at this machine's matmul rate, each decode step's
-weight, expert and cache bytes at its memory-read rate or its FLOPs, whichever is longer; rates
-measured in the same run), `max_speedup` transformers' time over it, and each engine's
+is kept; tokens compared. `floor` is the shortest time k3's run could take here, its work at
+this machine's best rates (`decode_floor`: the prefill's counted FLOPs at the matmul rate, each
+decode step's weight, expert and cache bytes at the memory-read rate or its FLOPs, whichever is
+longer; rates measured in the same run), `max_speedup` transformers' time over it, and each engine's
 `fraction_of_floor` how close it came.
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
@@ -135,8 +135,8 @@ def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
 
 
 def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
-    """The shortest time any engine could take for k3's run of these prompts here: the prefill's
-    arithmetic (the FLOPs torch counts in k3's own prefill) at this machine's matmul rate, then
+    """The shortest time k3's run of these prompts could take here, its work at the best rates: the
+    prefill's arithmetic (the FLOPs torch counts in k3's own prefill) at the matmul rate, then
     every decode step's bytes at its memory-read rate or its FLOPs at the matmul rate, whichever
     is longer. A decode step reads every weight but the routed experts' and the embedding table's
     (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
