@@ -72,6 +72,7 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
+PROMPT_LEN = 128  # decode: tokens per prompt
 ENGINES = {"default": EngineConfig, "compiled": lambda: EngineConfig(compile_decode=True)}
 
 
@@ -82,14 +83,14 @@ def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int,
     ours = load_kimi_linear(path).eval()
     out: dict = {}
     for batch in batches:
-        prompts = [torch.randint(3, 4096, (128,), generator=gen).tolist() for _ in range(batch)]
+        prompts = [torch.randint(3, 4096, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
         ids = torch.tensor(prompts)
         sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
         def run_hf():
             with torch.no_grad():
                 return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0)[:, 128:].tolist()
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[:, PROMPT_LEN:].tolist()
 
         def run_k3(eng):
             return [o.token_ids for o in eng.generate(prompts, sp)]
@@ -122,9 +123,10 @@ def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int,
 
 
 def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
-    """Best bytes/s this process reads memory at (torch's threads summing a buffer larger than
-    any cache): what a step that reads its weights once cannot beat."""
-    x = torch.ones(nbytes // 4)
+    """Best bytes/s this process reads a buffer of `nbytes` at, read over and over (torch's threads
+    summing it): from memory for a buffer larger than the caches, from the cache for one that fits,
+    so a step that reads that many bytes cannot beat it."""
+    x = torch.ones(max(nbytes // 4, 1))
     x.sum()
     best, t0 = 0.0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -141,8 +143,10 @@ def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
     is longer. A decode step reads every weight but the routed experts' and the embedding table's
     (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
     run of the same prompts: the same tokens, so the same routing, as the timed runs), each
-    sequence's KDA state (read and written) and its MLA latents so far. Rates are the best
-    measured in this process, so the floor is a lower bound on the timed runs."""
+    sequence's KDA state (read and written) and its MLA latents so far. Rates are the best single
+    calls measured in this process (reads from memory and, for a step's bytes, from the cache),
+    so the floor is a lower bound on the timed runs. Every sequence must decode in every step: at
+    most `max_num_seqs` prompts whose prefill fits one step (`main` checks `--batches`)."""
     from k3.model.cache import cache_bytes
     from k3.model.moe import Experts, LatentMoE
 
@@ -174,21 +178,26 @@ def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
                   if id(p) not in expert_ids and (p is not table or model.lm_head.weight is table))
     weights += batch * table[0].numel() * table.element_size() if model.lm_head.weight is not table else 0
-    fixed = cache_bytes(cfg, 0, torch.float32)  # the KDA state (fp32 in the engine's pools)
-    context = [sum(cache_bytes(cfg, len(p) + i, torch.float32) - fixed for p in prompts) for i in range(steps)]
+    dtype = getattr(torch, EngineConfig().dtype)  # the latents' and conv state's (the KDA state is fp32)
+    fixed = cache_bytes(cfg, 0, dtype)
+    context = [sum(cache_bytes(cfg, len(p) + i, dtype) - fixed for p in prompts) for i in range(steps)]
     n_moe = len(hooks)
     if len(chosen) != steps * n_moe:
         raise RuntimeError(f"recorded {len(chosen)} decode-step MoE calls, expected {steps} steps x {n_moe} layers")
     step_bytes = [weights + sum(chosen[i * n_moe:(i + 1) * n_moe]) + batch * 2 * fixed + context[i]
                   for i in range(steps)]
     rate = step_matmul_rate(cfg, sum(len(p) for p in prompts))
-    bw = stream_rate()
+    # from memory, or from the cache if a step's bytes fit there (the weights it shares with the
+    # step before stay): the faster of the two
+    from_memory, from_cache = stream_rate(), stream_rate(int(sum(step_bytes) / max(steps, 1)))
+    bw = max(from_memory, from_cache)
     step_flop = (run_flops - prefill_flops) / max(steps, 1)
     all_weights = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_s = max(prefill_flops / rate, all_weights / bw) + sum(max(step_flop / rate, b / bw) for b in step_bytes)
     return {"prefill_gflop": round(prefill_flops / 1e9, 3), "decode_mflop_per_step": round(step_flop / 1e6, 2),
             "decode_mb_per_step": round(sum(step_bytes) / max(steps, 1) / 1e6, 2),
             "matmul_gflop_per_s": round(rate / 1e9, 1), "read_gb_per_s": round(bw / 1e9, 1),
+            "read_gb_per_s_256mb": round(from_memory / 1e9, 1), "read_gb_per_s_step_bytes": round(from_cache / 1e9, 1),
             "floor_s": round(floor_s, 4)}
 
 
@@ -218,16 +227,17 @@ def step_flops(fn) -> int:
 
 
 def matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 1.0) -> float:
-    """Best fp32 FLOP/s of torch.mm on this machine over the [m, k] @ [k, n] shapes given."""
+    """Best fp32 FLOP/s of torch.mm on this machine over the [m, k] @ [k, n] shapes given (the
+    fastest single call: a floor computed from it stays below what load does to the timed runs)."""
     best = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         a @ b
-        reps, t0 = 0, time.perf_counter()
+        t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds / len(shapes):
+            t = time.perf_counter()
             a @ b
-            reps += 1
-        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t))
     return best
 
 
@@ -355,6 +365,15 @@ def main() -> None:
     engines = [e.strip() for e in args.engines.split(",")]
     if not engines or set(engines) - set(ENGINES):
         p.error(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
+    ec = EngineConfig()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+    bad = [b for b in batches if not 1 <= b <= min(ec.max_num_seqs, ec.max_num_batched_tokens // PROMPT_LEN)]
+    if bad:
+        p.error(f"--batches: each must be 1..{min(ec.max_num_seqs, ec.max_num_batched_tokens // PROMPT_LEN)} "
+                f"(the engine's max_num_seqs, and {PROMPT_LEN}-token prompts prefilled in one step), got {bad}")
     res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                              "torch": torch.__version__, "transformers": transformers.__version__,
                              "load_average_at_start": os.getloadavg()}}
@@ -364,7 +383,7 @@ def main() -> None:
             hf, path = build(name, d)
             res[name] = {"params_million": round(sum(x.numel() for x in hf.parameters()) / 1e6, 2)}
             if "decode" in only:
-                res[name]["decode"] = decode(name, path, hf, [int(b) for b in args.batches.split(",")],
+                res[name]["decode"] = decode(name, path, hf, batches,
                                              args.new_tokens, args.repeats, gen, engines)
             if "train" in only and name == "kimi8":
                 res[name]["train"] = train(name, path, hf, args.train_batch, args.train_seq, args.repeats, gen,
