@@ -13,9 +13,9 @@ warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tok
 sequences, prefill included on every side; the repeats interleave the sides and the best of each
 is kept; tokens compared. `floor` is the shortest time k3's run could take here, its work at
 this machine's best rates (`decode_floor`: the prefill's counted FLOPs at the matmul rate, each
-decode step's weight, expert and cache bytes at the memory-read rate or its FLOPs, whichever is
-longer; rates measured in the same run), `max_speedup` transformers' time over it, and each engine's
-`fraction_of_floor` how close it came.
+decode step's weight, expert and cache bytes at the best read rate, from memory or from the cache
+for a step's bytes, or its FLOPs, whichever is longer; rates measured in the same run),
+`max_speedup` transformers' time over it, and each engine's `fraction_of_floor` how close it came.
 train: one training step on the same batch (forward, loss, backward, AdamW step) of transformers'
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
@@ -139,7 +139,7 @@ def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
 def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
     """The shortest time k3's run of these prompts could take here, its work at the best rates: the
     prefill's arithmetic (the FLOPs torch counts in k3's own prefill) at the matmul rate, then
-    every decode step's bytes at its memory-read rate or its FLOPs at the matmul rate, whichever
+    every decode step's bytes at the best read rate or its FLOPs at the matmul rate, whichever
     is longer. A decode step reads every weight but the routed experts' and the embedding table's
     (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
     run of the same prompts: the same tokens, so the same routing, as the timed runs), each
@@ -365,6 +365,8 @@ def main() -> None:
     engines = [e.strip() for e in args.engines.split(",")]
     if not engines or set(engines) - set(ENGINES):
         p.error(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
+    if args.new_tokens < 1:
+        p.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
     ec = EngineConfig()
     try:
         batches = [int(b) for b in args.batches.split(",")]

@@ -26,11 +26,13 @@ def test_a_bad_engine_is_refused_naming_the_flag():
     assert done.returncode == 2 and "--engines takes default, compiled, got 'default,fast'" in done.stderr
 
 
-def test_a_batch_the_engine_cannot_decode_at_once_is_refused_naming_the_flag():
+def test_a_batch_the_engine_cannot_decode_at_once_or_no_new_token_is_refused_naming_the_flag():
     done = run("--only", "decode", "--batches", "1,17")
     assert done.returncode == 2 and "--batches: each must be 1..16" in done.stderr and "got [17]" in done.stderr
     done = run("--batches", "1,x")
     assert done.returncode == 2 and "--batches takes comma-separated integers, got '1,x'" in done.stderr
+    done = run("--new-tokens", "0")
+    assert done.returncode == 2 and "--new-tokens must be >= 1, got 0" in done.stderr
 
 
 def test_decode_gives_transformers_tokens_for_each_engine():
