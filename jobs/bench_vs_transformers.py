@@ -136,22 +136,13 @@ def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
     return best
 
 
-def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
-    """The shortest time k3's run of these prompts could take here, its work at the best rates: the
-    prefill's arithmetic (the FLOPs torch counts in k3's own prefill) at the matmul rate, then
-    every decode step's bytes at the best read rate or its FLOPs at the matmul rate, whichever
-    is longer. A decode step reads every weight but the routed experts' and the embedding table's
-    (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
-    run of the same prompts: the same tokens, so the same routing, as the timed runs), each
-    sequence's KDA state (read and written) and its MLA latents so far. Rates are the best single
-    calls measured in this process (reads from memory and, for a step's bytes, from the cache),
-    so the floor is a lower bound on the timed runs. Every sequence must decode in every step: at
-    most `max_num_seqs` prompts whose prefill fits one step (`main` checks `--batches`)."""
-    from k3.model.cache import cache_bytes
-    from k3.model.moe import Experts, LatentMoE
+def routed_run(model, prompts: list[list[int]], new: int) -> tuple[int, int, list[int]]:
+    """Eager runs of the prompts in fresh default engines, counted by torch's FlopCounterMode: (FLOPs
+    of the prefill alone, FLOPs of the whole run of `new` tokens, the routed experts' bytes each
+    decode step read: the distinct experts its tokens chose in every MoE layer, recorded by hooks)."""
+    from k3.model.moe import LatentMoE
 
-    cfg, batch = model.cfg, len(prompts)
-    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    batch = len(prompts)
     chosen: list[int] = []  # expert bytes read per decode-step call of each MoE layer, in call order
 
     def record(moe):
@@ -168,10 +159,33 @@ def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
         prefill_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(
             prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
         chosen.clear()
-        run_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(prompts, sp))
+        run_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(
+            prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)))
     finally:
         for h in hooks:
             h.remove()
+    steps, n_moe = new - 1, len(hooks)  # the first token comes from the prefill
+    if len(chosen) != steps * n_moe:
+        raise RuntimeError(f"recorded {len(chosen)} decode-step MoE calls, expected {steps} steps x {n_moe} layers")
+    return prefill_flops, run_flops, [sum(chosen[i * n_moe:(i + 1) * n_moe]) for i in range(steps)]
+
+
+def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
+    """The shortest time k3's run of these prompts could take here, its work at the best rates: the
+    prefill's arithmetic (the FLOPs torch counts in k3's own prefill) at the matmul rate, then
+    every decode step's bytes at the best read rate or its FLOPs at the matmul rate, whichever
+    is longer. A decode step reads every weight but the routed experts' and the embedding table's
+    (one row per sequence), the experts its tokens chose (recorded per layer and step in an eager
+    run of the same prompts: the same tokens, so the same routing, as the timed runs), each
+    sequence's KDA state (read and written) and its MLA latents so far. Rates are the best single
+    calls measured in this process (reads from memory and, for a step's bytes, from the cache),
+    so the floor is a lower bound on the timed runs. Every sequence must decode in every step: at
+    most `max_num_seqs` prompts whose prefill fits one step (`main` checks `--batches`)."""
+    from k3.model.cache import cache_bytes
+    from k3.model.moe import Experts
+
+    cfg, batch = model.cfg, len(prompts)
+    prefill_flops, run_flops, chosen = routed_run(model, prompts, new)
     steps = new - 1  # the first token comes from the prefill
     expert_ids = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
     table = model.model.embed_tokens.weight
@@ -181,11 +195,7 @@ def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
     dtype = getattr(torch, EngineConfig().dtype)  # the latents' and conv state's (the KDA state is fp32)
     fixed = cache_bytes(cfg, 0, dtype)
     context = [sum(cache_bytes(cfg, len(p) + i, dtype) - fixed for p in prompts) for i in range(steps)]
-    n_moe = len(hooks)
-    if len(chosen) != steps * n_moe:
-        raise RuntimeError(f"recorded {len(chosen)} decode-step MoE calls, expected {steps} steps x {n_moe} layers")
-    step_bytes = [weights + sum(chosen[i * n_moe:(i + 1) * n_moe]) + batch * 2 * fixed + context[i]
-                  for i in range(steps)]
+    step_bytes = [weights + chosen[i] + batch * 2 * fixed + context[i] for i in range(steps)]
     rate = step_matmul_rate(cfg, sum(len(p) for p in prompts))
     # from memory, or from the cache if a step's bytes fit there (the weights it shares with the
     # step before stay): the faster of the two
