@@ -25,6 +25,12 @@ run the compiled code:
 - experts: traced without autograd on a CPU, the routed experts read each token's weights by
   index in fused loops instead of the sort and grouped calls (`k3.model.moe.read_by_index`:
   25-44% off a decode step, docs/benchmarks.md);
+- one-row matmuls (the batch of one's every projection and its lm_head): on CPU a graph pass
+  (`OneRowMatmuls`) makes each fp32 `mm`/`addmm` with a single row an inductor multiply-and-sum,
+  which reads the weight's rows in vectorised C++ loops and fuses into its neighbours, instead
+  of a BLAS GEMV call (MKL's GEMV reads 13-18 GB/s on this machine's AMD cores, where one
+  thread sums memory at 43: 31% off kimi8's compiled step at 1 sequence, docs/benchmarks.md); a
+  batch of 2+ keeps the BLAS GEMM (as a sum it reads each weight once a row: slower);
 - guards: each model gets a traced function of its own (one per model, shared by the engines on
   it), so the graphs in its cache were all traced from that model, and on CPU the guards that
   would check the model's modules before every step (hundreds, ~0.3 ms a step for an 8-layer
@@ -52,6 +58,9 @@ import types
 import weakref
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from k3.model.cache import CacheBatch
 
@@ -60,6 +69,51 @@ log = logging.getLogger(__name__)
 MIN_TABLE_PAGES = 8
 # Graphs one model's decode forward may trace: (batch of 1, batch of 2+) x page buckets.
 MAX_GRAPHS = 64
+
+
+_aten = torch.ops.aten
+_one_row = PatternMatcherPass(pass_name="k3_one_row_matmuls")
+
+
+def _is_one_row(mat1: torch.fx.Node, mat2: torch.fx.Node) -> bool:
+    """A CPU fp32 matmul whose left operand has exactly one row (known when traced)."""
+    a, b = mat1.meta.get("val"), mat2.meta.get("val")
+    return (a is not None and b is not None and a.dim() == 2 and b.dim() == 2 and a.device.type == "cpu"
+            and a.dtype == b.dtype == torch.float32 and statically_known_true(a.shape[0] == 1))
+
+
+def _row_times(row: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
+    # [1, K] x [K, N] (an nn.Linear's weight seen transposed: each output reads one contiguous
+    # weight row) as a product and a sum over K, which inductor lowers to one vectorised reduction
+    return torch.sum(row[:, :, None] * mat[None, :, :], dim=-2)
+
+
+@register_graph_pattern(CallFunction(_aten.mm, Arg(), Arg()), pass_dict=_one_row)
+def _one_row_mm(match: Match, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
+    if _is_one_row(mat1, mat2):
+        match.replace_by_example(_row_times, [mat1, mat2])
+        OneRowMatmuls.replaced += 1
+
+
+@register_graph_pattern(CallFunction(_aten.addmm, Arg(), Arg(), Arg()), pass_dict=_one_row)
+def _one_row_addmm(match: Match, bias: torch.fx.Node, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
+    if _is_one_row(mat1, mat2):
+        match.replace_by_example(lambda c, a, b: _row_times(a, b) + c, [bias, mat1, mat2])
+        OneRowMatmuls.replaced += 1
+
+
+class OneRowMatmuls(CustomGraphPass):
+    """Inductor's post-grad pass for CPU decode graphs: every fp32 matmul of one row becomes a
+    multiply-and-sum (module docstring). `replaced` counts the matmuls it rewrote in this process
+    (graphs loaded from inductor's cache were rewritten when first compiled)."""
+
+    replaced = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        _one_row.apply(graph)
+
+    def uuid(self) -> str:  # the FX graph cache's key for this pass: bump when it changes
+        return "k3-one-row-matmuls-1"
 
 
 def _decode_logits(model, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
@@ -83,7 +137,8 @@ def compiled_forward(model: torch.nn.Module, device: torch.device):
             fn = torch.compile(traced, fullgraph=True, mode="reduce-overhead")
         else:
             fn = torch.compile(traced, fullgraph=True, options={
-                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                "post_grad_custom_post_pass": OneRowMatmuls()})
         per_device[device.type] = fn
     return fn
 

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from k3.model import K3ForCausalLM, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, compiled_forward
+from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, OneRowMatmuls, compiled_forward
 
 
 def two_layer_model():
@@ -148,6 +148,30 @@ def test_a_model_that_cannot_be_traced_runs_eagerly(caplog):
     assert "steps run eagerly" in caplog.text
     want = LLMEngine(m, EngineConfig(page_size=8, compile_decode=False)).generate(ps, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
+def projections(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w)), w2, b2)
+
+
+@pytest.mark.parametrize("rows,dtype,rewritten", [(1, torch.float32, True), (3, torch.float32, False),
+                                                  (1, torch.bfloat16, False)])
+def test_one_row_matmuls_become_sums_only_for_one_fp32_row(rows, dtype, rewritten):
+    # the decode graphs' pass: one fp32 row's mm and addmm become a multiply-and-sum (no BLAS
+    # call left in the code), other shapes and dtypes keep the BLAS call; same values
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(0)
+    x, w, w2, b2 = (torch.randn(*s, generator=g).to(dtype) for s in ((rows, 96), (160, 96), (40, 160), (40,)))
+    fn = torch.compile(projections, fullgraph=True, dynamic=False,
+                       options={"post_grad_custom_post_pass": OneRowMatmuls(), "fx_graph_cache": False})
+    before = OneRowMatmuls.replaced
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got, code = run_and_get_code(fn, x, w, w2, b2)
+    assert (OneRowMatmuls.replaced - before == 2) == rewritten
+    assert ("extern_kernels.mm(" in code[0] and "extern_kernels.addmm(" in code[0]) != rewritten
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, projections(x, w, w2, b2), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("pages,width", [(1, MIN_TABLE_PAGES), (8, 8), (9, 16), (16, 16), (17, 32)])
