@@ -97,7 +97,8 @@ def _one_row_mm(match: Match, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
 
 @register_graph_pattern(CallFunction(_aten.addmm, Arg(), Arg(), Arg()), pass_dict=_one_row)
 def _one_row_addmm(match: Match, bias: torch.fx.Node, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
-    if _is_one_row(mat1, mat2):
+    scaled = any(match.output_node().kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))  # beta * bias + alpha * mm
+    if _is_one_row(mat1, mat2) and not scaled:
         match.replace_by_example(lambda c, a, b: _row_times(a, b) + c, [bias, mat1, mat2])
         OneRowMatmuls.replaced += 1
 
