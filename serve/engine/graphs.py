@@ -114,7 +114,7 @@ class OneRowMatmuls(CustomGraphPass):
         _one_row.apply(graph)
 
     def uuid(self) -> str:  # the FX graph cache's key for this pass: bump when it changes
-        return "k3-one-row-matmuls-1"
+        return "k3-one-row-matmuls-2"
 
 
 def _decode_logits(model, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
