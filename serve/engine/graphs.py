@@ -29,8 +29,9 @@ run the compiled code:
   (`OneRowMatmuls`) makes each fp32 `mm`/`addmm` with a single row an inductor multiply-and-sum,
   which reads the weight's rows in vectorised C++ loops and fuses into its neighbours, instead
   of a BLAS GEMV call (MKL's GEMV reads 13-18 GB/s on this machine's AMD cores, where one
-  thread sums memory at 43: 31% off kimi8's compiled step at 1 sequence, docs/benchmarks.md); a
-  batch of 2+ keeps the BLAS GEMM (as a sum it reads each weight once a row: slower);
+  thread sums memory at 43: about 30% off kimi8's compiled step at 1 sequence,
+  docs/benchmarks.md; measured on this AMD host only, applied on every CPU); a batch of 2+ and
+  bf16 keep the BLAS call (as a sum a batch reads each weight once a row: slower);
 - guards: each model gets a traced function of its own (one per model, shared by the engines on
   it), so the graphs in its cache were all traced from that model, and on CPU the guards that
   would check the model's modules before every step (hundreds, ~0.3 ms a step for an 8-layer
@@ -58,7 +59,7 @@ import types
 import weakref
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -88,14 +89,14 @@ def _row_times(row: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
     return torch.sum(row[:, :, None] * mat[None, :, :], dim=-2)
 
 
-@register_graph_pattern(CallFunction(_aten.mm, Arg(), Arg()), pass_dict=_one_row)
+@register_graph_pattern(CallFunction(_aten.mm.default, Arg(), Arg()), pass_dict=_one_row)
 def _one_row_mm(match: Match, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
     if _is_one_row(mat1, mat2):
         match.replace_by_example(_row_times, [mat1, mat2])
         OneRowMatmuls.replaced += 1
 
 
-@register_graph_pattern(CallFunction(_aten.addmm, Arg(), Arg(), Arg()), pass_dict=_one_row)
+@register_graph_pattern(CallFunction(_aten.addmm.default, Arg(), Arg(), Arg()), pass_dict=_one_row)
 def _one_row_addmm(match: Match, bias: torch.fx.Node, mat1: torch.fx.Node, mat2: torch.fx.Node) -> None:
     scaled = any(match.output_node().kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))  # beta * bias + alpha * mm
     if _is_one_row(mat1, mat2) and not scaled:
@@ -113,8 +114,8 @@ class OneRowMatmuls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         _one_row.apply(graph)
 
-    def uuid(self) -> str:  # the FX graph cache's key for this pass: bump when it changes
-        return "k3-one-row-matmuls-2"
+    def uuid(self) -> bytes:  # the FX graph cache's key for this pass: this file's contents
+        return get_hash_for_files((__file__,))
 
 
 def _decode_logits(model, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor:

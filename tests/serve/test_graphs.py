@@ -156,17 +156,21 @@ def projections(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, b2: torch.Te
     return h + torch.addmm(b2, x, w2[:, :96].t(), beta=0.5, alpha=2.0)
 
 
-@pytest.mark.parametrize("rows,dtype,rewritten", [(1, torch.float32, True), (3, torch.float32, False),
-                                                  (1, torch.bfloat16, False)])
-def test_one_row_matmuls_become_sums_only_for_one_fp32_row(rows, dtype, rewritten):
+@pytest.mark.parametrize("rows,dtype,dynamic,rewritten", [(1, torch.float32, False, True),
+                                                          (3, torch.float32, False, False),
+                                                          (5, torch.float32, True, False),
+                                                          (1, torch.bfloat16, False, False)])
+def test_one_row_matmuls_become_sums_only_for_one_fp32_row(rows, dtype, dynamic, rewritten):
     # the decode graphs' pass: one fp32 row's mm and addmm become a multiply-and-sum (no BLAS
     # call left in the code), other shapes and dtypes keep the BLAS call; same values
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(0)
     x, w, w2, b2 = (torch.randn(*s, generator=g).to(dtype) for s in ((rows, 96), (160, 96), (40, 160), (40,)))
-    fn = torch.compile(projections, fullgraph=True, dynamic=False,
+    fn = torch.compile(projections, fullgraph=True, dynamic=None if dynamic else False,
                        options={"post_grad_custom_post_pass": OneRowMatmuls(), "fx_graph_cache": False})
+    if dynamic:  # the batch-of-more graph's case: rows a symbol, not known to be one
+        torch._dynamo.mark_dynamic(x, 0)
     before = OneRowMatmuls.replaced
     with torch._functorch.config.patch(enable_autograd_cache=False):
         got, code = run_and_get_code(fn, x, w, w2, b2)
