@@ -186,7 +186,7 @@ def decode_floor(model, prompts: list[list[int]], new: int) -> dict:
 
     cfg, batch = model.cfg, len(prompts)
     prefill_flops, run_flops, chosen = routed_run(model, prompts, new)
-    steps = new - 1  # the first token comes from the prefill
+    steps = len(chosen)  # routed_run's decode steps (the first token comes from the prefill)
     expert_ids = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
     table = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
