@@ -69,9 +69,11 @@ def engine_config(cfg, length: int):
     page_bytes = (cache_bytes(cfg, args.page_size, torch.float32) - fixed)
     snapshots = args.snapshot_slots * fixed
     budget = fixed + snapshots + pages * page_bytes
+    # eager decode steps: the working sets this bench predicts and records are the eager forward's,
+    # and past 64K tokens of context a decode graph compiles once per doubling, inside a timed step
     return EngineConfig(max_num_seqs=1, max_num_batched_tokens=args.chunk, page_size=args.page_size,
                         cache_memory_bytes=budget, snapshot_interval=args.snapshot_interval,
-                        snapshot_memory_fraction=snapshots / (budget - fixed) + 1e-9)
+                        snapshot_memory_fraction=snapshots / (budget - fixed) + 1e-9, compile_decode=False)
 
 
 def peak_live_bytes(fn) -> tuple[object, int]:

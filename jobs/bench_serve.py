@@ -3,8 +3,8 @@ on a private local Ray (127.0.0.1); JSON out.
 
     python jobs/bench_serve.py                      # k3-tiny, random weights, 2K-token prompts
     python jobs/bench_serve.py --model-path runs/demo/model --prompt-words 2000 --out serve.json
-    python jobs/bench_serve.py --compile-decode     # decode graphs in both apps, as serve/config.yaml has them
-    python jobs/bench_serve.py --compile-decode --output-len 64 --no-pool   # pd without the prefix pool
+    python jobs/bench_serve.py --output-len 64 --no-pool   # pd without the prefix pool
+    python jobs/bench_serve.py --eager              # every decode step eager (compile_decode: false)
 
 Both applications are deployed on one Serve instance, with the same engine settings: "pd"
 (Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
@@ -67,10 +67,15 @@ p.add_argument("--out", type=Path, default=None, help="also write the JSON here"
 p.add_argument("--in-loop", action="store_true",
                help="run each replica's request path in its own event loop: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 "
                     "and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in every k3 replica's environment")
+p.add_argument("--eager", action="store_true",
+               help="compile_decode: false in both apps: every decode step eager. Without it the decode and LLM "
+                    "replicas run decode steps through graphs (the served default on CPU), compiled before the "
+                    "replicas take traffic (compile_decode_wait: true), so no timed step is eager")
 p.add_argument("--compile-decode", action="store_true",
-               help="EngineConfig.compile_decode in both apps, as serve/config.yaml has it: the decode and LLM "
-                    "replicas compile their decode graphs when they start (prefill replicas never do)")
+               help="the default since decode graphs are (kept for the commands docs/benchmarks.md records)")
 args = p.parse_args()
+if args.eager and args.compile_decode:
+    p.error("--eager and --compile-decode contradict each other: give one")
 if args.pool_groups < 0:
     p.error(f"--pool-groups must be >= 0, got {args.pool_groups}")
 
@@ -97,7 +102,7 @@ def app_config(tok: str, disaggregated: bool) -> dict:
     return {"model_id": "k3", "model": model, "disaggregated": disaggregated,
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,
                        "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20,
-                       "compile_decode": args.compile_decode},
+                       "compile_decode": not args.eager, "compile_decode_wait": True},
             **({"prefix_pool_bytes": 0} if args.no_pool else {}),
             "prefill": one, "decode": one, "llm": one, "ingress": one}
 

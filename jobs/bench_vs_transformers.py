@@ -1,15 +1,15 @@
 """k3 against transformers on the same Kimi Linear weights, side by side in this process, as JSON.
 
-    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--engines default,compiled]
+    python jobs/bench_vs_transformers.py [--only decode,train] [--repeats 3] [--threads 1] [--engines default,eager]
 
 Two Kimi-Linear-shaped models, built by transformers (random weights, seed 0), saved, and
 imported into k3 with `load_kimi_linear`:
 - `kimi8`: 8 layers (KDA KDA KDA MLA) x 2, hidden 256, 8 experts top-2, 1 shared, 11M parameters;
 - `kimi4`: 4 layers (KDA KDA KDA MLA), hidden 256, 16 experts top-4, 9M parameters.
 
-decode: k3's engines (`default`: the default `EngineConfig`; `compiled`: `compile_decode=True`,
-its decode graphs compiled when the engine starts, outside the timing; a fresh engine per repeat,
-warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
+decode: k3's engines (`default`: the default `EngineConfig`, on CPU its decode graphs compiled
+when the engine starts, outside the timing; `compiled`: `compile_decode=True` whatever
+K3_COMPILE_DECODE says; `eager`: `compile_decode=False`; a fresh engine per repeat, warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
 sequences, prefill included on every side; the repeats interleave the sides and the best of each
 is kept; tokens compared. `floor` is the shortest time k3's run could take here, its work at
 this machine's best rates (`decode_floor`: the prefill's counted FLOPs at the matmul rate, each
@@ -73,7 +73,8 @@ def timed(fn):
 
 
 PROMPT_LEN = 128  # decode: tokens per prompt
-ENGINES = {"default": EngineConfig, "compiled": lambda: EngineConfig(compile_decode=True)}
+ENGINES = {"default": EngineConfig, "compiled": lambda: EngineConfig(compile_decode=True),
+           "eager": lambda: EngineConfig(compile_decode=False)}
 
 
 def decode(name: str, path: str, hf, batches: list[int], new: int, repeats: int, gen: torch.Generator,
@@ -137,7 +138,7 @@ def stream_rate(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
 
 
 def routed_run(model, prompts: list[list[int]], new: int) -> tuple[int, int, list[int]]:
-    """Eager runs of the prompts in fresh default engines, counted by torch's FlopCounterMode: (FLOPs
+    """Eager runs of the prompts in fresh engines, counted by torch's FlopCounterMode: (FLOPs
     of the prefill alone, FLOPs of the whole run of `new` tokens, the routed experts' bytes each
     decode step read: the distinct experts its tokens chose in every MoE layer, recorded by hooks)."""
     from k3.model.moe import LatentMoE
@@ -156,10 +157,11 @@ def routed_run(model, prompts: list[list[int]], new: int) -> tuple[int, int, lis
 
     hooks = [m.register_forward_hook(record(m)) for m in model.modules() if isinstance(m, LatentMoE)]
     try:
-        prefill_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(
+        eager = EngineConfig(compile_decode=False)  # the hooks see every MoE call; the counter every op
+        prefill_flops = step_flops(lambda: LLMEngine(model, eager).generate(
             prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
         chosen.clear()
-        run_flops = step_flops(lambda: LLMEngine(model, EngineConfig()).generate(
+        run_flops = step_flops(lambda: LLMEngine(model, eager).generate(
             prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)))
     finally:
         for h in hooks:
@@ -363,9 +365,9 @@ def main() -> None:
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--train-seq", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
-    p.add_argument("--engines", default="default,compiled",
+    p.add_argument("--engines", default="default,eager",
                    help="decode: k3 engines to time, comma-separated: default (EngineConfig()), compiled "
-                        "(compile_decode=True)")
+                        "(compile_decode=True), eager (compile_decode=False)")
     p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
                    "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
     args = p.parse_args()

@@ -26,6 +26,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import session_env  # noqa: E402,F401  (the environment before any test module is imported)
+
+# Engines compile decode graphs by default on CPU (EngineConfig.compile_decode: seconds to minutes
+# each, per model); the tests build ~120 engines on dozens of models, so here they run eagerly
+# unless a test asks for graphs. Set after session_env: the README's commands, run as a user would
+# (tests/test_readme.py), keep the default. The session's Ray cluster inherits it.
+os.environ.setdefault("K3_COMPILE_DECODE", "0")
 from k3.platform.ops.extensions import use_interpreter_ninja  # noqa: E402
 
 # DeepSpeed's ops are built in test processes and in the README's cluster (whose PATH starts with

@@ -322,6 +322,35 @@ class CacheManager:
                           page_table=table, kda=self._kda, mla_pages=self._mla, decode=all(n == 1 for n in lengths),
                           max_context=max(context), max_new=max(lengths), snapshot_offsets=snapshot_offsets or {})
 
+    def compile_batch(self, n: int, table_width: Callable[[int], int], private: bool) -> CacheBatch:
+        """A decode batch of n sequences, a token each over one token of context (slots 0..n-1,
+        pages 1..n), to trace and first run a compiled decode graph on. `private`: over scratch
+        pools of this cache's shapes, dtypes and strides (left unwritten past the rows it uses:
+        memory the OS maps only when written), so the compile touches no slot or page of this
+        cache and may run in a thread while steps run; otherwise over this cache's own pools,
+        only before any request holds a slot or page (a slot is zeroed when taken, and a page's
+        rows are never read past a sequence's length)."""
+        if not 1 <= n <= self.ec.max_num_seqs:
+            raise ValueError(f"compile_batch: n must be in [1, max_num_seqs={self.ec.max_num_seqs}], got {n}")
+        pages = [(i + 1) % (self.num_pages if self.page_bytes else 1) for i in range(n)]  # page 0 pads
+
+        def scratch(t: torch.Tensor, rows: int) -> torch.Tensor:
+            s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            s[:rows].zero_()
+            return s
+
+        kda, mla = self._kda, self._mla
+        if private:
+            kda = {l: KDAPool(scratch(p.recurrent, n), scratch(p.conv, n)) for l, p in kda.items()}
+            mla = {l: scratch(t, max(pages) + 1) for l, t in mla.items()}
+        dev, width = self.device, table_width(1)
+        table = torch.zeros((n, width), dtype=torch.long, device=dev)
+        table[:, 0] = torch.tensor(pages, dtype=torch.long, device=dev)
+        return CacheBatch(cu_seqlens=torch.arange(n + 1, device=dev), context_lens=torch.ones(n, dtype=torch.long,
+                                                                                              device=dev),
+                          kda_slots=torch.arange(n, device=dev), page_table=table, kda=kda, mla_pages=mla,
+                          decode=True, max_context=1, max_new=1)
+
     # -- prefix hits -----------------------------------------------------------------------------
     def find_prefix(self, tokens: list[int], hashes: list[bytes], limit: int) -> PrefixHit | None:
         """The longest cached prefix of tokens that ends on a page with a snapshot and covers

@@ -99,10 +99,10 @@ class LLMEngine:
         self.handoff = Handoff(self.cache, model, self.config.dtype, self.config.handoff_key.get_secret_value(),
                                self.multimodal)
         # text models only: a vision model's decode carries media rows, and a wrapper may do anything
-        self.decode_graph = DecodeGraph(model, self.device) if self.config.compile_decode and \
+        self.decode_graph = DecodeGraph(model, self.device) if self.config.decode_graphs_on(self.device) and \
             type(model) is K3ForCausalLM else None
         if self.decode_graph is not None:
-            self._compile_decode_graphs()
+            self._start_decode_graphs()
         self.seqs: dict[str, Sequence] = {}  # admitted to the scheduler (the step thread's view)
         self._live: dict[str, Sequence] = {}  # every accepted, unfinished, unaborted request (guarded by _lock)
         self._pending: deque = deque()
@@ -327,37 +327,49 @@ class LLMEngine:
         """The compiled decode forward, for a batch of decode tokens only (every row sampled, no
         snapshot asked mid-chunk); None: run eagerly."""
         g = self.decode_graph
-        if g is None or g.error is not None:
+        if g is None or not g.ready or g.error is not None:  # not compiled (yet), or off
             return None
         ok = all(s.num_tokens == 1 and not s.snapshot_offsets and s.seq.num_computed + 1 == s.seq.length for s in sched)
         return g if ok else None
 
+    def _start_decode_graphs(self) -> None:
+        """Compile the decode graphs before any request's step needs them: a decode batch of one
+        sequence and of two (`CacheManager.compile_batch`). On CPU over scratch pools, here or,
+        with `compile_decode_wait=False`, in a background thread while steps run eagerly; on a GPU
+        over the engine's own pools (CUDA graphs keep their addresses), here."""
+        g, private = self.decode_graph, self.device.type == "cpu"
+        batches = [self.cache.compile_batch(n, g.table_width, private) for n in (1, 2)[:self.config.max_num_seqs]]
+        if private and self.config.compile_decode_wait is False:
+            # not a daemon: the interpreter waits for it at exit (a daemon thread stopped while it
+            # frees a tensor or runs an op, with the GIL released, aborts the process)
+            threading.Thread(target=self._compile_decode_graphs, args=(batches,), name="k3-decode-graphs").start()
+        else:
+            self._compile_decode_graphs(batches)
+
     @torch.no_grad()
-    def _compile_decode_graphs(self) -> None:
-        """Compile the decode graphs before the first request: a decode batch of one sequence and
-        of two, each a token over one token of context, in slots and pages taken from the free
-        lists and given back after (a slot is zeroed when taken again; a page's rows are never
-        read past a sequence's length), so no request's first decode step compiles one."""
-        t0, g, compiled = time.perf_counter(), self.decode_graph, 0
-        for n in (1, 2)[:self.config.max_num_seqs]:
-            mems = [SeqCache() for _ in range(n)]
-            try:
-                if not all(self.cache.take_slot(m) and self.cache.grow(m, 2) for m in mems):
-                    break  # a cache too small for two pages: the first step of that batch compiles it
-                cb = self.cache.cache_batch([1] * n, mems, [1] * n, table_width=g.table_width)
-                if g.compile(torch.zeros((1, n), dtype=torch.long, device=self.device), cb) is None:
+    def _compile_decode_graphs(self, batches: list) -> None:
+        t0, g = time.perf_counter(), self.decode_graph
+        try:
+            while batches:
+                cb = batches.pop(0)
+                if g.compile(torch.zeros((1, cb.kda_slots.numel()), dtype=torch.long, device=self.device), cb) is None:
                     return  # graphs are off (logged); steps run eagerly
-                compiled += 1
-            except Exception as e:  # noqa: BLE001 - a graph that fails to run (memory, ...) must not stop the engine
-                g.error = f"{type(e).__name__}: {e}"
-                log.warning("decode graphs are off for this engine, steps run eagerly: %s", g.error)
-                return
-            finally:
-                for m in mems:
-                    self.cache.release(m)
-        if compiled:
+                del cb
             g.compile_seconds = time.perf_counter() - t0
-            log.info("decode graphs compiled in %.1f s (%d)", g.compile_seconds, compiled)
+            g.ready = True
+            log.info("decode graphs compiled in %.1f s", g.compile_seconds)
+        except Exception as e:  # noqa: BLE001 - a graph that fails to run (memory, ...) must not stop the engine
+            g.error = f"{type(e).__name__}: {e}"
+            log.warning("decode graphs are off for this engine, steps run eagerly: %s", g.error)
+        finally:
+            batches.clear()  # the scratch pools
+            g.compiled.set()
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Wait until the decode graphs are compiled (or have failed); True when decode steps now
+        run through them, False when graphs are off, failed, or `timeout` seconds passed first."""
+        g = self.decode_graph
+        return g is not None and g.compiled.wait(timeout) and g.ready and g.error is None
 
     def _build(self, sched: list[Scheduled], graph: DecodeGraph | None = None):
         ids, lengths, context, rows, sample_idx, offsets = [], [], [], [], [], {}
@@ -527,6 +539,7 @@ class LLMEngine:
                 "failed_forwards": self.failed_forwards, "media_items_encoded": self.media_items_encoded,
                 "decode_graph_steps": g.calls if g is not None else 0,
                 "decode_graph_compile_s": g.compile_seconds if g is not None else None,
+                "decode_graphs": g.state if g is not None else "off",
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "prefix_hit_rate": (u["prefix_hit_tokens"] / q) if q else 0.0}

@@ -16,8 +16,12 @@ run the compiled code:
   graphs serve every context up to `k3.kernels.mla_decode.cpu.TRACED_SLICE` (64K) tokens; past
   it the context is read in slices, and a graph is traced once per doubling, as it is for every
   bucket on a GPU (a CUDA graph records one shape);
-- when: `LLMEngine` compiles both graphs when it starts (`compile_decode`), for the first bucket,
-  so on CPU no request's step pays for a compile below that length;
+- when: `LLMEngine` compiles both graphs when it starts (`compile_decode`, on by default on CPU),
+  for the first bucket, so on CPU no request's step pays for a compile below that length; on CPU
+  over scratch pools of the cache's shapes (`CacheManager.compile_batch`: guards check shapes,
+  dtypes and strides, not addresses), so it may run in a background thread while the engine's
+  steps run eagerly (`compile_decode_wait=False`, how k3.serve's replicas start): decode steps
+  take the graphs once both are ready;
 - mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
   these shapes in torch 2.13 and tune for minutes) with a C++ wrapper (`cpp_wrapper`: the
   graph's few hundred kernel and GEMM calls made from C++, not from generated Python; ~25-30 s
@@ -43,10 +47,11 @@ run the compiled code:
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
-(tests/serve/test_graphs.py). `EngineConfig.compile_decode` turns graphs on (off by default: the
-compile at start costs ~1.5 min for k3-tiny on a 2-core CPU with a cold inductor cache (~10 s warm),
-docs/benchmarks.md; serve/config.yaml turns it on for its decode replicas); a
-graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
+(tests/serve/test_graphs.py), and an engine that switches from eager steps to graphs mid-request
+gives the same greedy tokens. `EngineConfig.compile_decode` turns graphs on or off (by default on
+for a CPU engine, off on a GPU, where the CUDA-graph path is untested; the compile at start costs
+~1.5 min for k3-tiny on a 2-core CPU with a cold inductor cache, ~10 s warm, docs/benchmarks.md);
+a graph that cannot be compiled here (no C++ compiler, an unsupported op) turns it off for the
 engine with a warning, and that step runs eagerly.
 
 The traced code keeps the model's weights as inputs (not constants): a change to them is seen.
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import types
 import weakref
 
@@ -153,7 +159,14 @@ class DecodeGraph:
         self._fn = compiled_forward(model, device)
         self.error: str | None = None  # why graphs are off, once they are
         self.calls = 0  # decode steps the graphs ran
-        self.compile_seconds: float | None = None  # the engine's compile before traffic
+        self.compile_seconds: float | None = None  # the engine's compile at its start
+        self.ready = False  # the graphs compiled at the engine's start are there: steps may use them
+        self.compiled = threading.Event()  # that compile has ended (ready, or failed)
+
+    @property
+    def state(self) -> str:
+        """"compiling", "ready" or "failed" (steps run eagerly but when ready)."""
+        return "failed" if self.error is not None else "ready" if self.ready else "compiling"
 
     @staticmethod
     def table_width(pages: int) -> int:

@@ -1,6 +1,7 @@
 """Request and engine configuration, validated at the boundary (pydantic; every field documented)."""
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Annotated, Literal
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 GREEDY_BELOW = 1e-5
 MAX_SEED = 2**63 - 1
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+COMPILE_DECODE_ENV = "K3_COMPILE_DECODE"  # EngineConfig.compile_decode's default, when set (0 or 1)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
@@ -80,16 +82,21 @@ class EngineConfig(BaseModel):
                                             description="Share of the memory left after running slots for snapshots.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="MLA latent and conv state dtype.")
     verify_prefix_hits: bool = Field(False, description="Debug: recompute every prefix hit cold and compare states.")
-    compile_decode: bool = Field(False, description="Run decode steps through the model's forward compiled with "
-                                                    "torch.compile (two graphs, a batch of one sequence and of more, "
-                                                    "each serving every page-table width up to 64K tokens of "
-                                                    "context on CPU; CUDA graphs on a GPU, one per page-table "
-                                                    "bucket), compiled when the engine starts (~1.5 min for k3-tiny "
-                                                    "on a 2-core CPU, ~10 s when inductor's on-disk cache holds "
-                                                    "them) and replayed by every decode step: 1.9-2.9x faster "
-                                                    "decode on CPU (docs/benchmarks.md). A graph not compiled at "
-                                                    "start compiles inside the first step that needs it. False runs "
-                                                    "every step eagerly. Text models only.")
+    compile_decode: bool | None = Field(
+        None, description="Run decode steps through the model's forward compiled with torch.compile (two graphs, "
+                          "a batch of one sequence and of more, each serving every page-table width up to 64K "
+                          "tokens of context on CPU; CUDA graphs on a GPU, one per page-table bucket), compiled "
+                          "when the engine starts (~1.5 min for k3-tiny on 2 CPU cores with a cold inductor cache, "
+                          "~10 s when its on-disk cache holds them; see compile_decode_wait) and replayed by every "
+                          "decode step after (docs/benchmarks.md). None (the default): on for a CPU engine, off on a "
+                          "GPU (its CUDA-graph path is untested), unless the environment variable K3_COMPILE_DECODE "
+                          "(0 or 1) says otherwise. False runs every step eagerly. Text models only.")
+    compile_decode_wait: bool | None = Field(
+        None, description="True: the engine's constructor compiles the decode graphs and returns when they are "
+                          "ready. False: a background thread compiles them while the engine's steps run eagerly, "
+                          "and decode steps go through the graphs once they are ready (`LLMEngine.wait_for_graphs`; "
+                          "on CPU only: a GPU engine always waits). None (the default): True, except in k3.serve's "
+                          "replicas, which start serving at once.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the generator used by requests without their own seed.")
     media_cache_bytes: int = Field(32 * 2**20, ge=0, description="Feature rows of recently encoded images / video "
                                                                  "chunks kept by content (0: none); the same picture "
@@ -101,3 +108,16 @@ class EngineConfig(BaseModel):
                     "key is refused. Default: a random key drawn when this config is validated, so engines "
                     "built from one config share it (the Serve builders validate the application's config "
                     "once: every replica of the application gets the same key).")
+
+    def decode_graphs_on(self, device: torch.device) -> bool:
+        """Whether an engine on `device` compiles decode graphs: `compile_decode` when set, else
+        K3_COMPILE_DECODE when set (ValueError unless 0 or 1), else on for a CPU."""
+        if self.compile_decode is not None:
+            return self.compile_decode
+        env = os.environ.get(COMPILE_DECODE_ENV)
+        if env is not None:
+            if env.strip() not in ("0", "1"):
+                raise ValueError(f"{COMPILE_DECODE_ENV} must be 0 or 1 (EngineConfig.compile_decode's default), "
+                                 f"got {env!r}")
+            return env.strip() == "1"
+        return device.type == "cpu"

@@ -1,11 +1,15 @@
 """The compiled decode forward (serve/engine/graphs.py) against the eager one, on a 2-layer model
 (one KDA and one MLA layer, MoE, Block AttnRes) so the compiles stay short: the same greedy
 tokens and logprobs within float rounding, across batch sizes and a page-table bucket change,
-with every graph compiled when the engine starts (none inside a step); the eager switch; a model
-that cannot be traced falls back to eager steps."""
+with every graph compiled when the engine starts (none inside a step), or in a background thread
+while requests run eagerly and then go on through the graphs; on by default on CPU only; the
+eager switch; a model that cannot be traced falls back to eager steps."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import threading
 import weakref
 
 import pytest
@@ -72,6 +76,76 @@ def test_one_sequence_at_a_time_compiles_the_batch_of_one_only(model):
     (_, eager), (eng, compiled) = (run(model, ps, c, 12, max_num_seqs=1) for c in (False, True))
     assert eng.stats()["decode_graph_compile_s"] > 0 and eng.decode_graph.calls >= 2 * 11
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+
+
+def test_decode_graphs_are_on_by_default_on_cpu_only(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("K3_COMPILE_DECODE", raising=False)
+    assert EngineConfig().decode_graphs_on(cpu) and not EngineConfig().decode_graphs_on(gpu)
+    assert not EngineConfig(compile_decode=False).decode_graphs_on(cpu)
+    assert EngineConfig(compile_decode=True).decode_graphs_on(gpu)
+    monkeypatch.setenv("K3_COMPILE_DECODE", "0")  # the default only: a config's own value wins
+    assert not EngineConfig().decode_graphs_on(cpu) and EngineConfig(compile_decode=True).decode_graphs_on(cpu)
+    monkeypatch.setenv("K3_COMPILE_DECODE", "1")
+    assert EngineConfig().decode_graphs_on(gpu)
+    monkeypatch.setenv("K3_COMPILE_DECODE", "yes")
+    with pytest.raises(ValueError, match="K3_COMPILE_DECODE must be 0 or 1.*'yes'"):
+        LLMEngine(two_layer_model())
+    assert EngineConfig(compile_decode=False).decode_graphs_on(cpu) is False  # not read when not needed
+
+
+def pools(eng) -> list[torch.Tensor]:
+    c = eng.cache
+    return [t.clone() for p in c._kda.values() for t in (p.recurrent, p.conv)] + [t.clone() for t in c._mla.values()]
+
+
+@pytest.mark.slow
+def test_graphs_compiled_in_the_background_take_over_from_eager_steps(monkeypatch):
+    # compile_decode_wait=False: the engine is usable at once, its steps run eagerly while a thread
+    # compiles the graphs over scratch pools (the engine's own are not written), and the running
+    # requests' decode steps go on through the graphs once they are ready, compiling nothing more:
+    # the eager engine's tokens
+    gate, real = threading.Event(), DecodeGraph.compile
+    monkeypatch.setattr(DecodeGraph, "compile", lambda self, ids, cb: gate.wait() and real(self, ids, cb))
+    m = two_layer_model()  # a model of its own: its graphs are traced anew
+    ps = prompts([5, 12, 3], seed=7)
+    sp = SamplingParams(max_tokens=20, temperature=0, logprobs=0, ignore_eos=True)
+    want = LLMEngine(m, EngineConfig(page_size=8, compile_decode=False)).generate(ps, sp)
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True, compile_decode_wait=False))
+    assert eng.stats()["decode_graphs"] == "compiling" and not eng.wait_for_graphs(timeout=0.1)
+    rids = [eng.add_request(None, p, sp) for p in ps]
+    final = {}
+    for _ in range(6):  # the prefills and a few decode steps, eagerly
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.decode_graph.calls == 0 and not final
+    before = pools(eng)
+    gate.set()
+    assert eng.wait_for_graphs(timeout=600), eng.decode_graph.error
+    assert all(torch.equal(a, b) for a, b in zip(before, pools(eng)))
+    stats, graphs = eng.stats(), counters["stats"]["unique_graphs"]
+    assert stats["decode_graphs"] == "ready" and stats["decode_graph_compile_s"] > 0
+    while len(final) < len(rids):  # the same requests go on through the graphs
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.decode_graph.calls >= 10 and counters["stats"]["unique_graphs"] == graphs
+    for rid, b in zip(rids, want):
+        a = final[rid]
+        assert a.token_ids == b.token_ids
+        assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_process_that_ends_while_graphs_compile_exits_cleanly():
+    # the compile thread is no daemon: the interpreter waits for it (a daemon thread stopped at
+    # exit inside torch, with the GIL released, aborted the process: "terminate called ...")
+    code = ("import torch\nfrom k3.model import K3ForCausalLM, get_preset\n"
+            "from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams\n"
+            "m = K3ForCausalLM(get_preset('k3-tiny', num_layers=2, layer_types=['kda', 'mla'], "
+            "mlp_types=['moe', 'moe'], attn_res_block_size=1)).eval()\n"
+            "e = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True, compile_decode_wait=False))\n"
+            "print(e.stats()['decode_graphs'], len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.split() == ["compiling", "3"], (r.returncode, r.stdout, r.stderr[-3000:])
+    assert "terminate called" not in r.stderr
 
 
 def other_model():
