@@ -29,6 +29,11 @@
    prefix and each new page evicts one: TTFT of a 2K-token prompt and decode tokens/s at 8
    sequences, on an engine whose prefix cache is full (filled with random idle pages, as section
    3 fills context) beside a fresh one, alternating.
+
+The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
+multiturn) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
+cache shape would compile decode graphs of its own); throughput, vs_transformers and full take
+the default engine (decode graphs on CPU, compiled when each engine starts, outside the timing).
 """
 from __future__ import annotations
 
@@ -110,7 +115,7 @@ def ttft() -> dict:
 
     prefix_len = 512 if args.quick else 2048
     prefix = rand(prefix_len)
-    ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=4)
+    ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=4, compile_decode=False)
     miss, hit, hit64 = [], [], []
     short = kda_layer.SHORT_PREFILL
     for rep in range(3 if args.quick else 8):
@@ -139,7 +144,7 @@ def snapshots() -> dict:
     out = {}
     for name, interval, caching in (("every_64", 4, True), ("every_48", 3, True), ("no_snapshots", 4, False)):
         ec = EngineConfig(max_num_batched_tokens=4096, page_size=16, snapshot_interval=interval,
-                          enable_prefix_caching=caching)
+                          enable_prefix_caching=caching, compile_decode=False)
         times = [first_token_time(LLMEngine(tiny, ec), rand(prompt_len))[0] for _ in range(3)]
         out[f"{name}_ttft_s_median"] = round(statistics.median(times), 4)
     out["prompt_tokens"] = prompt_len
@@ -190,7 +195,8 @@ def handoff() -> dict:
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
     out: dict = {}
     ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32768, page_size=64, enable_prefix_caching=False,
-                      cache_memory_bytes=2 * cache_bytes(tiny.cfg, max(lengths) + 64, torch.float32) + 2**22)
+                      cache_memory_bytes=2 * cache_bytes(tiny.cfg, max(lengths) + 64, torch.float32) + 2**22,
+                      compile_decode=False)
     sp = SamplingParams(max_tokens=3, temperature=0)
     init_local_ray(num_cpus=1, log_to_driver=False)
     try:
@@ -244,7 +250,7 @@ def chunk() -> dict:
     for ctx in ([2048] if args.quick else [8192, 32768]):
         S = ctx + n
         ec = EngineConfig(max_num_seqs=1, max_num_batched_tokens=S, page_size=64, enable_prefix_caching=False,
-                          cache_memory_bytes=cache_bytes(tiny.cfg, S + 64, torch.float32) + 2**22)
+                          cache_memory_bytes=cache_bytes(tiny.cfg, S + 64, torch.float32) + 2**22, compile_decode=False)
         prompt = rand(S)
         eng = LLMEngine(tiny, ec)
         cm, seq = eng.cache, SeqCache()
@@ -345,8 +351,8 @@ def multiturn() -> dict:
     budget = EngineConfig().cache_memory_bytes
     probe = CacheManager(tiny.cfg, EngineConfig(max_num_seqs=4))
     tight_rest = budget - 4 * probe.slot_bytes
-    configs = {"default": EngineConfig(page_size=ps),
-               "3_snapshot_slots": EngineConfig(page_size=ps, max_num_seqs=4,
+    configs = {"default": EngineConfig(page_size=ps, compile_decode=False),
+               "3_snapshot_slots": EngineConfig(page_size=ps, max_num_seqs=4, compile_decode=False,
                                                 snapshot_memory_fraction=3.5 * probe.slot_bytes / tight_rest)}
     out: dict = {}
     for name, ec in configs.items():

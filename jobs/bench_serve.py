@@ -72,7 +72,8 @@ p.add_argument("--eager", action="store_true",
                     "replicas run decode steps through graphs (the served default on CPU), compiled before the "
                     "replicas take traffic (compile_decode_wait: true), so no timed step is eager")
 p.add_argument("--compile-decode", action="store_true",
-               help="the default since decode graphs are (kept for the commands docs/benchmarks.md records)")
+               help="decode graphs in the decode and LLM replicas: the default now (kept so that the commands "
+                    "docs/benchmarks.md records still run)")
 args = p.parse_args()
 if args.eager and args.compile_decode:
     p.error("--eager and --compile-decode contradict each other: give one")

@@ -17,8 +17,10 @@ def eager() -> bool:
 
     Value checks read tensors back to the host, which a captured graph cannot do (nor should a
     replay pay for); they run in eager calls only. Shape, dtype and device checks always run:
-    for a graph, once at capture."""
-    if torch.compiler.is_compiling():
+    for a graph, once at capture. Dynamo's own flag, not `torch.compiler.is_compiling()`: that one
+    is process-wide while any thread compiles (torch 2.13), and an engine's eager steps run beside
+    its decode graphs' background compile."""
+    if torch.compiler.is_dynamo_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

@@ -150,7 +150,7 @@ def read_by_index(x: torch.Tensor, token_bytes: int) -> bool:
     a scatter per row) nor on a GPU (grouped bf16 GEMMs there)."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return False
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # The count the graph is traced at, read without a guard (both paths compute the same
         # function, so a later call of another count only runs at the other's speed); symbolic_shapes
         # is loaded while compiling (importing it with this module costs ~0.5 s).

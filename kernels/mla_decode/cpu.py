@@ -32,7 +32,7 @@ def mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, w_uv=
     s = q.new_zeros(N, H, 1)
     acc = q.new_zeros(N, H, L)
     step = max(ps, CHUNK // ps * ps)  # whole pages per slice
-    if torch.compiler.is_compiling() and T <= TRACED_SLICE:
+    if torch.compiler.is_dynamo_compiling() and T <= TRACED_SLICE:
         slices = [(0, page_table.shape[1])]
     else:
         slices = [(t0 // ps, min((T + ps - 1) // ps, (t0 + step) // ps)) for t0 in range(0, T, step)]

@@ -62,7 +62,7 @@ def situ_glu_torch(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: fl
     Traced by torch.compile, the formula itself: inductor fuses it into one loop, and the blocks'
     Python range over the element count would pin every size it depends on (the batch) to a
     constant in the graph."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         g, u = gate.float(), up.float()
         return (torch.tanh(g / b1) * b1 * torch.sigmoid(g) * (torch.tanh(u / b2) * b2)).to(gate.dtype)
     return _SituGLU.apply(gate.contiguous(), up.contiguous(), float(b1), float(b2))

@@ -337,32 +337,31 @@ class LLMEngine:
         sequence and of two (`CacheManager.compile_batch`). On CPU over scratch pools, here or,
         with `compile_decode_wait=False`, in a background thread while steps run eagerly; on a GPU
         over the engine's own pools (CUDA graphs keep their addresses), here."""
-        g, private = self.decode_graph, self.device.type == "cpu"
-        batches = [self.cache.compile_batch(n, g.table_width, private) for n in (1, 2)[:self.config.max_num_seqs]]
+        private = self.device.type == "cpu"
         if private and self.config.compile_decode_wait is False:
             # not a daemon: the interpreter waits for it at exit (a daemon thread stopped while it
             # frees a tensor or runs an op, with the GIL released, aborts the process)
-            threading.Thread(target=self._compile_decode_graphs, args=(batches,), name="k3-decode-graphs").start()
+            threading.Thread(target=self._compile_decode_graphs, args=(private,), name="k3-decode-graphs").start()
         else:
-            self._compile_decode_graphs(batches)
+            self._compile_decode_graphs(private)
 
     @torch.no_grad()
-    def _compile_decode_graphs(self, batches: list) -> None:
+    def _compile_decode_graphs(self, private: bool) -> None:
         t0, g = time.perf_counter(), self.decode_graph
         try:
-            while batches:
-                cb = batches.pop(0)
-                if g.compile(torch.zeros((1, cb.kda_slots.numel()), dtype=torch.long, device=self.device), cb) is None:
+            for n in (1, 2)[:self.config.max_num_seqs]:
+                # the batch's scratch pools (`private`) live until the next one is built
+                cb = self.cache.compile_batch(n, g.table_width, private)
+                if g.compile(torch.zeros((1, n), dtype=torch.long, device=self.device), cb) is None:
                     return  # graphs are off (logged); steps run eagerly
                 del cb
             g.compile_seconds = time.perf_counter() - t0
             g.ready = True
             log.info("decode graphs compiled in %.1f s", g.compile_seconds)
-        except Exception as e:  # noqa: BLE001 - a graph that fails to run (memory, ...) must not stop the engine
+        except Exception as e:  # noqa: BLE001 - a graph that fails (memory, ...) must not stop the engine
             g.error = f"{type(e).__name__}: {e}"
             log.warning("decode graphs are off for this engine, steps run eagerly: %s", g.error)
         finally:
-            batches.clear()  # the scratch pools
             g.compiled.set()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:

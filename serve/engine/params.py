@@ -111,13 +111,14 @@ class EngineConfig(BaseModel):
 
     def decode_graphs_on(self, device: torch.device) -> bool:
         """Whether an engine on `device` compiles decode graphs: `compile_decode` when set, else
-        K3_COMPILE_DECODE when set (ValueError unless 0 or 1), else on for a CPU."""
+        K3_COMPILE_DECODE when set and not empty (read here, in the engine's process: a Serve
+        replica sees its Ray worker's environment; ValueError unless 0 or 1), else on for a CPU."""
         if self.compile_decode is not None:
             return self.compile_decode
-        env = os.environ.get(COMPILE_DECODE_ENV)
+        env = os.environ.get(COMPILE_DECODE_ENV, "").strip() or None  # empty: unset
         if env is not None:
-            if env.strip() not in ("0", "1"):
+            if env not in ("0", "1"):
                 raise ValueError(f"{COMPILE_DECODE_ENV} must be 0 or 1 (EngineConfig.compile_decode's default), "
                                  f"got {env!r}")
-            return env.strip() == "1"
+            return env == "1"
         return device.type == "cpu"

@@ -88,6 +88,8 @@ def test_decode_graphs_are_on_by_default_on_cpu_only(monkeypatch):
     assert not EngineConfig().decode_graphs_on(cpu) and EngineConfig(compile_decode=True).decode_graphs_on(cpu)
     monkeypatch.setenv("K3_COMPILE_DECODE", "1")
     assert EngineConfig().decode_graphs_on(gpu)
+    monkeypatch.setenv("K3_COMPILE_DECODE", " ")  # empty: unset
+    assert EngineConfig().decode_graphs_on(cpu) and not EngineConfig().decode_graphs_on(gpu)
     monkeypatch.setenv("K3_COMPILE_DECODE", "yes")
     with pytest.raises(ValueError, match="K3_COMPILE_DECODE must be 0 or 1.*'yes'"):
         LLMEngine(two_layer_model())
@@ -112,14 +114,16 @@ def test_graphs_compiled_in_the_background_take_over_from_eager_steps(monkeypatc
     sp = SamplingParams(max_tokens=20, temperature=0, logprobs=0, ignore_eos=True)
     want = LLMEngine(m, EngineConfig(page_size=8, compile_decode=False)).generate(ps, sp)
     eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True, compile_decode_wait=False))
-    assert eng.stats()["decode_graphs"] == "compiling" and not eng.wait_for_graphs(timeout=0.1)
-    rids = [eng.add_request(None, p, sp) for p in ps]
-    final = {}
-    for _ in range(6):  # the prefills and a few decode steps, eagerly
-        final.update({o.request_id: o for o in eng.step() if o.finished})
-    assert eng.decode_graph.calls == 0 and not final
-    before = pools(eng)
-    gate.set()
+    rids, final = [], {}
+    try:
+        assert eng.stats()["decode_graphs"] == "compiling" and not eng.wait_for_graphs(timeout=0.1)
+        rids = [eng.add_request(None, p, sp) for p in ps]
+        for _ in range(6):  # the prefills and a few decode steps, eagerly
+            final.update({o.request_id: o for o in eng.step() if o.finished})
+        assert eng.decode_graph.calls == 0 and not final
+        before = pools(eng)
+    finally:
+        gate.set()  # the compile thread ends whatever failed (the interpreter waits for it)
     assert eng.wait_for_graphs(timeout=600), eng.decode_graph.error
     assert all(torch.equal(a, b) for a, b in zip(before, pools(eng)))
     stats, graphs = eng.stats(), counters["stats"]["unique_graphs"]
@@ -131,6 +135,26 @@ def test_graphs_compiled_in_the_background_take_over_from_eager_steps(monkeypatc
         a = final[rid]
         assert a.token_ids == b.token_ids
         assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.slow
+def test_steps_beside_a_background_compile_stay_eager():
+    # while one thread traces, torch.compiler.is_compiling() is True in every thread (torch 2.13):
+    # the eager steps beside it must not take the traced paths (no value checks, whole-table
+    # attention, experts read by index) that the model's kernels choose while a graph is traced
+    from k3.kernels.dispatch import eager
+
+    m = two_layer_model()
+    ps, sp = prompts([9, 4], seed=8), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLMEngine(m, EngineConfig(page_size=8, compile_decode=False)).generate(ps, sp)]
+    eng = LLMEngine(m, EngineConfig(page_size=8, compile_decode=True, compile_decode_wait=False))
+    seen, runs = [], 0
+    while not eng.wait_for_graphs(timeout=0):
+        seen.append(eager())
+        if eng.decode_graph.calls == 0:
+            assert [o.token_ids for o in eng.generate(ps, sp)] == want
+            runs += 1
+    assert eng.wait_for_graphs(timeout=600) and runs >= 1 and seen and all(seen), (runs, seen.count(False), len(seen))
 
 
 @pytest.mark.slow
