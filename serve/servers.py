@@ -120,9 +120,11 @@ class EngineHost:
         # decode graphs only where decode steps run (a prefill replica would compile them for
         # nothing), compiled in the background unless the config says to wait: the replica serves
         # at once, its first steps eagerly
-        ec = self.config.engine.model_copy(update={"compile_decode": False} if not self.decodes else
-                                           {"compile_decode_wait": False} if self.config.engine.compile_decode_wait
-                                           is None else {})
+        ec = self.config.engine
+        if not self.decodes:
+            ec = ec.model_copy(update={"compile_decode": False})
+        elif ec.compile_decode_wait is None:
+            ec = ec.model_copy(update={"compile_decode_wait": False})
         engine = LLMEngine(model, ec, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)

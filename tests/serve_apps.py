@@ -36,8 +36,9 @@ def config_yaml_apps(path: Path = CONFIG_YAML, num_cpus: float = 0.05) -> list[t
     The one thing changed is what the 2-CPU test cluster cannot give: every replica's CPU share
     becomes num_cpus. Host and port are the test session's Serve (loopback, a free port) instead of
     the file's http_options. An engine that leaves `compile_decode` to its default gets True, what
-    the default is on a user's CPU machine (this session's K3_COMPILE_DECODE=0 would turn it off). Per-deployment overrides or a runtime_env in the file would be applied
-    by `serve run` and are not here: they are refused rather than silently dropped."""
+    the default is on a user's CPU machine (this session's K3_COMPILE_DECODE=0 would turn it off).
+    Per-deployment overrides or a runtime_env in the file would be applied by `serve run` and are
+    not here: they are refused rather than silently dropped."""
     import yaml
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -51,7 +52,9 @@ def config_yaml_apps(path: Path = CONFIG_YAML, num_cpus: float = 0.05) -> list[t
                              "config_yaml_apps does not apply: extend it before relying on them")
         args = dict(a.args)
         engine = dict(args.get("engine") or {})
-        args["engine"] = {"compile_decode": True, **engine} if engine.get("compile_decode") is None else engine
+        if engine.get("compile_decode") is None:
+            engine["compile_decode"] = True
+        args["engine"] = engine
         for name in ("prefill", "decode", "llm", "ingress"):
             dep = dict(args.get(name) or {})
             dep["ray_actor_options"] = {**dep.get("ray_actor_options", {}), "num_cpus": num_cpus}
