@@ -117,14 +117,8 @@ class EngineHost:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
         model = load_model(self.config.model).to(replica_device())
-        # decode graphs only where decode steps run (a prefill replica would compile them for
-        # nothing), compiled in the background unless the config says to wait: the replica serves
-        # at once, its first steps eagerly
-        ec = self.config.engine
-        if not self.decodes:
-            ec = ec.model_copy(update={"compile_decode": False})
-        elif ec.compile_decode_wait is None:
-            ec = ec.model_copy(update={"compile_decode_wait": False})
+        # decode graphs only where decode steps run: a prefill replica would compile them for nothing
+        ec = self.config.engine if self.decodes else self.config.engine.model_copy(update={"compile_decode": False})
         engine = LLMEngine(model, ec, self.config.model.tokenizer())
         self.engine = AsyncEngine(engine)
         self.metrics = ServeMetrics(self.config.model_id, self.role)

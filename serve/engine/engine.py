@@ -338,7 +338,7 @@ class LLMEngine:
         with `compile_decode_wait=False`, in a background thread while steps run eagerly; on a GPU
         over the engine's own pools (CUDA graphs keep their addresses), here."""
         private = self.device.type == "cpu"
-        if private and self.config.compile_decode_wait is False:
+        if private and not self.config.compile_decode_wait:
             # not a daemon: the interpreter waits for it at exit (a daemon thread stopped while it
             # frees a tensor or runs an op, with the GIL released, aborts the process)
             threading.Thread(target=self._compile_decode_graphs, args=(private,), name="k3-decode-graphs").start()

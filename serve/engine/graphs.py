@@ -20,8 +20,8 @@ run the compiled code:
   for the first bucket, so on CPU no request's step pays for a compile below that length; on CPU
   over scratch pools of the cache's shapes (`CacheManager.compile_batch`: guards check shapes,
   dtypes and strides, not addresses), so it may run in a background thread while the engine's
-  steps run eagerly (`compile_decode_wait=False`, how k3.serve's replicas start): decode steps
-  take the graphs once both are ready;
+  steps run eagerly (`compile_decode_wait=False`): decode steps take the graphs once both are
+  ready;
 - mode: inductor's default on CPU (its max-autotune CPU GEMM templates fail an assertion on
   these shapes in torch 2.13 and tune for minutes) with a C++ wrapper (`cpp_wrapper`: the
   graph's few hundred kernel and GEMM calls made from C++, not from generated Python; ~25-30 s

@@ -91,12 +91,13 @@ class EngineConfig(BaseModel):
                           "decode step after (docs/benchmarks.md). None (the default): on for a CPU engine, off on a "
                           "GPU (its CUDA-graph path is untested), unless the environment variable K3_COMPILE_DECODE "
                           "(0 or 1) says otherwise. False runs every step eagerly. Text models only.")
-    compile_decode_wait: bool | None = Field(
-        None, description="True: the engine's constructor compiles the decode graphs and returns when they are "
-                          "ready. False: a background thread compiles them while the engine's steps run eagerly, "
-                          "and decode steps go through the graphs once they are ready (`LLMEngine.wait_for_graphs`; "
-                          "on CPU only: a GPU engine always waits). None (the default): True, except in k3.serve's "
-                          "replicas, which start serving at once.")
+    compile_decode_wait: bool = Field(
+        True, description="True: the engine's constructor compiles the decode graphs and returns when they are "
+                          "ready (a Serve replica takes traffic only then). False (CPU only: a GPU engine always "
+                          "waits): a background thread compiles them while the engine's steps run eagerly, and "
+                          "decode steps go through the graphs once they are ready (`LLMEngine.wait_for_graphs`); "
+                          "the engine serves at once, but steps beside the compile stall now and then while it "
+                          "holds the GIL (seconds, docs/benchmarks.md).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the generator used by requests without their own seed.")
     media_cache_bytes: int = Field(32 * 2**20, ge=0, description="Feature rows of recently encoded images / video "
                                                                  "chunks kept by content (0: none); the same picture "

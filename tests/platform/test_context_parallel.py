@@ -24,6 +24,11 @@ T = 8192
 WORLD, EP = 4, 2
 DOCS = [0, 1000, 2046, 3000, 6144, 6145, T]  # with C = 4 the bounds are 2048, 4096, 6144
 TOL = 1e-5
+# A KDA layer's A_log gradient: one number a head, each a sum over every token and channel with
+# much cancellation, summed in another order under context parallelism: 1.9-2.5e-5 apart on an
+# Intel Xeon host (MKL's avx512 kernels), under 1e-5 on the AMD EPYC one; every other gradient
+# stays under TOL on both.
+A_LOG_TOL = 5e-5
 
 
 def _cfg():
@@ -153,7 +158,8 @@ def test_every_gradient_equals_one_process(runs, reference, C):
             if name in got["first"]:  # this rank's rows of the experts
                 ref = ref[got["first"][name]:got["first"][name] + grad.shape[0]]
             assert grad.abs().sum() > 0, f"{name}: no gradient"
-            assert _rel(grad, ref) <= TOL, f"rank {r}, C={C}: {name} differs by {_rel(grad, ref):.2e}"
+            tol = A_LOG_TOL if name.endswith(".A_log") else TOL
+            assert _rel(grad, ref) <= tol, f"rank {r}, C={C}: {name} differs by {_rel(grad, ref):.2e}"
 
 
 # -- the Trainer: a checkpoint saved with C = 2 continues identically with C = 1 -------------------

@@ -4,9 +4,11 @@ per step than its tokens differ. Three runs on the same batches:
 - margins of the training forward (the first behaviour): the deep layers head for collapse onto k
   experts (MaxVio above 2; total collapse is E/k - 1 = 3);
 - margins of a forward under the weights the step just produced, one solve of every layer (the
-  second): no collapse, but every layer from the second on sits above 1.3: a deep layer's bias is
-  solved while the layers below it still route with last step's biases (at this learning rate
-  that matters; at 2-4x the demo's the second alternation is what counts, docs/benchmarks.md);
+  second): no collapse, but worse balanced than the default: a deep layer's bias is solved while
+  the layers below it still route with last step's biases (at this learning rate that matters; at
+  2-4x the demo's the second alternation is what counts, docs/benchmarks.md). How much worse
+  depends on the host's float rounding: every layer from the second on above 1.3 on the AMD EPYC
+  host this was written on, worst layers 0.83 against the default's 0.54 on an Intel Xeon one;
 - the default: the same forward solved layer by layer, two alternations of the solve each: each
   MoE layer is solved as that forward reaches it (its scores re-routed with the solve and solved
   again) and routes with its new bias before the next is reached, so every layer is solved for
@@ -73,7 +75,9 @@ def test_qb_keeps_every_layer_balanced_at_high_lr(maxvio, run):
     tail = maxvio[run][-STEPS // 3:].mean(0)  # [layers]
     if run == "after_step_layerwise":
         assert tail.max() <= BOUND, f"a layer left the bound {BOUND}: per-layer MaxVio {tail.tolist()}"
-    elif run == "after_step_one_solve":  # every layer from one forward, kept as an option: above the bound
-        assert tail.max() >= 1.3, f"expected one solve per step to leave a layer above 1.3: {tail.tolist()}"
+    elif run == "after_step_one_solve":  # every layer from one forward, kept as an option: less balanced
+        best = maxvio["after_step_layerwise"][-STEPS // 3:].mean(0)
+        assert tail.max() > best.max(), f"expected one solve per step to balance worse than the default's " \
+                                        f"layer-by-layer solve: worst layer {tail.max():.3f} against {best.max():.3f}"
     else:  # the first behaviour, kept as an option: this is the collapse after-step margins remove
         assert tail.max() >= 2.0, f"expected the training forward's margins to let a layer near collapse: {tail.tolist()}"

@@ -290,8 +290,8 @@ def test_the_default_config_serves_text_and_chat_out_of_the_box(default_app):
 
     c = openai.OpenAI(base_url=f"{default_app['url']}/v1", api_key="unused", max_retries=0, timeout=120)
     model = default_app["model"]
-    # the file's compile_decode: a decode replica serves at once and compiles its decode graphs in a
-    # background thread (the first requests decode eagerly); here the requests wait for them
+    # the file's engine: a decode replica compiles its decode graphs before it takes traffic (with
+    # compile_decode_wait: false it would serve first, eagerly); the requests wait for them either way
     decode, prefill = (serve.get_deployment_handle(d, app_name="k3") for d in ("DecodeServer", "PrefillServer"))
     first = decode.stats.remote().result(timeout_s=60)
     assert first["decode_graphs"] in ("compiling", "ready"), first
