@@ -9,9 +9,10 @@ imported into k3 with `load_kimi_linear`:
 
 decode: k3's engines (`default`: the default `EngineConfig`, on CPU its decode graphs compiled
 when the engine starts, outside the timing; `compiled`: `compile_decode=True` whatever
-K3_COMPILE_DECODE says; `eager`: `compile_decode=False`; a fresh engine per repeat, warmed up) against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8
-sequences, prefill included on every side; the repeats interleave the sides and the best of each
-is kept; tokens compared. `floor` is the shortest time k3's run could take here, its work at
+K3_COMPILE_DECODE says; `eager`: `compile_decode=False`; a fresh engine per repeat, warmed up)
+against transformers' `generate`, 128-token prompts and 64 greedy tokens at 1 and 8 sequences,
+prefill included on every side; the repeats interleave the sides and the best of each is kept;
+tokens compared. `floor` is the shortest time k3's run could take here, its work at
 this machine's best rates (`decode_floor`: the prefill's counted FLOPs at the matmul rate, each
 decode step's weight, expert and cache bytes at the best read rate, from memory or from the cache
 for a step's bytes, or its FLOPs, whichever is longer; rates measured in the same run),

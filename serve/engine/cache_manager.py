@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -333,23 +333,19 @@ class CacheManager:
         if not 1 <= n <= self.ec.max_num_seqs:
             raise ValueError(f"compile_batch: n must be in [1, max_num_seqs={self.ec.max_num_seqs}], got {n}")
         pages = [(i + 1) % (self.num_pages if self.page_bytes else 1) for i in range(n)]  # page 0 pads
+        cb = self.cache_batch([1] * n, [SeqCache(slot=i, pages=[p]) for i, p in enumerate(pages)], [1] * n,
+                              table_width=table_width)
+        if not private:
+            return cb
 
         def scratch(t: torch.Tensor, rows: int) -> torch.Tensor:
             s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             s[:rows].zero_()
             return s
 
-        kda, mla = self._kda, self._mla
-        if private:
-            kda = {l: KDAPool(scratch(p.recurrent, n), scratch(p.conv, n)) for l, p in kda.items()}
-            mla = {l: scratch(t, max(pages) + 1) for l, t in mla.items()}
-        dev, width = self.device, table_width(1)
-        table = torch.zeros((n, width), dtype=torch.long, device=dev)
-        table[:, 0] = torch.tensor(pages, dtype=torch.long, device=dev)
-        return CacheBatch(cu_seqlens=torch.arange(n + 1, device=dev), context_lens=torch.ones(n, dtype=torch.long,
-                                                                                              device=dev),
-                          kda_slots=torch.arange(n, device=dev), page_table=table, kda=kda, mla_pages=mla,
-                          decode=True, max_context=1, max_new=1)
+        return replace(cb, kda={l: KDAPool(scratch(p.recurrent, n), scratch(p.conv, n))
+                                 for l, p in self._kda.items()},
+                       mla_pages={l: scratch(t, max(pages) + 1) for l, t in self._mla.items()})
 
     # -- prefix hits -----------------------------------------------------------------------------
     def find_prefix(self, tokens: list[int], hashes: list[bytes], limit: int) -> PrefixHit | None:

@@ -32,9 +32,9 @@ run the compiled code:
 - one-row matmuls (the batch of one's every projection and its lm_head): on CPU a graph pass
   (`OneRowMatmuls`) makes each fp32 `mm`/`addmm` with a single row an inductor multiply-and-sum,
   which reads the weight's rows in vectorised C++ loops and fuses into its neighbours, instead
-  of a BLAS GEMV call (MKL's GEMV reads 13-18 GB/s on this machine's AMD cores, where one
-  thread sums memory at 43: about 30% off kimi8's compiled step at 1 sequence,
-  docs/benchmarks.md; measured on this AMD host only, applied on every CPU); a batch of 2+ and
+  of a BLAS GEMV call (MKL's GEMV read 13-18 GB/s on the AMD EPYC host where this was measured,
+  where one thread sums memory at 43: about 30% off kimi8's compiled step at 1 sequence; on an
+  Intel Xeon host, whose MKL GEMV is faster, still ~6%; docs/benchmarks.md); a batch of 2+ and
   bf16 keep the BLAS call (as a sum a batch reads each weight once a row: slower);
 - guards: each model gets a traced function of its own (one per model, shared by the engines on
   it), so the graphs in its cache were all traced from that model, and on CPU the guards that
