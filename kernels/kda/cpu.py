@@ -18,11 +18,13 @@ and the state hand-off is a slice, not a gather.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .chunks import ChunkTable
 from .contract import KDAOutput
-from .cpu_blocks import pair_products, pair_products_backward, unit_lower_inverse
+from .cpu_blocks import mid_anchor_safe, pair_products, pair_products_backward, unit_lower_inverse
 
 # Chunks x heads per tile: 512 KB per [m, H, 64, 64] fp32 tensor, so a tile's working set stays in
 # cache (measured best on a 2-core EPYC with 1 MB L2 per core).
@@ -84,7 +86,10 @@ class ChunkLayout:
 
 class _Tile:
     """Everything intra-chunk for a tile of chunks: inputs in the chunk layout (q scaled) and the
-    quantities the state pass needs. Recomputed in backward instead of stored."""
+    quantities the state pass needs. Recomputed in backward instead of stored.
+
+    bounded: the gate's lower bound holds, or the tile's decays are mild enough for the dense
+    diagonal sub-chunks anyway (`mid_anchor_safe`; the backward's recompute decides the same)."""
 
     FORWARD = ("u", "w", "Aqk", "qg", "k_end", "decay_last")  # all the forward's state pass needs
 
@@ -92,6 +97,7 @@ class _Tile:
         # q, k, g: [m, H, C, K]; v: [m, H, C, V]; beta: [m, H, C]
         self.q, self.k, self.v, self.beta = q, k, v, beta
         self.G = G = g.cumsum_(-2).mul_(LOG2E)  # base-2 cumulative decay (g is a private tile copy)
+        self.bounded = bounded = bounded or mid_anchor_safe(G[..., None, :])
         self.eG = G.exp2()
         self.kb = k * beta[..., None]
         self.X = torch.stack([q, self.kb], dim=-2)  # [m, H, C, 2, K]: Aqk and A share the k side
@@ -205,7 +211,7 @@ class _ChunkKDA(torch.autograd.Function):
             delta = torch.baddbmm(t.u.flatten(0, 1), t.w.flatten(0, 1), S0_t.flatten(0, 1), alpha=-1.0).view_as(dO)
             dS1, ddelta = carry.through_tile(t, dO, lay, c0, c1)
             idx = lay.out_idx[m0:m1].flatten()
-            for out, tile in zip(grads, _tile_grads(t, dO, S0_t, delta, dS1, ddelta, scale, bounded)):
+            for out, tile in zip(grads, _tile_grads(t, dO, S0_t, delta, dS1, ddelta, scale)):
                 _store(out, idx, tile)
         dh0 = carry.entering()
         out = [gr[: B * T].view(x.shape).to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
@@ -250,7 +256,7 @@ class _Carry:
         return torch.cat([self.dS, self.dfinal[self.joined:]])
 
 
-def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float, bounded: bool):
+def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float):
     """One tile's input gradients (dq, dk, dv, dg, dbeta as [m, H, C, *] tiles), given the state
     entering each chunk (S0_t), its delta, and the gradients of the leaving state and of delta."""
     m, H, C = delta.shape[:3]
@@ -266,7 +272,7 @@ def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float, bounded:
         (dbv @ t.u.transpose(-1, -2)).flatten(0, 1), dkg.flatten(0, 1), t.w.flatten(0, 1).transpose(1, 2)
     ).view(m, H, C, C).tril_(-1).neg_()
     dX, dY = pair_products_backward(
-        torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], bounded
+        torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], t.bounded
     )
     dY = dY[..., 0, :]
     dkb = dX[..., 1, :] + dkg * t.eG
@@ -284,6 +290,27 @@ def _load_tile(flat, lay: ChunkLayout, m0: int, m1: int, scale: float, bounded: 
     return _Tile(q.mul_(scale), k, v, g, beta[..., 0], bounded, keep)
 
 
+# The last call's chunking (key, table, layout): a model's KDA layers all chunk the same batch.
+_last_chunking: tuple | None = None
+
+
+def _chunking(cu_seqlens, B: int, T: int, H: int, chunk_size: int, states_at, device) -> tuple[ChunkTable, ChunkLayout]:
+    """The ChunkTable and ChunkLayout of a call, shared with the previous call when it chunked the
+    same batch: the same cu_seqlens tensor, unchanged since (a weak reference and its version
+    counter), or the same [B, T] without one; the same chunk size, offsets, heads and device."""
+    global _last_chunking
+    cuts = tuple((i, tuple(offs)) for i, offs in sorted(states_at.items())) if states_at else ()
+    key = (B, T, H, chunk_size, cuts, device) if cu_seqlens is None else (cu_seqlens._version, H, chunk_size, cuts, device)
+    last = _last_chunking
+    if last is not None and last[1] == key and (cu_seqlens is None or last[0]() is cu_seqlens):
+        return last[2], last[3]
+    cu = torch.arange(0, (B + 1) * T, T, device=device) if cu_seqlens is None else cu_seqlens
+    table = ChunkTable(cu, chunk_size, states_at)
+    lay = ChunkLayout(table, H, device)
+    _last_chunking = ((lambda: None) if cu_seqlens is None else weakref.ref(cu_seqlens), key, table, lay)
+    return table, lay
+
+
 def chunk_kda_torch(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                     chunk_size: int, lower_bound: float | None, states_at: dict[int, list[int]]) -> KDAOutput:
     """Chunkwise KDA, differentiable; the contract of `k3.kernels.kda.chunk_kda` (inputs checked).
@@ -297,10 +324,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale: float, initial_state, output_final_
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=k.device)
-    table = ChunkTable(cu_seqlens, chunk_size, states_at)
-    lay = ChunkLayout(table, H, k.device)
+    table, lay = _chunking(cu_seqlens, B, T, H, chunk_size, states_at, k.device)
     N = table.num_seqs
     h0 = k.new_zeros(N, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     h0 = h0[lay.order_t] if N else h0

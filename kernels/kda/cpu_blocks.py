@@ -4,9 +4,11 @@ The pairwise decays e^(G_i - G_j) of a chunk are where naive implementations pay
 tensor per chunk. Here they are dense matmuls over 16-token sub-chunks (`pair_products`). Between
 two sub-chunks the factorisation is anchored at the boundary between them, so both factors are
 <= 1 for any gate. On a diagonal sub-chunk the anchor is its middle token: exact and overflow-free
-when the gate has a lower bound (K3's g > -5 keeps 8 tokens of decay above -40). Without a bound
-(Kimi Linear's gate) a diagonal sub-chunk is split again into 4-token blocks the same way, and
-only 4 x 4 diagonal blocks take the exact pairwise product.
+when no token's decay from the anchor exceeds e^40, as a gate with a lower bound guarantees (K3's
+g > -5 keeps 8 tokens of decay above -40) and as an unbounded gate (Kimi Linear's) usually gives:
+`mid_anchor_safe` checks a tile's decays for that. Where it fails, a diagonal sub-chunk is split
+again into 4-token blocks the same way, and only 4 x 4 diagonal blocks take the exact pairwise
+product.
 
 The gradient of a pair product P_ij = sum_c a_ic b_jc e^(G_ic - G_jc) is da = dP (b e^-G) e^G,
 db = dP^T (a e^G) e^-G, dG = a da - b db, computed with the same anchoring as the forward.
@@ -17,6 +19,9 @@ from __future__ import annotations
 import torch
 
 SUB_CHUNK = 16
+# The largest |G_i - G_anchor| (log2) a diagonal sub-chunk may hold for its middle-token anchoring:
+# e^40, what 8 tokens of K3's bounded gate (g >= -5) can reach. Factors stay within 2^+-58.
+MID_ANCHOR_LOG2 = 40 * 1.4426950408889634
 # Unbounded diagonal sub-chunks build [.., 16, 16, K] decays; do that this many elements at a time.
 _PAIRWISE_ELEMENTS = 1 << 24
 
@@ -24,6 +29,16 @@ _PAIRWISE_ELEMENTS = 1 << 24
 def _sub_size(C: int, target: int) -> int:
     """The largest divisor of C that is <= target."""
     return max(d for d in range(1, min(C, target) + 1) if C % d == 0)
+
+
+def mid_anchor_safe(G: torch.Tensor, sub: int = SUB_CHUNK) -> bool:
+    """Whether every diagonal sub-chunk of G [..., C, 1, K] (the cumulative log2-decay) stays within
+    MID_ANCHOR_LOG2 of its middle token: then `pair_products(..., bounded=True)` and its backward
+    are as exact as for a bounded gate. One host sync; False for a NaN."""
+    C = G.shape[-3]
+    s = _sub_size(C, sub)
+    Gr = G.unflatten(-3, (C // s, s))
+    return bool((Gr - Gr[..., s // 2:s // 2 + 1, :, :]).abs_().amax() <= MID_ANCHOR_LOG2)
 
 
 def _pairwise_decay(G: torch.Tensor) -> torch.Tensor:

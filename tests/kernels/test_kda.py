@@ -9,7 +9,8 @@ from helpers import assert_close
 from kernel_cases import (BF16_TOL, FWD_TOL, check_kda, check_kda_states, check_kda_step, kda_inputs,  # noqa: F401
                           lower_bound_for, one_thread, packed_lengths_cu)
 from k3.kernels.kda import chunk_kda, kda_step, naive_chunk_kda
-from k3.kernels.kda.cpu_blocks import pair_products, unit_lower_inverse
+from k3.kernels.kda import cpu as kda_cpu
+from k3.kernels.kda.cpu_blocks import MID_ANCHOR_LOG2, mid_anchor_safe, pair_products, unit_lower_inverse
 
 
 def naive_chunk(*args, lower_bound=None, **kw):
@@ -182,3 +183,68 @@ def test_inference_path_equals_training_path():
     o2, s2, _ = chunk_kda(*[x.requires_grad_() for x in xs], initial_state=h0, output_final_state=True, cu_seqlens=cu,
                        lower_bound=-5.0)
     assert torch.equal(o1, o2.detach()) and torch.equal(s1, s2.detach())
+
+
+def test_an_unbounded_gate_takes_the_dense_diagonal_only_where_its_decays_allow():
+    # mid_anchor_safe: every 16-token diagonal sub-chunk within MID_ANCHOR_LOG2 of its middle token
+    G = torch.zeros(2, 64, 1, 8)
+    assert mid_anchor_safe(G)
+    G[1, 20, 0, 3] = MID_ANCHOR_LOG2  # token 20 of sub-chunk 16..31, its anchor token 24 at 0
+    assert mid_anchor_safe(G)
+    G[1, 20, 0, 3] = MID_ANCHOR_LOG2 * 1.01
+    assert not mid_anchor_safe(G)
+    G[1, 20, 0, 3] = float("nan")
+    assert not mid_anchor_safe(G)
+    # chunk_kda without a bound: a mild gate (Kimi Linear's as initialised: e^-0.3 a token at
+    # most) runs the dense diagonal sub-chunks, a steep one the exact 4 x 4 pairwise blocks; both
+    # are the recurrence, forward and backward
+    seen = []
+    real = kda_cpu.pair_products
+
+    def spy(X, Y, G, bounded, *rest):
+        seen.append(bounded)
+        return real(X, Y, G, bounded, *rest)
+
+    q, k, v, g, beta = kda_inputs(1, 150, 2, 16, 16, "unbounded", seed=12)
+    try:
+        kda_cpu.pair_products = spy
+        for scale, dense in ((0.1, True), (20.0, False)):  # softplus(z) * 3 * scale a token
+            seen.clear()
+            check_kda(chunk_kda, [q, k, v, g * scale, beta], torch.randn(1, 2, 16, 16), lower_bound=None)
+            assert seen and all(b is dense for b in seen), (scale, seen)
+    finally:
+        kda_cpu.pair_products = real
+
+
+def test_layers_of_one_batch_share_its_chunking():
+    lengths = [70, 5, 129]
+    cu = packed_lengths_cu(lengths)
+    q, k, v, g, beta = kda_inputs(1, sum(lengths), 2, 16, 16, "bounded", seed=13)
+    built = []
+    real = kda_cpu.ChunkTable
+
+    class Counted(real):
+        def __init__(self, *a, **kw):
+            built.append(a)
+            super().__init__(*a, **kw)
+
+    def run(cu_seqlens, states_at=None):
+        with torch.no_grad():
+            return chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens, lower_bound=-5.0,
+                             states_at=states_at)
+
+    try:
+        kda_cpu.ChunkTable = Counted
+        first = run(cu)
+        assert len(built) == 1
+        again = run(cu)  # the next layer: the same batch, nothing rebuilt, the same numbers
+        assert len(built) == 1 and torch.equal(first.o, again.o)
+        run(cu, {0: [10]})  # other offsets to read: another chunking
+        run(packed_lengths_cu(lengths))  # an equal tensor, but another one: rebuilt (no value compare)
+        assert len(built) == 3
+        moved = packed_lengths_cu([5, 70, 129])
+        run(moved)
+        moved.copy_(cu)  # changed in place: its version moved, the chunking is rebuilt
+        assert torch.equal(run(moved).o, first.o) and len(built) == 5
+    finally:
+        kda_cpu.ChunkTable = real
