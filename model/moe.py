@@ -203,12 +203,16 @@ class Experts(nn.Module):
         collapsed onto other ranks' experts) the result is empty but stays in the autograd graph
         of x and the weights, so every rank runs the same backward collectives."""
         order = local_ids.argsort(stable=True)
+        ys = self._sorted(x[order], local_ids)
+        return torch.empty_like(ys).index_copy(0, order, ys)
+
+    def _sorted(self, xs: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows xs [n, D_e], sorted by local expert (local_ids [n], any order: only counted),
+        through their experts."""
         offs = tokens_per_expert(local_ids, self.count).cumsum(0).to(torch.int32)
-        xs = x[order]
         g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
         u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)
-        ys = grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
-        return torch.empty_like(ys).index_copy(0, order, ys)
+        return grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
 
     def by_index(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`forward` with each token's k experts read by index: no sort, no grouped call, and
@@ -228,11 +232,14 @@ class Experts(nn.Module):
             return self.dispatch(self, x, idx, weight)
         if read_by_index(x, idx.shape[1] * 3 * (self.w_gate.numel() // self.count) * self.w_gate.element_size()):
             return self.by_index(x, idx, weight)
-        N, top_k = idx.shape
-        token = torch.arange(N, device=x.device).repeat_interleave(top_k)
-        ys = self.grouped(x[token], idx.reshape(-1) - self.first)
-        ys = ys * weight.reshape(-1, 1).to(ys.dtype)
-        return x.new_zeros(N, x.shape[-1]).index_add(0, token, ys.to(x.dtype))
+        # the (token, slot) rows sorted by expert, each gathered from its token, its output added
+        # back to it: one gather and one scatter (a token's k outputs add in expert order: for
+        # k <= 2 the same sum as in slot order)
+        local = idx.reshape(-1) - self.first
+        order = local.argsort(stable=True)
+        token = order.div(idx.shape[1], rounding_mode="floor")
+        ys = self._sorted(x[token], local) * weight.reshape(-1)[order, None].to(x.dtype)
+        return x.new_zeros(x.shape).index_add(0, token, ys.to(x.dtype))
 
     def forward_loop(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Readable reference: for each expert, gather its tokens, run it, add back weighted."""

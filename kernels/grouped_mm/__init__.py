@@ -6,7 +6,8 @@ CUDA: bf16) and the layout suits it (strides of 16 bytes), otherwise the per-gro
 readable reference `naive_grouped_mm` (same signature). It is registered as the custom op
 `k3::grouped_mm`, so `torch.compile` keeps it as one opaque call (the fake-tensor rule of
 `torch._grouped_mm` accepts only bf16), with its own backward: dx = dy w^T per group (the same
-op), dw = x^T dy per group (`k3::grouped_mm_weight_grad`, opaque as well).
+op), dw = x^T dy per group (`k3::grouped_mm_weight_grad`, opaque as well). Eagerly with nothing to
+differentiate (inference) the op's body runs without its dispatch.
 """
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def _native(*ts: torch.Tensor) -> bool:
         and all(_aligned(t) for t in ts)
 
 
-@torch.library.custom_op("k3::grouped_mm", mutates_args=())
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _native(x, w):
         # its output rows are padded to 16 bytes: contiguous, as the fake rule says
         return torch._grouped_mm(x, w, offs=offs).contiguous()
     return naive_grouped_mm(x, w, offs)
+
+
+_grouped_mm = torch.library.custom_op("k3::grouped_mm", mutates_args=())(_forward)
 
 
 @_grouped_mm.register_fake
@@ -100,4 +103,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     for name, t in (("w", w), ("offs", offs)):
         if t.device != x.device:
             fail("grouped_mm", name, f"is on {t.device} but x is on {x.device}")
-    return _grouped_mm(x.contiguous(), w, offs)
+    x = x.contiguous()
+    if type(x) is type(w) is torch.Tensor and not torch.compiler.is_dynamo_compiling() and \
+            not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return _forward(x, w, offs)  # eager, nothing to record or trace: the op's dispatch costs ~40 us
+    return _grouped_mm(x, w, offs)

@@ -9,7 +9,7 @@ from k3.kernels.situ_glu import naive_swiglu, situ_glu
 from k3.model import get_preset
 from k3.model.attn_res import BlockStats, merge_partial, mix_naive
 from k3.model.cache import CacheBatch, KDAPool
-from k3.model.kda import SHORT_CHUNK, KimiDeltaAttention
+from k3.model.kda import SHORT_CHUNK, KimiDeltaAttention, _depthwise, causal_conv1d
 from k3.model.mla import GatedMLA
 from k3.model.moe import Experts, LatentMoE, read_by_index, tokens_per_expert
 from k3.model.norm import rms_norm
@@ -338,3 +338,58 @@ def test_grouped_expert_gradients_equal_the_loop():
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert_close(n, grads[0][n], grads[1][n], 1e-5)
+
+
+def test_the_short_conv_is_conv1d_on_cpu_fp32_and_conv1d_itself_elsewhere():
+    # the CPU fp32 path (a multiply-add per tap over token-major rows) makes conv1d's sums in its
+    # order: the same values; gradients by autograd through it, to rounding
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(0)
+    for L, C, W in ((131, 96, 4), (5, 16, 3), (4, 8, 4), (40, 24, 2)):
+        x = torch.randn(L, C, generator=gen, requires_grad=True)
+        w = torch.randn(C, W, generator=gen, requires_grad=True)
+        got = _depthwise(x, w)
+        want = F.conv1d(x.T[None], w[:, None, :], groups=C)[0].T
+        assert got.shape == (L - W + 1, C) and torch.equal(got, want)
+        up = torch.randn(want.shape, generator=gen)
+        for a, b, name in zip(torch.autograd.grad((got * up).sum(), (x, w)),
+                              torch.autograd.grad((want * up).sum(), (x, w)), ("dx", "dw")):
+            assert_close(name, a, b, 1e-5)
+    xb, wb = torch.randn(30, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
+    assert torch.equal(_depthwise(xb, wb), F.conv1d(xb.T[None], wb[:, None, :], groups=16)[0].T)
+    # packed sequences with and without states: each sequence's window starts in its own state
+    x, w = torch.randn(23, 12, generator=gen), torch.randn(12, 4, generator=gen)
+    state = torch.randn(3, 12, 3, generator=gen)
+    cu = torch.tensor([0, 10, 11, 23])
+    y, new = causal_conv1d(x, w, state, cu)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ext = torch.cat([state[i].T, x[a:b]])
+        assert torch.equal(y[a:b], F.conv1d(ext.T[None], w[:, None, :], groups=12)[0].T)
+        assert torch.equal(new[i], ext[-3:].T)
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_routed_experts_with_and_without_autograd_equal_the_loop(top_k):
+    # the sorted path (one gather, one scatter): eagerly without autograd through the grouped
+    # matmuls' own kernels, with it through the custom op; values and gradients against the loop
+    cfg = tiny(num_experts_per_token=top_k)
+    experts = Experts(cfg, cfg.moe_latent_size)
+    torch.manual_seed(1)
+    experts.reset_parameters()
+    x = torch.randn(37, cfg.moe_latent_size)
+    idx = torch.stack([torch.randperm(cfg.num_experts)[:top_k] for _ in range(37)])
+    w = torch.rand(37, top_k)
+    with torch.no_grad():
+        fast, loop = experts(x, idx, w), experts.forward_loop(x, idx, w)
+    assert_close("no autograd", fast, loop, 1e-6)
+    grads = []
+    for fn in (experts.forward, experts.forward_loop):
+        xg = x.clone().requires_grad_()
+        y = fn(xg, idx, w)
+        if fn == experts.forward:
+            assert torch.equal(y.detach(), fast)  # the same numbers either way
+        y.square().sum().backward()
+        grads.append([xg.grad] + [p.grad.clone() for p in (experts.w_gate, experts.w_up, experts.w_down)])
+        experts.zero_grad()
+    for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), *grads):
+        assert_close(name, a, b, 1e-5)
