@@ -230,11 +230,23 @@ def k3_step(model, opt, ids) -> float:
     return float(loss)
 
 
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, *args, out_shape=None, **kw) -> int:
+    """A convolution's backward: its forward's count (which reads the groups from the weight's
+    shape) once per gradient asked for. torch's own rule ignores the groups there and counts a
+    depthwise conv's backward as a dense one's (768x too much for a 768-channel short conv)."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    transposed, output_mask = args[4], args[7]
+    fwd = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed=transposed)
+    return fwd * (int(output_mask[0]) + int(output_mask[1]))
+
+
 def step_flops(fn) -> int:
-    """Floating-point operations torch counts in one call of fn (matmuls, attention, convolutions)."""
+    """Floating-point operations torch counts in one call of fn (matmuls, attention, convolutions;
+    a convolution's backward by `_conv_backward_flops`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc:
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops}) as fc:
         fn()
     return fc.get_total_flops()
 

@@ -52,3 +52,25 @@ def test_decode_gives_transformers_tokens_for_each_engine():
         assert 0 < f["floor_s"] < r["eager"]["k3_s"] and 0 < r["eager"]["fraction_of_floor"] < 1
         assert f["max_speedup"] > r["eager"]["speedup"]
         assert f["prefill_gflop"] > 0 and f["decode_mflop_per_step"] > 0 and f["decode_mb_per_step"] > 0
+
+
+def test_the_floor_counts_a_depthwise_convolution_backward_as_its_work():
+    # torch's own rule counts a grouped conv's backward as a dense one's (the short conv's
+    # 768 channels: 768x); the bench's counts each gradient at the forward's cost, and agrees
+    # with torch's rule where there are no groups
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3.jobs.bench_vs_transformers import step_flops
+
+    x, w = torch.randn(1, 64, 50, requires_grad=True), torch.randn(64, 1, 4, requires_grad=True)
+    fwd = step_flops(lambda: F.conv1d(x, w, groups=64))
+    assert fwd == 2 * 64 * 47 * 4
+    assert step_flops(lambda: F.conv1d(x, w, groups=64).sum().backward()) == 3 * fwd
+    x.requires_grad_(False)
+    assert step_flops(lambda: F.conv1d(x, w, groups=64).sum().backward()) == 2 * fwd  # the weight's only
+    x2, w2 = torch.randn(2, 16, 30, requires_grad=True), torch.randn(32, 16, 3, requires_grad=True)
+    with FlopCounterMode(display=False) as fc:
+        F.conv1d(x2, w2).sum().backward()
+    assert step_flops(lambda: F.conv1d(x2, w2).sum().backward()) == fc.get_total_flops()
