@@ -51,18 +51,20 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _depthwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y[t] = sum_w x[t + w] * weight[:, w]: x [L, C], weight [C, W] -> [L - W + 1, C]. On CPU in
-    fp32 as W multiply-adds over token-major rows: the sums conv1d makes, in the same order, 4-9x
-    faster than its kernel on this layout (docs/benchmarks.md); conv1d elsewhere (a GPU's, and low
-    precision, which conv1d accumulates in fp32)."""
+    """y[.., t, :] = sum_w x[.., t + w, :] * weight[:, w]: x [..., L, C], weight [C, W] -> [..., L - W + 1, C].
+    On CPU in fp32 as W multiply-adds over token-major rows: the sums conv1d makes, in the same
+    order, 4-9x faster than its kernel on this layout (docs/benchmarks.md); conv1d elsewhere (a
+    GPU's, and low precision, which conv1d accumulates in fp32)."""
+    L, C = x.shape[-2:]
     W = weight.shape[1]
     if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.conv1d(x.T[None], weight[:, None, :], groups=x.shape[1])[0].T
-    n = x.shape[0] - W + 1
+        y = F.conv1d(x.reshape(-1, L, C).transpose(1, 2), weight[:, None, :], groups=C).transpose(1, 2)
+        return y.reshape(*x.shape[:-2], L - W + 1, C)
+    n = L - W + 1
     taps = weight.T.contiguous()  # [W, C]: each tap a contiguous row
-    y = x[:n] * taps[0]
+    y = x.narrow(-2, 0, n) * taps[0]
     for w in range(1, W):
-        y.addcmul_(x[w:w + n], taps[w])
+        y.addcmul_(x.narrow(-2, w, n), taps[w])
     return y
 
 
@@ -73,31 +75,35 @@ def causal_conv1d(
 
     x: [T, C] packed tokens; weight: [C, W]; state: [N, C, W-1] (the previous W-1 inputs,
     oldest first) or None for zeros; cu_seqlens: [N + 1]. Returns (y [T, C], new state [N, C, W-1]).
-    The W-1 state rows are spliced in front of each sequence so one conv over the whole stream
-    never mixes two sequences.
+    One conv runs over the whole stream (W-1 zeros before it); only each sequence's first W-1
+    rows reach back past its start, and those are redone from windows that begin in its state.
+    No host sync.
     """
     T, C = x.shape
     W = weight.shape[1]
     N = cu_seqlens.numel() - 1
     P = W - 1
-    if state is None:
-        state = x.new_zeros(N, C, P)
-    src = torch.cat([x, state.transpose(1, 2).reshape(N * P, C).to(x.dtype)])  # tokens, then state rows
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seg = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
-    ext_len = T + N * P
-    ext_start = cu_seqlens[:-1] + torch.arange(N, device=x.device) * P  # where each segment's state begins
-    perm = torch.empty(ext_len, dtype=torch.long, device=x.device)
-    tok_pos = torch.arange(T, device=x.device) + (seg + 1) * P
-    perm[tok_pos] = torch.arange(T, device=x.device)
-    state_pos = (ext_start[:, None] + torch.arange(P, device=x.device)[None]).reshape(-1)
-    perm[state_pos] = T + torch.arange(N * P, device=x.device)
-    ext = src[perm]  # [T + N*P, C]
-    y_ext = _depthwise(ext, weight.to(x.dtype))  # [T + N*P - P, C]
-    y = y_ext[tok_pos - P]
-    ext_end = ext_start + lengths + P
-    new_state = ext[(ext_end[:, None] - P + torch.arange(P, device=x.device)[None]).reshape(-1)]
-    return y, new_state.reshape(N, P, C).transpose(1, 2).contiguous()
+    w = weight.to(x.dtype)
+    state = x.new_zeros(N, C, P) if state is None else state.to(x.dtype)
+    prev = state.transpose(1, 2)  # [N, P, C]: each sequence's last P inputs before it, oldest first
+    if T == 0:
+        return x.new_zeros(0, C), state.clone()
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    j = torch.arange(P, device=x.device)
+    # the stream, and a spare last row that takes the redone rows a sequence does not have
+    y = _depthwise(F.pad(x, (0, 0, P, 1)), w)  # [T + 1, C]
+    # windows of each sequence's first P rows: its state, then its first P tokens (zeros past its end)
+    pos = starts[:, None] + j  # [N, P]
+    inside = j < lengths[:, None]
+    head = torch.where(inside[..., None], x[pos.clamp(max=T - 1)], 0.0)
+    redone = _depthwise(torch.cat([prev, head], dim=1), w)  # [N, P, C]
+    y.index_copy_(0, torch.where(inside, pos, T).flatten(), redone.flatten(0, 1))
+    # the new state: each sequence's last P inputs, from its tokens or, for a short one, its state
+    back = lengths[:, None] - P + j  # [N, P]: offset of each in the sequence (< 0: in the state)
+    from_x = x[(starts[:, None] + back).clamp(0, T - 1)]
+    from_state = prev.gather(1, (back + P).clamp(0, P - 1)[..., None].expand(N, P, C))
+    new_state = torch.where((back >= 0)[..., None], from_x, from_state)
+    return y[:T], new_state.transpose(1, 2).contiguous()
 
 
 class KimiDeltaAttention(nn.Module):

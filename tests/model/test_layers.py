@@ -357,15 +357,22 @@ def test_the_short_conv_is_conv1d_on_cpu_fp32_and_conv1d_itself_elsewhere():
             assert_close(name, a, b, 1e-5)
     xb, wb = torch.randn(30, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
     assert torch.equal(_depthwise(xb, wb), F.conv1d(xb.T[None], wb[:, None, :], groups=16)[0].T)
-    # packed sequences with and without states: each sequence's window starts in its own state
+    # packed sequences (one empty, one shorter than the window) continuing from their states:
+    # each sequence's windows start in its own state, and its new state is its last 3 inputs
     x, w = torch.randn(23, 12, generator=gen), torch.randn(12, 4, generator=gen)
-    state = torch.randn(3, 12, 3, generator=gen)
-    cu = torch.tensor([0, 10, 11, 23])
+    state = torch.randn(5, 12, 3, generator=gen)
+    cu = torch.tensor([0, 10, 10, 11, 13, 23])
     y, new = causal_conv1d(x, w, state, cu)
+    assert y.shape == (23, 12) and new.shape == (5, 12, 3)
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         ext = torch.cat([state[i].T, x[a:b]])
-        assert torch.equal(y[a:b], F.conv1d(ext.T[None], w[:, None, :], groups=12)[0].T)
+        if b > a:
+            assert torch.equal(y[a:b], F.conv1d(ext.T[None], w[:, None, :], groups=12)[0].T)
         assert torch.equal(new[i], ext[-3:].T)
+    y, new = causal_conv1d(x[:0], w, state[:2], torch.tensor([0, 0, 0]))  # no tokens: the states as they were
+    assert y.shape == (0, 12) and torch.equal(new, state[:2])
+    y, new = causal_conv1d(x[:5], w, None, torch.tensor([0, 5]))  # no state: zeros before the sequence
+    assert torch.equal(y, F.conv1d(F.pad(x[:5], (0, 0, 3, 0)).T[None], w[:, None, :], groups=12)[0].T)
 
 
 @pytest.mark.parametrize("top_k", [2, 3])
