@@ -301,14 +301,12 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    import deepspeed
     import torch.distributed as dist
 
-    from k3.platform.ops.extensions import use_interpreter_ninja
+    from k3.platform.ops.extensions import init_distributed
     from k3.platform.train.expert_parallel import ep_groups
 
-    use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed("gloo")  # the ninja every k3 build uses; its build line on stderr
     ep = 2
     cfg = bench_config()
     ref = build_layer(cfg, args.seed)

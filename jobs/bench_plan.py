@@ -109,14 +109,11 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(1)
-    import deepspeed
-
     from k3.platform.train.config import TrainConfig
-    from k3.platform.ops.extensions import use_interpreter_ninja
+    from k3.platform.ops.extensions import init_distributed
     from k3.platform.train.trainer import Trainer
 
-    use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed("gloo")  # the ninja every k3 build uses; its build line on stderr
     tally: dict = {}
     cfg = TrainConfig(num_workers=world, ep_size=world, micro_batch=case["micro_batch"], steps=2, lr=1e-3,
                       warmup_steps=0, balance={"method": "none"}, seed=3,

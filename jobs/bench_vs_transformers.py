@@ -302,12 +302,9 @@ def trainer(path: str | None, batch: int, preset: str | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu")
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = str(free_port())
-        import deepspeed
+        from k3.platform.ops.extensions import init_distributed
 
-        from k3.platform.ops.extensions import use_interpreter_ninja
-
-        use_interpreter_ninja()  # the ninja every k3 build uses (k3.platform.ops.extensions)
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed("gloo")  # its build line on stderr: stdout is the JSON result
     start = {"init_from": path} if path else {"preset": preset}
     cfg = TrainConfig(**start, num_workers=1, micro_batch=batch, steps=1000, lr=1e-3, warmup_steps=0,
                       balance={"method": "none"}, seed=0)

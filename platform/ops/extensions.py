@@ -18,9 +18,13 @@ versions hash a build's command lines differently (1.11 and 1.13 here), so each 
 build of the same command for stale and compiles the extension again (60-100 s on 2 cores, every
 other process waiting on its lock) whenever a process started with the venv's bin on PATH (a `k3
 cluster up` job) and one started without it (`.venv/bin/python jobs/pretrain.py`) take turns.
+
+`init_distributed(backend)` is DeepSpeed's with both: its shared-memory op announces its build on
+stdout, which would corrupt a job whose stdout is its JSON result; the line goes to stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -39,6 +43,17 @@ def use_interpreter_ninja(bin_dir: str | Path | None = None) -> str | None:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{rest}" if rest else str(bin_dir)
         found = shutil.which("ninja")
     return found
+
+
+def init_distributed(backend: str) -> None:
+    """`deepspeed.init_distributed(dist_backend=backend)` with this interpreter's ninja, after any
+    stale build lock is cleared, and with whatever it prints sent to stderr."""
+    import deepspeed
+
+    use_interpreter_ninja()
+    wait_for_extension_locks()
+    with contextlib.redirect_stdout(sys.stderr):
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 def extensions_root() -> Path:

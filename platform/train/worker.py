@@ -209,10 +209,9 @@ class StepLog:
 def train_loop_per_worker(loop_config: dict) -> None:
     """What each Ray Train worker runs: process group, Trainer (resumed from the latest
     checkpoint after a restart), then one train_step per step until cfg.steps."""
-    import deepspeed
     import ray.train
 
-    from k3.platform.ops.extensions import use_interpreter_ninja, wait_for_extension_locks
+    from k3.platform.ops.extensions import init_distributed
     from k3.platform.train.trainer import Trainer
 
     _quiet_worker_logs()
@@ -220,9 +219,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("K3_THREADS_PER_WORKER", "1"))))
-    use_interpreter_ninja()  # init_distributed may build DeepSpeed's shm op: with one ninja always
-    wait_for_extension_locks()
-    deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
+    init_distributed("nccl" if cfg.use_gpu else "gloo")  # may build DeepSpeed's shm op: one ninja always
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.use_gpu else torch.device("cpu")
     trainer = Trainer(cfg, rank, world, device).build()
     start_step, history, restored_at = 0, [], []
