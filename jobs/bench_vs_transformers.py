@@ -21,7 +21,7 @@ train: one training step on the same batch (forward, loss, backward, AdamW step)
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
 Each side's step is also counted in floating-point operations (torch's FlopCounterMode: matmuls,
-attention, convolutions) and set against this machine's own matmul rate, measured in the same run
+attention, convolutions, a convolution's backward by its groups) and set against this machine's own matmul rate, measured in the same run
 on the step's largest shapes: `floor_s` is the time the step's counted arithmetic takes at that
 rate, so `max_speedup` (transformers' measured step over k3's floor) bounds what any k3 step
 could reach here. `--profile` adds k3 Trainer's step by op (torch.profiler, self CPU time).
