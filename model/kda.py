@@ -50,18 +50,23 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _depthwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _by_taps(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _depthwise(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
     """y[.., t, :] = sum_w x[.., t + w, :] * weight[:, w]: x [..., L, C], weight [C, W] -> [..., L - W + 1, C].
-    On CPU in fp32 as W multiply-adds over token-major rows: the sums conv1d makes, in the same
-    order, 4-9x faster than its kernel on this layout (docs/benchmarks.md); conv1d elsewhere (a
-    GPU's, and low precision, which conv1d accumulates in fp32)."""
+    On CPU in fp32 as W multiply-adds over token-major rows (`taps`: weight.T made contiguous, if
+    the caller has it): the sums conv1d makes, in the same order, 4-9x faster than its kernel on
+    this layout (docs/benchmarks.md); conv1d elsewhere (a GPU's, and low precision, which conv1d
+    accumulates in fp32)."""
     L, C = x.shape[-2:]
     W = weight.shape[1]
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _by_taps(x):
         y = F.conv1d(x.reshape(-1, L, C).transpose(1, 2), weight[:, None, :], groups=C).transpose(1, 2)
         return y.reshape(*x.shape[:-2], L - W + 1, C)
     n = L - W + 1
-    taps = weight.T.contiguous()  # [W, C]: each tap a contiguous row
+    taps = weight.T.contiguous() if taps is None else taps  # [W, C]: each tap a contiguous row
     y = x.narrow(-2, 0, n) * taps[0]
     for w in range(1, W):
         y.addcmul_(x.narrow(-2, w, n), taps[w])
@@ -84,6 +89,7 @@ def causal_conv1d(
     N = cu_seqlens.numel() - 1
     P = W - 1
     w = weight.to(x.dtype)
+    taps = w.T.contiguous() if _by_taps(x) else None  # one copy for both convs below
     state = x.new_zeros(N, C, P) if state is None else state.to(x.dtype)
     prev = state.transpose(1, 2)  # [N, P, C]: each sequence's last P inputs before it, oldest first
     if T == 0:
@@ -91,17 +97,18 @@ def causal_conv1d(
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     j = torch.arange(P, device=x.device)
     # the stream, and a spare last row that takes the redone rows a sequence does not have
-    y = _depthwise(F.pad(x, (0, 0, P, 1)), w)  # [T + 1, C]
+    y = _depthwise(F.pad(x, (0, 0, P, 1)), w, taps)  # [T + 1, C]
     # windows of each sequence's first P rows: its state, then its first P tokens (zeros past its end)
     pos = starts[:, None] + j  # [N, P]
     inside = j < lengths[:, None]
     head = torch.where(inside[..., None], x[pos.clamp(max=T - 1)], 0.0)
-    redone = _depthwise(torch.cat([prev, head], dim=1), w)  # [N, P, C]
+    redone = _depthwise(torch.cat([prev, head], dim=1), w, taps)  # [N, P, C]
     y.index_copy_(0, torch.where(inside, pos, T).flatten(), redone.flatten(0, 1))
     # the new state: each sequence's last P inputs, from its tokens or, for a short one, its state
     back = lengths[:, None] - P + j  # [N, P]: offset of each in the sequence (< 0: in the state)
     from_x = x[(starts[:, None] + back).clamp(0, T - 1)]
-    from_state = prev.gather(1, (back + P).clamp(0, P - 1)[..., None].expand(N, P, C))
+    slot = (back + P).clamp(0, P - 1) + P * torch.arange(N, device=x.device)[:, None]  # a row of prev's N * P
+    from_state = prev.reshape(N * P, C).index_select(0, slot.flatten()).view(N, P, C)
     new_state = torch.where((back >= 0)[..., None], from_x, from_state)
     return y[:T], new_state.transpose(1, 2).contiguous()
 

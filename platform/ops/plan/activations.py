@@ -37,7 +37,7 @@ def kda_layer(cfg: K3Config, b: int, backend: str) -> int:
     D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
     HK, C = H * K, cfg.kda_chunk_size
     n = D * b  # x, read by every projection
-    n += 3 * HK * b + 2 * I64  # the conv's spliced input and its two index rows
+    n += 3 * HK * b  # the conv's input, after W-1 zero rows (a sequence's first rows redone: per sequence)
     n += 2 * 3 * HK * b  # SiLU input and output (v is a view of the output)
     n += 2 * (H * F + _copy(b, HK) + HK * b)  # l2norm of q and k: the norms, the fp32 copies, the outputs
     n += K * b + 3 * HK * F  # decay: the low-rank z, z in fp32, its squashed form, g
@@ -91,10 +91,10 @@ def moe_layer(cfg: K3Config, b: int) -> int:
     D, E, k, Im = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
     De = cfg.moe_latent_size or D
     n = D * b + _copy(b, D) + E * F  # x, its fp32 copy for the router, the sigmoid scores
-    n += (k + 1) * I64 + k * F + F + k * F  # top-k ids (a slice of k+1), gathered scores, their sum, weights
-    n += 2 * k * I64  # the token and sort-order index rows
+    n += (k + 1) * I64 + k * F + F  # top-k ids (a slice of k+1), the gathered scores, their sum
+    n += 2 * k * I64  # the sort order and each sorted row's token
     n += k * De * b + glu(cfg, b, k * Im)  # the sorted rows, each expert's gate, up and activation
-    n += 3 * k * De * b + (k * b if b != F else 0)  # expert outputs, reordered, weighted; the cast weights
+    n += 2 * k * De * b + k * (F if b == F else b)  # expert outputs, weighted; the weights in sorted order
     if cfg.moe_latent_size is not None:
         n += (De * F if b != F else De * b) + F + De * F + De * b  # latent RMSNorm and latent_up's input
     if cfg.num_shared_experts:
