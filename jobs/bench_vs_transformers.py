@@ -21,10 +21,11 @@ train: one training step on the same batch (forward, loss, backward, AdamW step)
 model against k3's model (the same AdamW), and against k3's `Trainer.train_step` (DeepSpeed ZeRO-1,
 the experts' own AdamW, one global clip; world size 1, no balancing), first-step losses compared.
 Each side's step is also counted in floating-point operations (torch's FlopCounterMode: matmuls,
-attention, convolutions, a convolution's backward by its groups) and set against this machine's own matmul rate, measured in the same run
-on the step's largest shapes: `floor_s` is the time the step's counted arithmetic takes at that
-rate, so `max_speedup` (transformers' measured step over k3's floor) bounds what any k3 step
-could reach here. `--profile` adds k3 Trainer's step by op (torch.profiler, self CPU time).
+attention, convolutions, a convolution's backward by its groups) and set against this machine's own
+matmul rate, measured in the same run on the step's largest shapes: `floor_s` is the time the
+step's counted arithmetic takes at that rate, so `max_speedup` (transformers' measured step over
+k3's floor) bounds what any k3 step could reach here. `--profile` adds k3 Trainer's step by op
+(torch.profiler, self CPU time).
 """
 from __future__ import annotations
 
@@ -246,7 +247,8 @@ def step_flops(fn) -> int:
     a convolution's backward by `_conv_backward_flops`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops}) as fc:
+    rules = {torch.ops.aten.convolution_backward: _conv_backward_flops}
+    with FlopCounterMode(display=False, custom_mapping=rules) as fc:
         fn()
     return fc.get_total_flops()
 

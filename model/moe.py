@@ -232,14 +232,18 @@ class Experts(nn.Module):
             return self.dispatch(self, x, idx, weight)
         if read_by_index(x, idx.shape[1] * 3 * (self.w_gate.numel() // self.count) * self.w_gate.element_size()):
             return self.by_index(x, idx, weight)
-        # the (token, slot) rows sorted by expert, each gathered from its token, its output added
-        # back to it: one gather and one scatter (a token's k outputs add in expert order: for
-        # k <= 2 the same sum as in slot order)
+        # the (token, slot) rows sorted by expert, each gathered straight from its token; the
+        # outputs back in (token, slot) order, weighted, and a token's k added in slot order (the
+        # sums of an index_add over the rows in that order, without its scatter)
+        N, k = idx.shape
         local = idx.reshape(-1) - self.first
         order = local.argsort(stable=True)
-        token = order.div(idx.shape[1], rounding_mode="floor")
-        ys = self._sorted(x[token], local) * weight.reshape(-1)[order, None].to(x.dtype)
-        return x.new_zeros(x.shape).index_add(0, token, ys.to(x.dtype))
+        ys = self._sorted(x[order.div(k, rounding_mode="floor")], local)
+        ys = torch.empty_like(ys).index_copy(0, order, ys).view(N, k, -1) * weight[..., None].to(ys.dtype)
+        out = ys[:, 0]
+        for slot in range(1, k):
+            out = out + ys[:, slot]
+        return out.to(x.dtype)
 
     def forward_loop(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Readable reference: for each expert, gather its tokens, run it, add back weighted."""

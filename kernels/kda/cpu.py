@@ -300,7 +300,8 @@ def _chunking(cu_seqlens, B: int, T: int, H: int, chunk_size: int, states_at, de
     counter), or the same [B, T] without one; the same chunk size, offsets, heads and device."""
     global _last_chunking
     cuts = tuple((i, tuple(offs)) for i, offs in sorted(states_at.items())) if states_at else ()
-    key = (B, T, H, chunk_size, cuts, device) if cu_seqlens is None else (cu_seqlens._version, H, chunk_size, cuts, device)
+    batch = (B, T) if cu_seqlens is None else (cu_seqlens._version,)
+    key = (*batch, H, chunk_size, cuts, device)
     last = _last_chunking
     if last is not None and last[1] == key and (cu_seqlens is None or last[0]() is cu_seqlens):
         return last[2], last[3]

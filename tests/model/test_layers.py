@@ -377,8 +377,9 @@ def test_the_short_conv_is_conv1d_on_cpu_fp32_and_conv1d_itself_elsewhere():
 
 @pytest.mark.parametrize("top_k", [2, 3])
 def test_routed_experts_with_and_without_autograd_equal_the_loop(top_k):
-    # the sorted path (one gather, one scatter): eagerly without autograd through the grouped
-    # matmuls' own kernels, with it through the custom op; values and gradients against the loop
+    # the sorted path (each row gathered straight from its token): eagerly without autograd through
+    # the grouped matmuls' own kernels, with it through the custom op; values and gradients against
+    # the loop
     cfg = tiny(num_experts_per_token=top_k)
     experts = Experts(cfg, cfg.moe_latent_size)
     torch.manual_seed(1)
@@ -388,6 +389,11 @@ def test_routed_experts_with_and_without_autograd_equal_the_loop(top_k):
     w = torch.rand(37, top_k)
     with torch.no_grad():
         fast, loop = experts(x, idx, w), experts.forward_loop(x, idx, w)
+        # the sums of one index_add over the (token, slot) rows in order, bit for bit (a training
+        # run's trajectory depends on them: tests/platform/test_qb_training.py)
+        token = torch.arange(37).repeat_interleave(top_k)
+        rows = experts.grouped(x[token], idx.reshape(-1)) * w.reshape(-1, 1)
+        assert torch.equal(fast, torch.zeros_like(x).index_add(0, token, rows))
     assert_close("no autograd", fast, loop, 1e-6)
     grads = []
     for fn in (experts.forward, experts.forward_loop):

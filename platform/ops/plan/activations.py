@@ -94,7 +94,7 @@ def moe_layer(cfg: K3Config, b: int) -> int:
     n += (k + 1) * I64 + k * F + F  # top-k ids (a slice of k+1), the gathered scores, their sum
     n += 2 * k * I64  # the sort order and each sorted row's token
     n += k * De * b + glu(cfg, b, k * Im)  # the sorted rows, each expert's gate, up and activation
-    n += 2 * k * De * b + k * (F if b == F else b)  # expert outputs, weighted; the weights in sorted order
+    n += 2 * k * De * b + k * (F if b == F else b)  # expert outputs, back in token order; the weights
     if cfg.moe_latent_size is not None:
         n += (De * F if b != F else De * b) + F + De * F + De * b  # latent RMSNorm and latent_up's input
     if cfg.num_shared_experts:
