@@ -196,23 +196,20 @@ class Experts(nn.Module):
         h = gated_activation(self.cfg, x @ self.w_gate[e].T, x @ self.w_up[e].T)
         return h @ self.w_down[e].T
 
-    def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Each row of x [n, D_e] through its local expert local_ids [n]: rows sorted by expert,
-        every expert's rows in one grouped matmul per weight (k3.kernels.grouped_mm: no padding,
-        no host sync), returned in the original order. With no row for any local expert (routing
-        collapsed onto other ranks' experts) the result is empty but stays in the autograd graph
-        of x and the weights, so every rank runs the same backward collectives."""
+    def grouped(self, x: torch.Tensor, local_ids: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+        """Each row r of x [n / per_row, D_e] repeated per_row times (row r // per_row for the r-th
+        of local_ids [n]) through its local expert: rows sorted by expert, gathered straight in that
+        order, every expert's rows in one grouped matmul per weight (k3.kernels.grouped_mm: no
+        padding, no host sync), returned [n, D_e] in the original order. With no row for any local
+        expert (routing collapsed onto other ranks' experts) the result is empty but stays in the
+        autograd graph of x and the weights, so every rank runs the same backward collectives."""
         order = local_ids.argsort(stable=True)
-        ys = self._sorted(x[order], local_ids)
-        return torch.empty_like(ys).index_copy(0, order, ys)
-
-    def _sorted(self, xs: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Rows xs [n, D_e], sorted by local expert (local_ids [n], any order: only counted),
-        through their experts."""
+        xs = x[order if per_row == 1 else order.div(per_row, rounding_mode="floor")]
         offs = tokens_per_expert(local_ids, self.count).cumsum(0).to(torch.int32)
         g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
         u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)
-        return grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
+        ys = grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
+        return torch.empty_like(ys).index_copy(0, order, ys)
 
     def by_index(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`forward` with each token's k experts read by index: no sort, no grouped call, and
@@ -232,14 +229,11 @@ class Experts(nn.Module):
             return self.dispatch(self, x, idx, weight)
         if read_by_index(x, idx.shape[1] * 3 * (self.w_gate.numel() // self.count) * self.w_gate.element_size()):
             return self.by_index(x, idx, weight)
-        # the (token, slot) rows sorted by expert, each gathered straight from its token; the
-        # outputs back in (token, slot) order, weighted, and a token's k added in slot order (the
-        # sums of an index_add over the rows in that order, without its scatter)
+        # the (token, slot) rows, each gathered straight from its token; the outputs weighted and a
+        # token's k added in slot order (the sums of an index_add over the rows, without its scatter)
         N, k = idx.shape
-        local = idx.reshape(-1) - self.first
-        order = local.argsort(stable=True)
-        ys = self._sorted(x[order.div(k, rounding_mode="floor")], local)
-        ys = torch.empty_like(ys).index_copy(0, order, ys).view(N, k, -1) * weight[..., None].to(ys.dtype)
+        ys = self.grouped(x, idx.reshape(-1) - self.first, per_row=k).view(N, k, -1)
+        ys = ys * weight[..., None].to(ys.dtype)
         out = ys[:, 0]
         for slot in range(1, k):
             out = out + ys[:, slot]

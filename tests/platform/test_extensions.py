@@ -107,9 +107,9 @@ def test_init_distributed_leaves_stdout_to_the_caller():
     # DeepSpeed's shared-memory op prints "... built successfully" on stdout when it loads: a job
     # whose stdout is its JSON result (jobs/bench_vs_transformers.py --only train) printed invalid
     # JSON; through k3's init_distributed the line goes to stderr
-    code = ("import json, socket, os\n"
-            "s = socket.socket(); s.bind(('127.0.0.1', 0))\n"
-            "os.environ['MASTER_PORT'] = str(s.getsockname()[1]); s.close()\n"
+    code = ("import json, os\n"
+            "from k3.platform.ops.local_ray import free_port\n"
+            "os.environ['MASTER_PORT'] = str(free_port())\n"
             "from k3.platform.ops.extensions import init_distributed\n"
             "init_distributed('gloo')\n"
             "import torch.distributed as dist\n"
