@@ -221,9 +221,10 @@ class GatedMLA(nn.Module):
         q, (k, v) = self._q_heads(x), self._kv_heads(lat)
         if cu_seqlens is None or cu_seqlens.numel() <= 2:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        elif T > 4096:  # long packed batch: one causal (fused) call per sequence, no [T, T] mask
-            cu = cu_seqlens.tolist()
-            o = self._span_attention(q, k, v, [(a, b, a, b) for a, b in zip(cu, cu[1:])])
+        elif T > 4096 or x.device.type == "cpu":
+            # Fused causal calls over the sequences, no [T, T] mask: on CPU the masked kernel costs
+            # the whole T x T product (8 x 128 tokens: 11 ms against 1.4 ms, the same values).
+            o = self._packed_causal(q, k, v, cu_seqlens.tolist())
         else:
             seg = torch.repeat_interleave(
                 torch.arange(cu_seqlens.numel() - 1, device=x.device), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T
@@ -272,6 +273,29 @@ class GatedMLA(nn.Module):
             # the [T, T] scores (16 GB at 32K tokens). Zero columns leave the output unchanged.
             v = F.pad(v, (0, dqk - self.vdim))
         return k, v
+
+    def _packed_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        """q, k, v [1, H, T, d] packed per the offsets cu (a list, cu[-1] = T): each sequence
+        attends causally to itself. A run of consecutive sequences of one length is one batched
+        fused call (a view as [n, H, length, d]); a lone one its own. Returns [1, H, T, d]."""
+        H, d = q.shape[1], q.shape[-1]
+        outs = []
+        i, N = 0, len(cu) - 1
+        while i < N:
+            length = cu[i + 1] - cu[i]
+            j = i + 1
+            while j < N and cu[j + 1] - cu[j] == length:
+                j += 1
+            if length:
+                a, b, n = cu[i], cu[j], j - i
+
+                def runs(t: torch.Tensor) -> torch.Tensor:
+                    return t[0, :, a:b].unflatten(1, (n, length)).transpose(0, 1)  # [n, H, length, d]
+
+                o = F.scaled_dot_product_attention(runs(q), runs(k), runs(v), is_causal=True, scale=self.scale)
+                outs.append(o.transpose(0, 1).reshape(1, H, b - a, d))
+            i = j
+        return torch.cat(outs, dim=2) if outs else q.new_zeros(1, H, 0, d)
 
     def _span_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         spans: list[tuple[int, int, int, int]]) -> torch.Tensor:
