@@ -24,7 +24,7 @@ import torch
 
 from .chunks import ChunkTable
 from .contract import KDAOutput
-from .cpu_blocks import mid_anchor_safe, pair_products, pair_products_backward, unit_lower_inverse
+from .cpu_blocks import SUB_CHUNK, diagonal_span, pair_products, pair_products_backward, unit_lower_inverse
 
 # Chunks x heads per tile: 512 KB per [m, H, 64, 64] fp32 tensor, so a tile's working set stays in
 # cache (measured best on a 2-core EPYC with 1 MB L2 per core).
@@ -88,8 +88,10 @@ class _Tile:
     """Everything intra-chunk for a tile of chunks: inputs in the chunk layout (q scaled) and the
     quantities the state pass needs. Recomputed in backward instead of stored.
 
-    bounded: the gate's lower bound holds, or the tile's decays are mild enough for the dense
-    diagonal sub-chunks anyway (`mid_anchor_safe`; the backward's recompute decides the same)."""
+    bounded, span: how the pair products anchor their diagonal blocks (`diagonal_span`: the whole
+    chunk as one block where its decays allow, else the sub-chunks where the gate's lower bound or
+    the tile's decays allow, else the exact pairwise blocks; the backward's recompute decides the
+    same)."""
 
     FORWARD = ("u", "w", "Aqk", "qg", "k_end", "decay_last")  # all the forward's state pass needs
 
@@ -97,11 +99,12 @@ class _Tile:
         # q, k, g: [m, H, C, K]; v: [m, H, C, V]; beta: [m, H, C]
         self.q, self.k, self.v, self.beta = q, k, v, beta
         self.G = G = g.cumsum_(-2).mul_(LOG2E)  # base-2 cumulative decay (g is a private tile copy)
-        self.bounded = bounded = bounded or mid_anchor_safe(G[..., None, :])
+        span = diagonal_span(G[..., None, :], bounded)
+        self.bounded, self.span = span is not None, span or SUB_CHUNK
         self.eG = G.exp2()
         self.kb = k * beta[..., None]
         self.X = torch.stack([q, self.kb], dim=-2)  # [m, H, C, 2, K]: Aqk and A share the k side
-        P = pair_products(self.X, k[..., None, :], G[..., None, :], bounded)  # [m, H, C, 2, C]
+        P = pair_products(self.X, k[..., None, :], G[..., None, :], self.bounded, self.span)  # [m, H, C, 2, C]
         self.Aqk = P[..., 0, :].contiguous()
         self.T = unit_lower_inverse(P[..., 1, :])
         self.u = self.T @ (v * beta[..., None])
@@ -272,7 +275,7 @@ def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float):
         (dbv @ t.u.transpose(-1, -2)).flatten(0, 1), dkg.flatten(0, 1), t.w.flatten(0, 1).transpose(1, 2)
     ).view(m, H, C, C).tril_(-1).neg_()
     dX, dY = pair_products_backward(
-        torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], t.bounded
+        torch.stack([dAqk, dA], dim=-2), t.X, t.k[..., None, :], t.G[..., None, :], t.bounded, t.span
     )
     dY = dY[..., 0, :]
     dkb = dX[..., 1, :] + dkg * t.eG

@@ -31,14 +31,34 @@ def _sub_size(C: int, target: int) -> int:
     return max(d for d in range(1, min(C, target) + 1) if C % d == 0)
 
 
+def _spread(G: torch.Tensor, sub: int) -> torch.Tensor:
+    """The largest |G_i - G_anchor| over the blocks of `sub` tokens of G [..., C, 1, K], each
+    anchored at its middle token (a 0-d tensor; NaN if G holds one)."""
+    C = G.shape[-3]
+    s = _sub_size(C, sub)
+    Gr = G.unflatten(-3, (C // s, s))
+    return (Gr - Gr[..., s // 2:s // 2 + 1, :, :]).abs_().amax()
+
+
 def mid_anchor_safe(G: torch.Tensor, sub: int = SUB_CHUNK) -> bool:
     """Whether every diagonal sub-chunk of G [..., C, 1, K] (the cumulative log2-decay) stays within
     MID_ANCHOR_LOG2 of its middle token: then `pair_products(..., bounded=True)` and its backward
     are as exact as for a bounded gate. One host sync; False for a NaN."""
+    return bool(_spread(G, sub) <= MID_ANCHOR_LOG2)
+
+
+def diagonal_span(G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK) -> int | None:
+    """How `pair_products` may anchor the chunks of G [..., C, 1, K]: C, each whole chunk one block
+    anchored at its middle token (every token within MID_ANCHOR_LOG2 of it: one matmul per chunk,
+    no sub-chunks); else `sub`, the diagonal sub-chunks anchored so (`mid_anchor_safe`, or the
+    gate's lower bound promises it: `bounded`); else None, the exact pairwise blocks. One host sync."""
     C = G.shape[-3]
-    s = _sub_size(C, sub)
-    Gr = G.unflatten(-3, (C // s, s))
-    return bool((Gr - Gr[..., s // 2:s // 2 + 1, :, :]).abs_().amax() <= MID_ANCHOR_LOG2)
+    if C <= sub:
+        return C if bounded or mid_anchor_safe(G, C) else None
+    if bounded:
+        return C if mid_anchor_safe(G, C) else sub
+    whole, part = (torch.stack([_spread(G, C), _spread(G, sub)]) <= MID_ANCHOR_LOG2).tolist()
+    return C if whole else sub if part else None
 
 
 def _pairwise_decay(G: torch.Tensor) -> torch.Tensor:
@@ -64,6 +84,8 @@ def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bo
     C, Pn = X.shape[-3], X.shape[-2]
     s = _sub_size(C, sub)
     n = C // s
+    if bounded and n == 1:  # the whole chunk is one block
+        return _mid_anchored(X, Y, G)
     out = X.new_zeros(*X.shape[:-1], C)
     for ib in range(n - 1):
         e = (ib + 1) * s
@@ -73,12 +95,7 @@ def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bo
         out[..., e:, :, e - s:e] = (x_t.flatten(-3, -2) @ y_t.transpose(-1, -2)).unflatten(-2, (C - e, Pn))
     Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))  # [..., n, s, P|1, K]
     if bounded:
-        mid = Gr[..., s // 2:s // 2 + 1, :, :]
-        blk = (Xr * (Gr - mid).exp2()).flatten(-3, -2) @ (Yr * (mid - Gr).exp2())[..., 0, :].transpose(-1, -2)
-        # where, not a 0/1 multiply: above the diagonal the products may overflow to inf (huge
-        # q with the gate at its bound) and inf * 0 would be NaN
-        keep = torch.ones(s, s, dtype=torch.bool, device=X.device).tril()[:, None, :]
-        blk = torch.where(keep, blk.unflatten(-2, (s, Pn)), 0.0)
+        blk = _mid_anchored(Xr, Yr, Gr)
     elif s > 4:
         blk = pair_products(Xr, Yr, Gr, False, max(1, s // 4))
     else:
@@ -93,6 +110,28 @@ def pair_products(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bo
     return out
 
 
+def _mid_anchored(X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """`pair_products` of one block [..., s, P|1, K], both factors anchored at its middle token."""
+    s, Pn = X.shape[-3], X.shape[-2]
+    mid = G[..., s // 2:s // 2 + 1, :, :]
+    blk = (X * (G - mid).exp2()).flatten(-3, -2) @ (Y * (mid - G).exp2())[..., 0, :].transpose(-1, -2)
+    # a fill, not a 0/1 multiply: above the diagonal the products may overflow to inf (huge q
+    # with the gate at its bound) and inf * 0 would be NaN
+    above = torch.ones(s, s, dtype=torch.bool, device=X.device).triu(1)[:, None, :]
+    return blk.unflatten(-2, (s, Pn)).masked_fill_(above, 0.0)
+
+
+def _mid_anchored_backward(dP: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor):
+    """The gradients of `_mid_anchored` for a masked dP [..., s, P, s]: (dX, dY [..., s, 1, K])."""
+    s, Pn = X.shape[-3], X.shape[-2]
+    mid = G[..., s // 2:s // 2 + 1, :, :]
+    f_x, f_y = (G - mid).exp2(), (mid - G).exp2()[..., 0, :]  # [..., s, 1, K], [..., s, K]
+    dp = dP.flatten(-3, -2)  # [..., s P, s]
+    dX = (dp @ (Y[..., 0, :] * f_y)).unflatten(-2, (s, Pn)) * f_x
+    dY = ((dp.transpose(-1, -2) @ (X * f_x).flatten(-3, -2)) * f_y)[..., None, :]
+    return dX, dY
+
+
 def pair_products_backward(
     dP: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, bounded: bool, sub: int = SUB_CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +143,8 @@ def pair_products_backward(
     C, Pn = X.shape[-3], X.shape[-2]
     s = _sub_size(C, sub)
     n = C // s
+    if bounded and n == 1:
+        return _mid_anchored_backward(dP, X, Y, G)
     dX = torch.zeros_like(X)
     dY = torch.zeros_like(Y.expand(*X.shape[:-2], 1, X.shape[-1]))
     for ib in range(n - 1):
@@ -117,11 +158,7 @@ def pair_products_backward(
     Xr, Yr, Gr = (t.unflatten(-3, (n, s)) for t in (X, Y, G))
     dPd = torch.stack([dP[..., i * s:(i + 1) * s, :, i * s:(i + 1) * s] for i in range(n)], dim=-4)
     if bounded:
-        mid = Gr[..., s // 2:s // 2 + 1, :, :]
-        f_x, f_y = (Gr - mid).exp2(), (mid - Gr).exp2()[..., 0, :]  # [..., n, s, 1, K], [..., n, s, K]
-        dpd = dPd.flatten(-3, -2)  # [..., n, s P, s]
-        dXd = (dpd @ (Yr[..., 0, :] * f_y)).unflatten(-2, (s, Pn)) * f_x
-        dYd = ((dpd.transpose(-1, -2) @ (Xr * f_x).flatten(-3, -2)) * f_y)[..., None, :]
+        dXd, dYd = _mid_anchored_backward(dPd, Xr, Yr, Gr)
     elif s > 4:
         dXd, dYd = pair_products_backward(dPd, Xr, Yr, Gr, False, max(1, s // 4))
     else:

@@ -10,7 +10,8 @@ from kernel_cases import (BF16_TOL, FWD_TOL, check_kda, check_kda_states, check_
                           lower_bound_for, one_thread, packed_lengths_cu)
 from k3.kernels.kda import chunk_kda, kda_step, naive_chunk_kda
 from k3.kernels.kda import cpu as kda_cpu
-from k3.kernels.kda.cpu_blocks import MID_ANCHOR_LOG2, mid_anchor_safe, pair_products, unit_lower_inverse
+from k3.kernels.kda.cpu_blocks import (MID_ANCHOR_LOG2, diagonal_span, mid_anchor_safe, pair_products,
+                                      pair_products_backward, unit_lower_inverse)
 
 
 def naive_chunk(*args, lower_bound=None, **kw):
@@ -117,6 +118,48 @@ def test_building_blocks():
         assert_close(f"pair products (bounded={bounded})", pair_products(X, Y, G, bounded), want, 1e-12)
 
 
+@pytest.mark.parametrize("C", [64, 48])
+@pytest.mark.parametrize("bounded, span", [(False, 16), (True, 16), (True, None)])
+def test_pair_products_and_gradients_for_each_anchoring(C, bounded, span):
+    # exact pairwise blocks, sub-chunks anchored at their middle, the whole chunk anchored at its
+    # middle (span None: C): values and both gradients against autograd of the [C, C, K] definition
+    gen = torch.Generator().manual_seed(C)
+    X = torch.randn(2, 3, C, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    Y = torch.randn(2, 3, C, 1, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    G = -(torch.rand(2, 3, C, 1, 8, generator=gen, dtype=torch.float64) * 0.8).cumsum(2)  # whole chunk within 2^+-26
+    span = span or C
+    assert diagonal_span(G, bounded=False) == C
+    decay = (G[..., :, None, 0, :] - G[..., None, :, 0, :]).exp2()  # [.., i, j, K]
+    lower = torch.ones(C, C, dtype=torch.float64).tril()[:, None, :]
+    want = torch.einsum("...ipk,...jk,...ijk->...ipj", X, Y[..., 0, :], decay) * lower
+    dP = torch.randn(want.shape, generator=gen, dtype=torch.float64) * lower
+    dX_want, dY_want = torch.autograd.grad((want * dP).sum(), (X, Y))
+    with torch.no_grad():
+        got = pair_products(X, Y, G, bounded, span)
+        dX, dY = pair_products_backward(dP, X, Y, G, bounded, span)
+    assert_close("pair products", got, want, 1e-12)
+    assert_close("dX", dX, dX_want, 1e-12)
+    assert_close("dY", dY, dY_want, 1e-12)
+
+
+def test_diagonal_span_anchors_the_whole_chunk_only_where_its_decays_allow():
+    G = torch.zeros(2, 64, 1, 8)
+    assert diagonal_span(G, bounded=False) == 64
+    G[1, 20, 0, 3] = MID_ANCHOR_LOG2  # its chunk's middle token is 32, its sub-chunk's 24: both at 0
+    assert diagonal_span(G, bounded=False) == 64
+    G[1, 0:16, 0, 3] = MID_ANCHOR_LOG2 * 1.01  # tokens 0..15 too far from token 32, not from token 8
+    assert diagonal_span(G, bounded=False) == 16 and diagonal_span(G, bounded=True) == 16
+    G[1, 20, 0, 3] = MID_ANCHOR_LOG2 * 1.01  # and now token 20 from token 24 too
+    assert diagonal_span(G, bounded=False) is None
+    assert diagonal_span(G, bounded=True) == 16  # the bound's promise stands for the sub-chunks
+    G[1, 20, 0, 3] = float("nan")
+    assert diagonal_span(G, bounded=False) is None
+    assert diagonal_span(torch.zeros(1, 12, 1, 4), bounded=False) == 12  # a chunk no longer than a sub-chunk
+    short = torch.zeros(1, 12, 1, 4)
+    short[0, 0, 0, 0] = MID_ANCHOR_LOG2 * 2
+    assert diagonal_span(short, bounded=False) is None and diagonal_span(short, bounded=True) == 12
+
+
 def test_step_over_slots_matches_reference_and_leaves_other_slots():
     check_kda_step(None, K=16, V=8, seed=7, slot_dtype=torch.int32)
     # and T decode steps equal one chunked pass
@@ -196,22 +239,22 @@ def test_an_unbounded_gate_takes_the_dense_diagonal_only_where_its_decays_allow(
     G[1, 20, 0, 3] = float("nan")
     assert not mid_anchor_safe(G)
     # chunk_kda without a bound: a mild gate (Kimi Linear's as initialised: e^-0.3 a token at
-    # most) runs the dense diagonal sub-chunks, a steep one the exact 4 x 4 pairwise blocks; both
-    # are the recurrence, forward and backward
+    # most) anchors each whole chunk at its middle, a steeper one the 16-token sub-chunks, a steep
+    # one takes the exact 4 x 4 pairwise blocks; all are the recurrence, forward and backward
     seen = []
     real = kda_cpu.pair_products
 
-    def spy(X, Y, G, bounded, *rest):
-        seen.append(bounded)
-        return real(X, Y, G, bounded, *rest)
+    def spy(X, Y, G, bounded, span):
+        seen.append(span if bounded else None)
+        return real(X, Y, G, bounded, span)
 
     q, k, v, g, beta = kda_inputs(1, 150, 2, 16, 16, "unbounded", seed=12)
     try:
         kda_cpu.pair_products = spy
-        for scale, dense in ((0.1, True), (20.0, False)):  # softplus(z) * 3 * scale a token
+        for scale, span in ((0.1, 64), (0.4, 16), (20.0, None)):  # softplus(z) * 3 * scale a token
             seen.clear()
             check_kda(chunk_kda, [q, k, v, g * scale, beta], torch.randn(1, 2, 16, 16), lower_bound=None)
-            assert seen and all(b is dense for b in seen), (scale, seen)
+            assert seen and all(b == span for b in seen), (scale, seen)
     finally:
         kda_cpu.pair_products = real
 
