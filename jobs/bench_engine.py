@@ -46,6 +46,7 @@ import time
 import torch
 
 from k3.model import K3ForCausalLM, cache_bytes, get_preset
+from k3.platform.ops.local_ray import json_stdout
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
@@ -56,6 +57,7 @@ p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
 args = p.parse_args()
+RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
 if args.threads:
     torch.set_num_threads(args.threads)
 torch.manual_seed(0)
@@ -443,4 +445,4 @@ if "multiturn" in only:
 if "full" in only:
     result["full_prefix_cache"] = full_cache()
 result["machine"]["load_average_at_end"] = os.getloadavg()
-print(json.dumps(result, indent=2))
+print(json.dumps(result, indent=2), file=RESULT, flush=True)

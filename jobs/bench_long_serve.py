@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from k3.platform.ops.local_ray import json_stdout
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--lengths", default="1024,4096,32768,131072", help="prompt lengths, shortest first")
 p.add_argument("--app-length", type=int, help="prompt length sent to the apps (default: the longest of --lengths)")
@@ -48,6 +50,7 @@ p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one engin
 p.add_argument("--out", type=Path)
 p.add_argument("--plot", type=Path)
 args = p.parse_args()
+RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
 
 
 def rss_mib(field: str = "VmRSS") -> float:
@@ -249,7 +252,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 if args.one is not None:
-    print(json.dumps(one_engine_run(args.one)))
+    print(json.dumps(one_engine_run(args.one)), file=RESULT, flush=True)
     sys.exit(0)
 lengths = [int(x) for x in args.lengths.split(",")]
 only = set(args.only.split(","))
@@ -264,6 +267,6 @@ summary["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 if args.plot and "engine" in summary:
     plot(summary["engine"], args.plot)
 text = json.dumps(summary, indent=2)
-print(text)
+print(text, file=RESULT, flush=True)
 if args.out:
     args.out.write_text(text + "\n")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from k3.platform.ops.local_ray import free_port, init_local_ray
+from k3.platform.ops.local_ray import free_port, init_local_ray, json_stdout
 from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request, trace_summary
 from k3.serve.engine.params import EngineConfig
 
@@ -75,6 +75,7 @@ p.add_argument("--compile-decode", action="store_true",
                help="decode graphs in the decode and LLM replicas: the default now (kept so that the commands "
                     "docs/benchmarks.md records still run)")
 args = p.parse_args()
+RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
 if args.eager and args.compile_decode:
     p.error("--eager and --compile-decode contradict each other: give one")
 if args.pool_groups < 0:
@@ -180,7 +181,7 @@ summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 summary["machine"] = {"cpu_count": os.cpu_count()}
 summary["args"] = vars(args) | {"out": str(args.out) if args.out else None}
 text = json.dumps(summary, indent=2)
-print(text)
+print(text, file=RESULT, flush=True)
 if args.out is not None:
     args.out.write_text(text + "\n")
 sys.exit(0)

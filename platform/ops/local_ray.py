@@ -75,6 +75,16 @@ def init_local_ray(**kwargs):
     return ray.init(**{"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False, **kwargs})
 
 
+def json_stdout():
+    """This process's stdout, kept for a JSON result; from now on whatever else goes through
+    `sys.stdout` goes to stderr. Ray's driver prints the raylet's error messages (a killed actor's
+    task retried, as every Serve shutdown gives) to `sys.stdout` whatever `log_to_driver` says, so a
+    benchmark run as `python jobs/bench_serve.py > out.json` wrote them above its JSON."""
+    out = sys.stdout
+    sys.stdout = sys.stderr
+    return out
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
     with socket.socket() as s:

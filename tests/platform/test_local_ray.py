@@ -3,6 +3,7 @@ start is proven by the job-submit test); stopping process groups; finding a fake
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,30 @@ def test_every_port_is_chosen_and_distinct(tmp_path):
     assert "RAY_ADDRESS" not in head.env and head.env[DRAIN_ENV] == "0"
     assert head.address.startswith("http://127.0.0.1:") and head.gcs_address.startswith("127.0.0.1:")
     head.stop()  # never started: a no-op
+
+
+JSON_STDOUT = """
+import json, sys
+from ray._private.worker import print_to_stdstream
+from k3.platform.ops.local_ray import json_stdout
+
+result = json_stdout()
+print("a progress line")
+print_to_stdstream({"lines": ["Task ServeController.listen_for_change failed."], "pid": "raylet", "is_err": False},
+                   ignore_prefix=False)
+print(json.dumps({"ok": 1}), file=result)
+"""
+
+
+def test_a_bench_s_stdout_holds_only_its_json():
+    # Ray's driver prints the raylet's errors to sys.stdout (is_err False) whatever log_to_driver says
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", JSON_STDOUT], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"ok": 1}
+    assert "a progress line" in p.stderr and "listen_for_change failed" in p.stderr
 
 
 def test_bad_cpu_count_is_refused(tmp_path):
