@@ -209,7 +209,7 @@ class Experts(nn.Module):
         g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
         u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)
         ys = grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
-        return torch.empty_like(ys).index_copy(0, order, ys)
+        return torch.empty_like(ys).index_copy_(0, order, ys)  # in place: the out-of-place copies the empty first
 
     def by_index(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`forward` with each token's k experts read by index: no sort, no grouped call, and

@@ -137,6 +137,17 @@ def test_mla_packed_matches_separate():
         assert_close("seq b", packed[:, 7:], layer(b), 1e-6)
 
 
+def test_kda_projections_of_a_long_chunk_in_one_matmul_equal_three():
+    cfg = tiny()
+    layer = build(KimiDeltaAttention, cfg)
+    for rows in (cfg.hidden_size + 1, 3 * cfg.hidden_size, 5):  # past D rows: one matmul; a few rows: three
+        x = torch.randn(rows, cfg.hidden_size)
+        want = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+        with torch.no_grad():
+            assert_close(f"{rows} rows", layer._qkv_in(x), want, 1e-6)
+        assert_close(f"{rows} rows with autograd", layer._qkv_in(x), want, 1e-6)
+
+
 def test_mla_packed_runs_of_equal_lengths_match_separate():
     """Consecutive sequences of one length attend in one batched call, lone ones alone, empty ones
     not at all: outputs and input gradients equal each sequence run by itself."""
