@@ -233,7 +233,8 @@ class Experts(nn.Module):
         # token's k added in slot order (the sums of an index_add over the rows, without its scatter)
         N, k = idx.shape
         ys = self.grouped(x, idx.reshape(-1) - self.first, per_row=k).view(N, k, -1)
-        ys = ys * weight[..., None].to(ys.dtype)
+        w = weight[..., None].to(ys.dtype)
+        ys = ys * w if torch.is_grad_enabled() else ys.mul_(w)  # a fresh tensor: in place unless autograd needs it
         out = ys[:, 0]
         for slot in range(1, k):
             out = out + ys[:, slot]
