@@ -6,9 +6,10 @@ two sub-chunks the factorisation is anchored at the boundary between them, so bo
 <= 1 for any gate. On a diagonal sub-chunk the anchor is its middle token: exact and overflow-free
 when no token's decay from the anchor exceeds e^40, as a gate with a lower bound guarantees (K3's
 g > -5 keeps 8 tokens of decay above -40) and as an unbounded gate (Kimi Linear's) usually gives:
-`mid_anchor_safe` checks a tile's decays for that. Where it fails, a diagonal sub-chunk is split
-again into 4-token blocks the same way, and only 4 x 4 diagonal blocks take the exact pairwise
-product.
+`mid_anchor_safe` checks a tile's decays for that. Where a whole chunk stays within e^40 of its
+own middle token (a mild gate), the chunk is one such block: one matmul, no sub-chunks
+(`diagonal_span` picks the form per tile). Where even a sub-chunk fails, it is split again into
+4-token blocks the same way, and only 4 x 4 diagonal blocks take the exact pairwise product.
 
 The gradient of a pair product P_ij = sum_c a_ic b_jc e^(G_ic - G_jc) is da = dP (b e^-G) e^G,
 db = dP^T (a e^G) e^-G, dG = a da - b db, computed with the same anchoring as the forward.
