@@ -215,7 +215,8 @@ class KimiDeltaAttention(nn.Module):
         weight for the backward, a [3HK, D] tensor a layer), and so do a decode batch and any
         traced graph."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if xt.shape[0] > xt.shape[1] and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # dynamo first: under a trace the row count is symbolic, and comparing it would add a guard
+        if not torch.compiler.is_dynamo_compiling() and not torch.is_grad_enabled() and xt.shape[0] > xt.shape[1]:
             return F.linear(xt, torch.cat([p.weight for p in projs]))
         return torch.cat([p(xt) for p in projs], dim=-1)
 

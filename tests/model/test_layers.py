@@ -148,6 +148,24 @@ def test_kda_projections_of_a_long_chunk_in_one_matmul_equal_three():
         assert_close(f"{rows} rows with autograd", layer._qkv_in(x), want, 1e-6)
 
 
+def test_kda_projections_traced_take_no_guard_on_the_row_count():
+    # a traced graph (the decode graphs: rows = the batch, a dynamic dimension) keeps the three
+    # projections without comparing its symbolic row count with D: a guard there would recompile
+    # once a batch passed D rows
+    from torch._dynamo.testing import CompileCounter
+
+    cfg = tiny()
+    layer = build(KimiDeltaAttention, cfg)
+    counter = CompileCounter()
+    fn = torch.compile(layer._qkv_in, backend=counter, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for rows in (3, 8, cfg.hidden_size + 50):
+            x = torch.randn(rows, cfg.hidden_size)
+            assert_close(f"{rows} rows traced", fn(x), layer._qkv_in(x), 1e-6)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_mla_packed_runs_of_equal_lengths_match_separate():
     """Consecutive sequences of one length attend in one batched call, lone ones alone, empty ones
     not at all: outputs and input gradients equal each sequence run by itself."""
