@@ -14,6 +14,7 @@ or +inf gets an error instead of a token; the other rows are unaffected.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,15 +60,23 @@ def adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits
 
 
+def _adjusts(r: SampleRow) -> bool:
+    """Whether `adjust` changes this row's logits."""
+    p = r.params
+    return bool(p.logit_bias or r.banned or (r.output and (p.presence_penalty or p.frequency_penalty)))
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator) -> list[Draw]:
     """logits [M, V] (any float dtype) -> one Draw per row; `shared` draws for rows without a seed."""
-    logits = adjust(logits.float().clone(), rows)
+    logits = logits.float()
+    if any(_adjusts(r) for r in rows):  # a copy first: the caller's logits stay as they were
+        logits = adjust(logits.clone(), rows)
     M = logits.shape[0]
     params = [r.params for r in rows]
     generators = [r.generator for r in rows]
     # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token. A
     # row's max is NaN when it holds a NaN (max propagates it), else +inf or -inf exactly then.
-    bad = (~torch.isfinite(logits.amax(-1))).tolist()
+    bad = [not math.isfinite(m) for m in logits.amax(-1).tolist()]
     tokens = [None] * M
     greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
     if greedy:  # every row's argmax in one call (no gather of the greedy rows first)

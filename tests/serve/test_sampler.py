@@ -116,3 +116,16 @@ def test_rows_with_nan_inf_or_nothing_left_fail_alone():
     assert all(d.token is None for d in got[1:5])
     assert got[0].token == int(x[0].argmax()) and got[0].error is None
     assert 0 <= got[5].token < V
+
+
+@pytest.mark.parametrize("rows", [
+    [row(), row()],  # nothing to adjust: the logits are read as they are
+    [row(banned=[3, 4]), row(output=[1, 1, 2], presence_penalty=1.0), row(logit_bias={5: 9.0})],
+])
+def test_the_caller_s_logits_are_left_as_they_were(rows):
+    x = logits(len(rows))
+    before = x.clone()
+    got = draw(x, rows)
+    assert torch.equal(x, before)
+    if rows[0].banned:
+        assert got[0].token not in (3, 4) and got[2].token == 5
