@@ -19,6 +19,8 @@ The K3 output gate multiplies each head's output by sigmoid(g_proj x) before o_p
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -279,44 +281,15 @@ class GatedMLA(nn.Module):
         attends causally to itself. A run of consecutive sequences of one length is one batched
         fused call (a view as [n, H, length, d]); a lone one its own. Returns [1, H, T, d]."""
         H, d = q.shape[1], q.shape[-1]
-        outs = []
-        i, N = 0, len(cu) - 1
-        while i < N:
-            length = cu[i + 1] - cu[i]
-            j = i + 1
-            while j < N and cu[j + 1] - cu[j] == length:
-                j += 1
+        outs, a = [], 0
+        for length, run in itertools.groupby(end - start for start, end in zip(cu, cu[1:])):
+            n = len(list(run))
             if length:
-                a, b, n = cu[i], cu[j], j - i
-
-                def runs(t: torch.Tensor) -> torch.Tensor:
-                    return t[0, :, a:b].unflatten(1, (n, length)).transpose(0, 1)  # [n, H, length, d]
-
-                o = F.scaled_dot_product_attention(runs(q), runs(k), runs(v), is_causal=True, scale=self.scale)
-                outs.append(o.transpose(0, 1).reshape(1, H, b - a, d))
-            i = j
+                views = [t[0, :, a:a + n * length].unflatten(1, (n, length)).transpose(0, 1) for t in (q, k, v)]
+                o = F.scaled_dot_product_attention(*views, is_causal=True, scale=self.scale)  # [n, H, length, d]
+                outs.append(o.transpose(0, 1).reshape(1, H, n * length, d))
+            a += n * length
         return torch.cat(outs, dim=2) if outs else q.new_zeros(1, H, 0, d)
-
-    def _span_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        spans: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        """q [1, H, n, d]; k, v [1, H, S, d]; spans (q0, q1, k0, k1): queries [q0, q1) see keys
-        [k0, k1), query q0 + i the keys up to k1 - (q1 - q0) + i. Returns [1, H, n, d].
-
-        One fused causal call per span with no mask: a span whose keys begin before its queries
-        gets zero queries in front for those keys (square causal = aligned bottom right; their
-        outputs are dropped, so they add no gradient). A lower-right mask would cost [n, S] bytes
-        and SDPA's masked path converts it to floats: 8 GB at 32K x 64K."""
-        outs = []
-        for q0, q1, k0, k1 in spans:
-            if q1 == q0:
-                continue
-            past = (k1 - k0) - (q1 - q0)
-            qs = q[:, :, q0:q1]
-            if past:
-                qs = torch.cat([qs.new_zeros(*qs.shape[:2], past, qs.shape[-1]), qs], dim=2)
-            o = F.scaled_dot_product_attention(qs, k[:, :, k0:k1], v[:, :, k0:k1], is_causal=True, scale=self.scale)
-            outs.append(o[:, :, past:])
-        return torch.cat(outs, dim=2)
 
 
 def sdpa_bottom_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

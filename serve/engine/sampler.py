@@ -41,12 +41,18 @@ class SampleRow:
 
 
 def adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """logits [M, V] float32, changed in place: each row's bias, penalties and bans (module doc)."""
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
-            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
+    """logits [M, V] float32 -> each row's bias, penalties and bans applied (module doc): a changed
+    copy, or logits itself when no row asks for any (the caller's tensor is never written)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     pen = [i for i, r in enumerate(rows) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
+    banned = [i for i, r in enumerate(rows) if r.banned]
+    if not (biased or pen or banned):
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        ids = torch.tensor(list(bias), device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
     if pen:
         V = logits.shape[-1]
         counts = torch.stack([torch.bincount(torch.tensor(list(rows[i].output), device=logits.device), minlength=V)
@@ -54,23 +60,14 @@ def adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=logits.device)
         presence = torch.tensor([rows[i].params.presence_penalty for i in pen], device=logits.device)
         logits[pen] -= freq[:, None] * counts + presence[:, None] * (counts > 0).float()
-    for i, r in enumerate(rows):
-        if r.banned:
-            logits[i, r.banned] = float("-inf")
+    for i in banned:
+        logits[i, rows[i].banned] = float("-inf")
     return logits
-
-
-def _adjusts(r: SampleRow) -> bool:
-    """Whether `adjust` changes this row's logits."""
-    p = r.params
-    return bool(p.logit_bias or r.banned or (r.output and (p.presence_penalty or p.frequency_penalty)))
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator) -> list[Draw]:
     """logits [M, V] (any float dtype) -> one Draw per row; `shared` draws for rows without a seed."""
-    logits = logits.float()
-    if any(_adjusts(r) for r in rows):  # a copy first: the caller's logits stay as they were
-        logits = adjust(logits.clone(), rows)
+    logits = adjust(logits.float(), rows)
     M = logits.shape[0]
     params = [r.params for r in rows]
     generators = [r.generator for r in rows]
