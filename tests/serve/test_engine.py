@@ -280,8 +280,12 @@ def test_a_reader_that_falls_behind_gets_the_steps_it_missed_as_one_output(tiny_
     async def run():
         stream = aeng.generate([5, 6, 7, 8], params)
         outs = [await stream.__anext__()]
-        while aeng.engine.has_unfinished():  # every later step ends while nobody reads
+        # every later step ends while nobody reads: wait until the step loop has gone idle, which it
+        # does only after queueing the last step's outputs (the engine itself reports no unfinished
+        # request while that step's outputs are still on their way back from the worker thread)
+        while aeng._wake.is_set():
             await asyncio.sleep(0.01)
+        assert not aeng.engine.has_unfinished()
         outs += [o async for o in stream]
         return outs
 
