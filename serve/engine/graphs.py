@@ -58,6 +58,7 @@ The traced code keeps the model's weights as inputs (not constants): a change to
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -162,6 +163,9 @@ class DecodeGraph:
         self.compile_seconds: float | None = None  # the engine's compile at its start
         self.ready = False  # the graphs compiled at the engine's start are there: steps may use them
         self.compiled = threading.Event()  # that compile has ended (ready, or failed)
+        # (batch of one, page-table width) of the calls made so far: a graph serves each, so a
+        # later call of the same shape neither traces nor needs the recompile limit raised
+        self._served: set[tuple[bool, int]] = set()
 
     @property
     def state(self) -> str:
@@ -186,6 +190,25 @@ class DecodeGraph:
         """`logits` without counting a step: compiles the batch's graph if no graph serves it."""
         if self.error is not None:
             return None
+        shape = (input_ids.shape[1] == 1, cache.page_table.shape[1])
+        # A shape served before runs its graph at once (dynamo's guards still check the call); a
+        # new one is set up to trace: its dynamic dimensions marked, the recompile limit raised
+        # (a config patch costs ~60 us, 3% of a kimi8 step at one sequence: not paid every step)
+        served = shape in self._served
+        if not served:
+            self._mark(input_ids, cache)
+        try:
+            with contextlib.nullcontext() if served else torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+                out = self._fn(self.model, input_ids, cache)
+        except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing or compiling: nothing ran
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("decode graphs are off for this engine, steps run eagerly: %s", self.error)
+            return None
+        self._served.add(shape)
+        return out
+
+    @staticmethod
+    def _mark(input_ids: torch.Tensor, cache: CacheBatch) -> None:
         if input_ids.is_cuda:  # CUDA graphs replay fixed addresses: the pools stay where they are
             for t in [*(x for p in cache.kda.values() for x in (p.recurrent, p.conv)), *cache.mla_pages.values()]:
                 torch._dynamo.mark_static_address(t)
@@ -195,11 +218,3 @@ class DecodeGraph:
             dims.append((cache.page_table, 1))
         for t, dim in dims:
             torch._dynamo.maybe_mark_dynamic(t, dim)
-        try:
-            with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
-                out = self._fn(self.model, input_ids, cache)
-        except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing or compiling: nothing ran
-            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("decode graphs are off for this engine, steps run eagerly: %s", self.error)
-            return None
-        return out

@@ -282,3 +282,37 @@ def test_one_row_matmuls_become_sums_only_for_one_fp32_row(rows, dtype, dynamic,
 @pytest.mark.parametrize("pages,width", [(1, MIN_TABLE_PAGES), (8, 8), (9, 16), (16, 16), (17, 32)])
 def test_page_table_buckets(pages, width):
     assert DecodeGraph.table_width(pages) == width
+
+
+def test_a_shape_served_before_runs_without_the_trace_setup(model):
+    # the first call of a (batch of one, table width) marks the dynamic dimensions and raises the
+    # recompile limit (a config patch: ~60 us, 3% of a kimi8 step); later calls of that shape go
+    # straight to the compiled function, whose guards still check them; a dynamo error on any
+    # call turns graphs off and the step runs eagerly
+    from k3.serve.engine.graphs import MAX_GRAPHS
+
+    eng = LLMEngine(model, EngineConfig(compile_decode=False, page_size=8))
+    g = DecodeGraph(model, torch.device("cpu"))
+    seen = []
+
+    def spy(m, input_ids, cache):
+        seen.append((torch._dynamo.config.recompile_limit == MAX_GRAPHS,
+                     hasattr(cache.page_table, "_dynamo_weak_dynamic_indices")))
+        return torch.zeros(input_ids.shape[1], 4)
+
+    g._fn = spy
+    calls = [(1, 8), (1, 8), (3, 8), (3, 8), (2, 8), (1, 16), (1, 16)]
+    for n, width in calls:
+        cb = eng.cache.compile_batch(n, lambda _: width, private=True)
+        assert g.logits(torch.zeros((1, n), dtype=torch.long), cb).shape == (n, 4)
+    # set up: the first batch of one, the first of more (3; then 2 shares its graph), a new width
+    assert [s[0] for s in seen] == [True, False, True, False, False, True, False]
+    assert [s[1] for s in seen] == [True, False, True, False, False, True, False]
+    assert g.calls == len(calls)
+
+    def broken(*_):
+        raise torch._dynamo.exc.InternalTorchDynamoError("boom")
+
+    g._fn = broken
+    cb = eng.cache.compile_batch(3, lambda _: 8, private=True)
+    assert g.logits(torch.zeros((1, 3), dtype=torch.long), cb) is None and "boom" in g.error
