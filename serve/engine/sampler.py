@@ -73,11 +73,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
     generators = [r.generator for r in rows]
     # NaN or +inf anywhere, or nothing left to choose (every token banned or -inf): no token. A
     # row's max is NaN when it holds a NaN (max propagates it), else +inf or -inf exactly then.
-    bad = [not math.isfinite(m) for m in logits.amax(-1).tolist()]
+    # One pass gives every row's max and its first index: the greedy rows' tokens (argmax's
+    # choice on ties) come with the check.
+    top_value, top_index = logits.max(-1)
+    bad = [not math.isfinite(m) for m in top_value.tolist()]
     tokens = [None] * M
     greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
-    if greedy:  # every row's argmax in one call (no gather of the greedy rows first)
-        top = logits.argmax(-1).tolist()
+    if greedy:
+        top = top_index.tolist()
         for i in greedy:
             tokens[i] = top[i]
     sampled = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]

@@ -129,3 +129,14 @@ def test_the_caller_s_logits_are_left_as_they_were(rows):
     assert torch.equal(x, before)
     if rows[0].banned:
         assert got[0].token not in (3, 4) and got[2].token == 5
+
+
+def test_greedy_ties_go_to_the_first_index_as_argmax_gives():
+    # the greedy token and the finite check come from one max pass: its index must be argmax's
+    x = torch.zeros(3, V)
+    x[0, [9, 4, 30]] = 2.0  # ties at 4, 9 and 30: the first, 4
+    x[1, [V - 1, 0]] = 1.0  # ties at both ends: 0
+    x[2] = -3.0  # every token ties: 0
+    got = draw(x, [row(), row(), row()])
+    assert [d.token for d in got] == [int(r.argmax()) for r in x] == [4, 0, 0]
+    assert all(d.error is None for d in got)
