@@ -423,6 +423,18 @@ def test_the_short_conv_is_conv1d_on_cpu_fp32_and_conv1d_itself_elsewhere():
     assert y.shape == (0, 12) and torch.equal(new, state[:2])
     y, new = causal_conv1d(x[:5], w, None, torch.tensor([0, 5]))  # no state: zeros before the sequence
     assert torch.equal(y, F.conv1d(F.pad(x[:5], (0, 0, 3, 0)).T[None], w[:, None, :], groups=12)[0].T)
+    # without autograd the stream's rows past the window are made in place and every row before
+    # it is redone from its sequence's state (fewer tokens than the window, an empty first
+    # sequence): the same values as through autograd's padded path, and as each sequence alone
+    for cu in ([0, 10, 10, 11, 13, 23], [0, 2], [0, 0, 2, 23], [0, 1, 2, 3]):
+        T = cu[-1]
+        cu = torch.tensor(cu)
+        ys = [causal_conv1d(x[:T].requires_grad_(grad), w, state[:len(cu) - 1], cu)[0] for grad in (False, True)]
+        assert torch.equal(ys[0], ys[1].detach()) and ys[0].shape == (T, 12)
+        for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            ext = torch.cat([state[i].T, x[a:b]])
+            if b > a:
+                assert torch.equal(ys[0][a:b], F.conv1d(ext.T[None], w[:, None, :], groups=12)[0].T)
 
 
 @pytest.mark.parametrize("top_k", [2, 3])
