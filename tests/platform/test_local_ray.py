@@ -143,23 +143,35 @@ def test_a_group_whose_leader_exited_is_not_alive_though_nobody_waited_for_it():
     assert not group_alive(live.pid, live) and not group_alive(None)
 
 
-def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm():
+def _wait_for(path, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm(tmp_path):
     import subprocess
     import time
 
     from k3.platform.ops.process_group import group_alive, stop_group
 
     # a leader that ignores SIGTERM, with a child in its group: both go, by SIGKILL after the grace
-    proc = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait"], start_new_session=True)
-    time.sleep(0.3)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(["bash", "-c", f"trap '' TERM; touch {ready}; sleep 60 & wait"], start_new_session=True)
+    _wait_for(ready)
     t = time.time()
     stop_group(proc.pid, proc, grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8
     stop_group(proc.pid, proc)  # stopping what is gone is a no-op
     # a leader that goes on SIGTERM, leaving a member that ignores it (a fake node's raylet waiting
     # on its gone head): the member gets the short second grace, not what is left of the first
-    proc = subprocess.Popen(["bash", "-c", "(trap '' TERM; sleep 60) & sleep 60"], start_new_session=True)
-    time.sleep(0.3)
+    ready.unlink()
+    proc = subprocess.Popen(["bash", "-c", f"(trap '' TERM; touch {ready}; sleep 60) & sleep 60"],
+                            start_new_session=True)
+    _wait_for(ready)
     t = time.time()
     stop_group(proc.pid, proc, grace_s=60.0, rest_grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8, time.time() - t
@@ -174,11 +186,12 @@ def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
 
     from k3.platform.ops.process_group import group_alive, stop_group
 
-    log = tmp_path / "log"
+    log, ready = tmp_path / "log", tmp_path / "ready"
     member = ("import signal, sys, time\n"
               "def term(*_):\n"
               f"    open({str(log)!r}, 'a').write(sys.argv[1] + ' %.6f\\n' % time.time()); sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, term)\n"
+              f"open({str(ready)!r}, 'a').write(sys.argv[1] + '\\n')\n"
               "time.sleep(60)\n")
     script = tmp_path / "member.py"
     script.write_text(member)
@@ -186,11 +199,10 @@ def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
     leader = (f"import subprocess, sys; subprocess.Popen([sys.executable, {str(script)!r}, 'left']); "
               f"sys.argv = ['x', 'leader']; exec(open({str(script)!r}).read())")
     proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
-    deadline = time.time() + 30
-    while time.time() < deadline and len(subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True,
-                                                        text=True).stdout.split()) < 2:
-        time.sleep(0.1)
-    time.sleep(0.5)  # both have installed their handlers
+    deadline = time.time() + 60  # both have installed their handlers (each says so after it has)
+    while not (ready.exists() and sorted(ready.read_text().split()) == ["leader", "left"]):
+        assert time.time() < deadline, ready.read_text() if ready.exists() else "no member started"
+        time.sleep(0.05)
     stop_group(proc.pid, proc, grace_s=20.0)
     assert not group_alive(proc.pid, proc)
     got = dict(line.split() for line in log.read_text().splitlines())

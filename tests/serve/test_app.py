@@ -149,8 +149,14 @@ def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
             "logprobs": 0}
     post = lambda: httpx.post(f"{apps['pd']}/v1/completions", json=body, timeout=120,  # noqa: E731
                               headers={"Authorization": f"Bearer {KEY}"}).json()["choices"][0]
+    pool = serve.get_deployment_handle("PrefixPool", app_name="pd")
+    published = pool.stats.remote().result()["published"]
     first = post()
-    time.sleep(1.0)  # the replica publishes to the pool after replying
+    # the replica publishes to the pool after replying, all of a prompt's pages in one call
+    deadline = time.monotonic() + 60
+    while pool.stats.remote().result()["published"] == published:
+        assert time.monotonic() < deadline, "the prefill replica never published the prompt's pages"
+        time.sleep(0.05)
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
     assert prefill.reset_prefix_cache.remote().result() > 0
     again = post()

@@ -136,9 +136,15 @@ def test_a_picture_that_hits_only_the_pool_answers_the_same(vapps):
     from ray import serve
 
     prefill = serve.get_deployment_handle("PrefillServer", app_name="vpd")
-    msgs = messages(data_url(png(3)))
+    msgs = messages(data_url(png(3)))  # a picture no other test sends: its pages are new to the pool
+    pool = serve.get_deployment_handle("PrefixPool", app_name="vpd")
+    published = pool.stats.remote().result()["published"]
     first = ask(vapps["pd"], msgs)
-    time.sleep(1.0)  # the replica publishes to the pool after replying
+    # the replica publishes to the pool after replying, all of a prompt's pages in one call
+    deadline = time.monotonic() + 60
+    while pool.stats.remote().result()["published"] == published:
+        assert time.monotonic() < deadline, "the prefill replica never published the picture's pages"
+        time.sleep(0.05)
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
     assert prefill.reset_prefix_cache.remote().result() > 0
     assert ask(vapps["pd"], msgs) == first
