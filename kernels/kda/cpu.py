@@ -42,6 +42,10 @@ class ChunkLayout:
     out_idx [M, C]: where each slot is written (padding goes to the spare row, the token count).
     of_table [NT]: the layout chunk of each table chunk.
     tiles: ranges of chunk positions holding about TILE_CHUNK_HEADS chunks x heads each.
+    rows: {(m0, m1): (start, stride)} for each tile whose chunks are whole and evenly spaced in
+    the token stream (chunk m0 + i reads tokens start + i * stride onwards: one sequence's run of
+    chunks, or the same chunk of sequences of one length), which loads and stores as a strided
+    view instead of by index.
     """
 
     def __init__(self, table: ChunkTable, n_heads: int, device: torch.device) -> None:
@@ -69,6 +73,15 @@ class ChunkLayout:
         of_table = torch.empty(table.num_chunks, dtype=torch.long).index_copy_(0, j, torch.arange(j.numel()))
         self.of_table = of_table.tolist()
         self.tiles = self._tiles(max_chunks, max(1, TILE_CHUNK_HEADS // max(n_heads, 1)))
+        self.rows = {}
+        for c0, c1 in self.tiles:
+            m0, m1 = self.ends[c0], self.ends[c1]
+            if m1 > m0 and bool(valid[m0:m1].all()):
+                start = int(tok[m0, 0])
+                stride = int(tok[m0 + 1, 0]) - start if m1 - m0 > 1 else C
+                even = start + stride * torch.arange(m1 - m0)[:, None] + torch.arange(C)
+                if stride >= C and torch.equal(tok[m0:m1], even):
+                    self.rows[m0, m1] = (start, stride)
 
     def _tiles(self, max_chunks: int, per_tile: int) -> list[tuple[int, int]]:
         tiles, c0 = [], 0
@@ -119,19 +132,32 @@ class _Tile:
             self.__dict__ = {name: getattr(self, name) for name in self.FORWARD}
 
 
-def _load(flat: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor | None, m: int, C: int) -> torch.Tensor:
-    """Rows idx of flat [BT, H, *] -> a private fp32 tile [m, H, C, *] (padding zeroed)."""
-    rows = flat.index_select(0, idx).view(m, C, *flat.shape[1:]).transpose(1, 2)
-    tile = torch.empty(rows.shape, dtype=torch.float32, device=flat.device)
-    tile.copy_(rows)
+def _spaced(x: torch.Tensor, rows: tuple[int, int], m: int, C: int) -> torch.Tensor:
+    """x [BT, H, *] seen as [m, C, H, *]: chunk i the C rows from start + i * stride."""
+    start, stride = rows
+    return x.as_strided((m, C, *x.shape[1:]), (stride * x.stride(0), *x.stride()), x.storage_offset() + start * x.stride(0))
+
+
+def _load(flat: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor | None, m: int, C: int,
+          rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Rows idx of flat [BT, H, *] -> a private fp32 tile [m, H, C, *] (padding zeroed); evenly
+    spaced whole chunks (`rows`, ChunkLayout.rows) are read in place, not gathered first."""
+    src = (_spaced(flat, rows, m, C) if rows is not None else flat.index_select(0, idx).view(m, C, *flat.shape[1:]))
+    src = src.transpose(1, 2)
+    tile = torch.empty(src.shape, dtype=torch.float32, device=flat.device)
+    tile.copy_(src)
     if pad is not None:
         tile.masked_fill_(pad.view(m, 1, C, *([1] * (tile.dim() - 3))), 0.0)
     return tile
 
 
-def _store(out: torch.Tensor, idx: torch.Tensor, tile: torch.Tensor) -> None:
-    """A tile [m, H, C, *] back to rows idx of out [BT + 1, H, *] (padding goes to the last row)."""
-    out.index_copy_(0, idx, tile.transpose(1, 2).reshape(-1, *out.shape[1:]))
+def _store(out: torch.Tensor, idx: torch.Tensor, tile: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    """A tile [m, H, C, *] back to rows idx of out [BT + 1, H, *] (padding goes to the last row);
+    evenly spaced whole chunks (`rows`) written in place."""
+    if rows is not None:
+        _spaced(out, rows, tile.shape[0], tile.shape[2]).copy_(tile.transpose(1, 2))
+    else:
+        out.index_copy_(0, idx, tile.transpose(1, 2).reshape(-1, *out.shape[1:]))
 
 
 
@@ -174,7 +200,7 @@ def _forward(q, k, v, g, beta, h0, lay: ChunkLayout, scale: float, bounded: bool
             S = nxt
         kept.update((m, S0[m - m0].clone()) for m in want if m0 <= m < m1)
         o_t = torch.baddbmm((t.Aqk @ delta).flatten(0, 1), t.qg.flatten(0, 1), S0.flatten(0, 1))
-        _store(o, lay.out_idx[m0:m1].flatten(), o_t.view(m1 - m0, H, -1, V))
+        _store(o, lay.out_idx[m0:m1].flatten(), o_t.view(m1 - m0, H, -1, V), lay.rows.get((m0, m1)))
         del t, delta, o_t
     finished.append(S)
     final = torch.cat(finished[::-1])
@@ -209,13 +235,13 @@ class _ChunkKDA(torch.autograd.Function):
         for c0, c1 in reversed(lay.tiles):
             m0, m1 = lay.ends[c0], lay.ends[c1]
             t = _load_tile(flat, lay, m0, m1, scale, bounded)
-            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m1 - m0, lay.C)
+            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m1 - m0, lay.C, lay.rows.get((m0, m1)))
             S0_t = S0[m0:m1]
             delta = torch.baddbmm(t.u.flatten(0, 1), t.w.flatten(0, 1), S0_t.flatten(0, 1), alpha=-1.0).view_as(dO)
             dS1, ddelta = carry.through_tile(t, dO, lay, c0, c1)
             idx = lay.out_idx[m0:m1].flatten()
             for out, tile in zip(grads, _tile_grads(t, dO, S0_t, delta, dS1, ddelta, scale)):
-                _store(out, idx, tile)
+                _store(out, idx, tile, lay.rows.get((m0, m1)))
         dh0 = carry.entering()
         out = [gr[: B * T].view(x.shape).to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
         return (*out, dh0, None, None, None)
@@ -289,7 +315,8 @@ def _tile_grads(t: "_Tile", dO, S0_t, delta, dS1, ddelta, scale: float):
 
 def _load_tile(flat, lay: ChunkLayout, m0: int, m1: int, scale: float, bounded: bool, keep: bool = True) -> _Tile:
     idx, pad = lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1)
-    q, k, v, g, beta = (_load(x, idx, pad, m1 - m0, lay.C) for x in flat)
+    rows = lay.rows.get((m0, m1))
+    q, k, v, g, beta = (_load(x, idx, pad, m1 - m0, lay.C, rows) for x in flat)
     return _Tile(q.mul_(scale), k, v, g, beta[..., 0], bounded, keep)
 
 

@@ -291,3 +291,40 @@ def test_layers_of_one_batch_share_its_chunking():
         assert torch.equal(run(moved).o, first.o) and len(built) == 5
     finally:
         kda_cpu.ChunkTable = real
+
+
+@pytest.mark.parametrize("lengths,spaced", [
+    ([128], True),  # one tile, the sequence's two chunks
+    ([128] * 16, True),  # two tiles (16 chunks x 2 heads fill one), each the same chunk of every sequence
+    ([128, 128, 128], False),  # one tile of both chunk positions: not one spacing
+    ([192, 64], False), ([70, 5, 129], False)])  # chunks of uneven spacing; padded chunks
+def test_evenly_spaced_chunks_load_and_store_in_place_with_the_gathered_values(lengths, spaced, monkeypatch):
+    # a tile of whole chunks evenly spaced in the stream (one sequence's run, or the same chunk of
+    # sequences of one length) is read and written through a strided view, not gathered and
+    # scattered by index: the same outputs, final states and gradients as the index path
+    real = kda_cpu.ChunkLayout
+    layouts = []
+
+    class Seen(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            layouts.append(self)
+
+    class Gathered(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.rows = {}
+
+    def run(layout):
+        monkeypatch.setattr(kda_cpu, "ChunkLayout", layout)
+        xs = [x.detach().requires_grad_() for x in kda_inputs(1, sum(lengths), 2, 16, 16, "unbounded", seed=21)]
+        o, s, _ = chunk_kda(*xs, output_final_state=True, cu_seqlens=packed_lengths_cu(lengths))
+        (o.square().sum() + s.sum()).backward()
+        return o, s, [x.grad for x in xs]
+
+    want, got = run(Gathered), run(Seen)
+    assert (len(layouts[-1].rows) > 0) == spaced
+    if spaced:  # every tile of these batches is whole and evenly spaced
+        assert len(layouts[-1].rows) == len(layouts[-1].tiles)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
