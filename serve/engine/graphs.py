@@ -44,6 +44,9 @@ run the compiled code:
   (docs/benchmarks.md). The contract: weights may change in place (they are the graph's inputs,
   read at every call), but a model's modules and parameters are not replaced (nor retied,
   reshaped or recast) once an engine has compiled its graphs: nothing checks them any more.
+  A call of a shape a graph has served (batch of one or more, table width) goes straight to the
+  compiled function (whose guards, ~8 us, still check it); only a new shape is set up to trace
+  (its dimensions marked dynamic, the recompile limit raised by a config patch: ~60 us a call).
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
