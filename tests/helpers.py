@@ -1,6 +1,9 @@
 """Shared test utilities (imported as `helpers` via conftest's sys.path entry)."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 
@@ -56,3 +59,12 @@ def tree_bytes(root) -> dict:
 
     root = Path(root)
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05) -> None:
+    """Poll cond() until it holds (what another thread or process does, with no fixed sleep to
+    guess its time); an AssertionError naming `what` once timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(every_s)

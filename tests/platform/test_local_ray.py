@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from k3.platform.ops.local_ray import DRAIN_ENV, LocalRayHead
 
@@ -143,15 +144,6 @@ def test_a_group_whose_leader_exited_is_not_alive_though_nobody_waited_for_it():
     assert not group_alive(live.pid, live) and not group_alive(None)
 
 
-def _wait_for(path, timeout_s: float = 60.0) -> None:
-    import time
-
-    deadline = time.time() + timeout_s
-    while not path.exists():
-        assert time.time() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-
-
 def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm(tmp_path):
     import subprocess
     import time
@@ -161,7 +153,7 @@ def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm(tmp_path
     # a leader that ignores SIGTERM, with a child in its group: both go, by SIGKILL after the grace
     ready = tmp_path / "ready"
     proc = subprocess.Popen(["bash", "-c", f"trap '' TERM; touch {ready}; sleep 60 & wait"], start_new_session=True)
-    _wait_for(ready)
+    wait_until(ready.exists, 60, "the leader's SIGTERM trap")
     t = time.time()
     stop_group(proc.pid, proc, grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8
@@ -171,7 +163,7 @@ def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm(tmp_path
     ready.unlink()
     proc = subprocess.Popen(["bash", "-c", f"(trap '' TERM; touch {ready}; sleep 60) & sleep 60"],
                             start_new_session=True)
-    _wait_for(ready)
+    wait_until(ready.exists, 60, "the member's SIGTERM trap")
     t = time.time()
     stop_group(proc.pid, proc, grace_s=60.0, rest_grace_s=1.0)
     assert not group_alive(proc.pid, proc) and time.time() - t < 8, time.time() - t
@@ -199,10 +191,9 @@ def test_stop_group_signals_the_leader_before_the_rest_of_its_group(tmp_path):
     leader = (f"import subprocess, sys; subprocess.Popen([sys.executable, {str(script)!r}, 'left']); "
               f"sys.argv = ['x', 'leader']; exec(open({str(script)!r}).read())")
     proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
-    deadline = time.time() + 60  # both have installed their handlers (each says so after it has)
-    while not (ready.exists() and sorted(ready.read_text().split()) == ["leader", "left"]):
-        assert time.time() < deadline, ready.read_text() if ready.exists() else "no member started"
-        time.sleep(0.05)
+    # both have installed their handlers (each says so after it has)
+    wait_until(lambda: ready.exists() and sorted(ready.read_text().split()) == ["leader", "left"], 60,
+               "both members' SIGTERM handlers")
     stop_group(proc.pid, proc, grace_s=20.0)
     assert not group_alive(proc.pid, proc)
     got = dict(line.split() for line in log.read_text().splitlines())

@@ -12,6 +12,7 @@ import pytest
 
 from k3.model import SamplingConfig, generate
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import wait_until
 from serve_apps import AUTH, ENGINE, KEY, app_config, client, rand
 
 openai = pytest.importorskip("openai")
@@ -139,8 +140,6 @@ def test_disaggregated_equals_aggregated_equals_the_engine(apps, engine_model, t
 
 
 def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
-    import time
-
     from ray import serve
 
     prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
@@ -153,10 +152,8 @@ def test_a_prompt_that_hits_only_the_pool_answers_the_same(apps):
     published = pool.stats.remote().result()["published"]
     first = post()
     # the replica publishes to the pool after replying, all of a prompt's pages in one call
-    deadline = time.monotonic() + 60
-    while pool.stats.remote().result()["published"] == published:
-        assert time.monotonic() < deadline, "the prefill replica never published the prompt's pages"
-        time.sleep(0.05)
+    wait_until(lambda: pool.stats.remote().result()["published"] != published, 60,
+               "the prefill replica publishing the prompt's pages")
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
     assert prefill.reset_prefix_cache.remote().result() > 0
     again = post()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
+from helpers import wait_until
 from PIL import Image
 
 import k3.model
@@ -141,10 +141,8 @@ def test_a_picture_that_hits_only_the_pool_answers_the_same(vapps):
     published = pool.stats.remote().result()["published"]
     first = ask(vapps["pd"], msgs)
     # the replica publishes to the pool after replying, all of a prompt's pages in one call
-    deadline = time.monotonic() + 60
-    while pool.stats.remote().result()["published"] == published:
-        assert time.monotonic() < deadline, "the prefill replica never published the picture's pages"
-        time.sleep(0.05)
+    wait_until(lambda: pool.stats.remote().result()["published"] != published, 60,
+               "the prefill replica publishing the picture's pages")
     before = prefill.pool_stats.remote().result()["pool_hit_tokens"]
     assert prefill.reset_prefix_cache.remote().result() > 0
     assert ask(vapps["pd"], msgs) == first
