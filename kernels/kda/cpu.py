@@ -235,13 +235,14 @@ class _ChunkKDA(torch.autograd.Function):
         for c0, c1 in reversed(lay.tiles):
             m0, m1 = lay.ends[c0], lay.ends[c1]
             t = _load_tile(flat, lay, m0, m1, scale, bounded)
-            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m1 - m0, lay.C, lay.rows.get((m0, m1)))
+            rows = lay.rows.get((m0, m1))
+            dO = _load(do_flat, lay.in_idx[m0:m1].flatten(), lay.pad_of(m0, m1), m1 - m0, lay.C, rows)
             S0_t = S0[m0:m1]
             delta = torch.baddbmm(t.u.flatten(0, 1), t.w.flatten(0, 1), S0_t.flatten(0, 1), alpha=-1.0).view_as(dO)
             dS1, ddelta = carry.through_tile(t, dO, lay, c0, c1)
             idx = lay.out_idx[m0:m1].flatten()
             for out, tile in zip(grads, _tile_grads(t, dO, S0_t, delta, dS1, ddelta, scale)):
-                _store(out, idx, tile, lay.rows.get((m0, m1)))
+                _store(out, idx, tile, rows)
         dh0 = carry.entering()
         out = [gr[: B * T].view(x.shape).to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
         return (*out, dh0, None, None, None)
