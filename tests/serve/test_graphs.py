@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 
 from k3.model import K3ForCausalLM, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, OneRowMatmuls, compiled_forward
+from k3.serve.engine import graphs
+from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, OneRowMatmuls, compiled_forward, replays
 
 
 def two_layer_model():
@@ -62,7 +63,10 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
     eager_eng, eager = run(model, ps, False, 60)
     eng, compiled = run(model, ps, True, 60)
     assert eager_eng.decode_graph is None
-    assert eng.decode_graph.error is None and eng.decode_graph.calls >= 59
+    g = eng.decode_graph
+    assert g.error is None and g.calls >= 59
+    # only each shape's first step (a width the start did not compile) went through dynamo
+    assert g.replayed == g.calls - (len(g._served) - 2) and g.replayed >= 56
     assert eng.stats()["decode_graph_compile_s"] > 0
     for a, b in zip(compiled, eager):
         assert a.token_ids == b.token_ids
@@ -316,3 +320,54 @@ def test_a_shape_served_before_runs_without_the_trace_setup(model):
     g._fn = broken
     cb = eng.cache.compile_batch(3, lambda _: 8, private=True)
     assert g.logits(torch.zeros((1, 3), dtype=torch.long), cb) is None and "boom" in g.error
+
+
+def test_a_served_shape_runs_the_first_graph_whose_guards_pass(model, monkeypatch):
+    # as dynamo's frame hook would: the graphs in its order, the first whose guards accept the
+    # call; a call none accepts, and each new shape, go through dynamo (which may trace them),
+    # after which the list is read again
+    eng = LLMEngine(model, EngineConfig(compile_decode=False, page_size=8))
+    g = DecodeGraph(model, torch.device("cpu"))
+    ran = []
+
+    def graph(name, accepts):  # (guard check, traced code), as `replays` gives them
+        return (lambda frame: accepts(frame["input_ids"].shape[1], frame["cache"].page_table.shape[1]),
+                lambda m, ids, cache: ran.append(name) or torch.full((ids.shape[1], 4), float(len(ran))))
+
+    held = [graph("one", lambda n, w: n == 1 and w == 8), graph("many", lambda n, w: n in (2, 3)),
+            graph("any", lambda n, w: n < 3)]
+    monkeypatch.setattr(graphs, "replays", lambda fn: list(held))
+    g._fn = lambda m, ids, cache: ran.append("dynamo") or torch.zeros(ids.shape[1], 4)
+
+    def step(n, width=8):
+        return g.logits(torch.zeros((1, n), dtype=torch.long), eng.cache.compile_batch(n, lambda _: width, private=True))
+
+    for n, width in [(1, 8), (1, 8), (3, 8), (3, 8), (2, 8), (1, 16), (1, 16)]:
+        assert step(n, width).shape == (n, 4)
+    assert ran == ["dynamo", "one", "dynamo", "many", "many", "dynamo", "any"]
+    assert g.calls == 7 and g.replayed == 4
+    held[:] = [graph("never", lambda n, w: False)]  # dynamo's list changes (read after its next call)
+    step(3)  # "many" in the list in hand
+    step(4)  # a shape served but accepted by none: through dynamo, then its list is read
+    step(3)
+    assert ran[-3:] == ["many", "dynamo", "dynamo"] and g.calls == 10 and g.replayed == 5
+
+
+def test_replays_are_dynamos_own_graphs():
+    # each graph's guards and its code: a call the guards accept runs that code as a plain
+    # function, with the compiled function's result; other dtypes, shapes and grad modes are not
+    # accepted; a function dynamo never compiled has none
+    def scaled(x, y):
+        return torch.sin(x) + y * 2
+
+    fn = torch.compile(scaled, backend="eager", fullgraph=True)
+    assert replays(scaled) == [] and replays(fn) == []
+    x, y = torch.randn(5), torch.randn(5)
+    with torch.no_grad():
+        want = fn(x, y)
+    (check, run), = replays(fn)
+    with torch.no_grad():
+        assert check({"x": x, "y": y})
+        assert not check({"x": x.double(), "y": y}) and not check({"x": torch.randn(6), "y": torch.randn(6)})
+        torch.testing.assert_close(run(x, y), want)
+    assert not check({"x": x, "y": y})  # traced without grad, checked with it
