@@ -44,12 +44,16 @@ run the compiled code:
   (docs/benchmarks.md). The contract: weights may change in place (they are the graph's inputs,
   read at every call), but a model's modules and parameters are not replaced (nor retied,
   reshaped or recast) once an engine has compiled its graphs: nothing checks them any more.
-  A call of a shape a graph has served (batch of one or more, table width) runs the code dynamo
-  made for the first of the forward's graphs whose guards pass (~6 us) as a plain function
-  (`replays`), without dynamo's frame hook (~90 us of Python a call: 4% of a kimi4 decode at one
-  sequence); a call no graph's guards pass goes through dynamo, which may trace it; only a new
-  shape is set up to trace (its dimensions marked dynamic, the recompile limit raised by a
-  config patch: ~60 us a call).
+  A call of a shape a graph has served (batch of one or more, table width) runs the first of
+  the forward's graphs whose guards pass (~6 us), as dynamo's frame hook would but without it
+  (~90 us of Python a call, `replays`): the first such call through the code dynamo made for
+  that graph, which also learns the graph's arguments for the batch's exact shape (`bind`: the
+  model's tensors, the sizes, where each of the batch's tensors sits), later ones straight to
+  the compiled graph with the batch's tensors read from the call (`Bound`: ~40 us less again,
+  the ~100 attribute reads of a 4-layer model's code). Code that does more than gather its
+  inputs and call its graph is never bound; a call no graph's guards pass goes through dynamo,
+  which may trace it; only a new shape is set up to trace (its dimensions marked dynamic, the
+  recompile limit raised by a config patch: ~60 us a call).
 
 Numerics: inductor fuses and reorders pointwise ops and reductions, so logits differ from the
 eager forward's by float rounding (about 1e-6 for fp32 logits of order 1): greedy tokens agree
@@ -65,6 +69,7 @@ The traced code keeps the model's weights as inputs (not constants): a change to
 from __future__ import annotations
 
 import contextlib
+import dis
 import itertools
 import logging
 import threading
@@ -163,8 +168,7 @@ def replays(fn) -> list[tuple[Callable[[dict], bool], Callable]]:
     """(guard check, traced code) of each graph dynamo holds for the compiled function `fn`, in
     dynamo's order: a call whose arguments pass a graph's check may run that graph's code as a
     plain function. That is what dynamo's frame hook does on a cache hit, less the hook itself
-    (its Python entry costs ~90 us a call, ~7% of a kimi4 decode step at one sequence) — the
-    same guards, the same code, its side effects included. Empty where this torch does not
+    (~90 us of Python a call) — the same guards, the same code, its side effects included. Empty where this torch does not
     expose its cache entries (or `fn` is not a compiled function): every call then goes
     through dynamo."""
     orig = getattr(fn, "_torchdynamo_orig_callable", None)
@@ -178,6 +182,91 @@ def replays(fn) -> list[tuple[Callable[[dict], bool], Callable]]:
             return []
         out.append((check, types.FunctionType(code, orig.__globals__, code.co_name)))
     return out
+
+
+# What a traced code object may do to be bound (`bind`): read its inputs (the model's
+# parameters, the batch's tensors and sizes), call its graph and return an output of it.
+_PURE_OPS = frozenset({"RESUME", "NOP", "LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_CONST", "LOAD_GLOBAL",
+                       "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR", "BUILD_LIST", "BUILD_TUPLE", "LIST_EXTEND",
+                       "UNPACK_SEQUENCE", "PRECALL", "CALL", "KW_NAMES", "PUSH_NULL", "COPY", "SWAP", "POP_TOP",
+                       "RETURN_VALUE"})
+_PURE_NAMES = frozenset({"_modules", "_parameters", "_buffers", "call_size", "record_pregraph_bytecode_enter",
+                         "record_pregraph_bytecode_exit", "cu_seqlens", "context_lens", "kda_slots", "page_table",
+                         "kda", "recurrent", "conv", "mla_pages"})
+# Batch shapes (sequences, table width) a DecodeGraph keeps a Bound for.
+MAX_BOUND = 1024
+
+
+class Bound:
+    """One graph's compiled function called with the inputs its traced code gathers, found once
+    (`bind`): the model's tensors kept, the batch's read from each call's arguments (its tensors
+    and pools, by where they sit in the batch). Skips the traced code's Python (~100 attribute
+    reads a call for a 4-layer model) and leaves what the graph computes as it is."""
+
+    __slots__ = ("check", "fn", "args", "reads")
+
+    def __init__(self, check, fn, args: list, reads: list[tuple[int, Callable]]) -> None:
+        self.check, self.fn, self.args, self.reads = check, fn, args, reads
+
+    def __call__(self, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
+        args = self.args.copy()
+        for i, read in self.reads:
+            args[i] = read(input_ids, cache)
+        return self.fn(*args)[0]
+
+
+def _batch_reads(input_ids: torch.Tensor, cache: CacheBatch) -> dict[int, Callable] | None:
+    """{id(tensor): how to read it from a call's (input_ids, cache)} for every tensor of the
+    batch; None when one tensor sits in two places (which one a graph read could not be told)."""
+    places = [(input_ids, lambda ids, cb: ids)]
+    for name in ("cu_seqlens", "context_lens", "kda_slots", "page_table"):
+        if getattr(cache, name) is not None:
+            places.append((getattr(cache, name), lambda ids, cb, name=name: getattr(cb, name)))
+    for layer, pool in cache.kda.items():
+        for part in ("recurrent", "conv"):
+            places.append((getattr(pool, part), lambda ids, cb, layer=layer, part=part: getattr(cb.kda[layer], part)))
+    for layer, pages in cache.mla_pages.items():
+        places.append((pages, lambda ids, cb, layer=layer: cb.mla_pages[layer]))
+    found = {id(t): read for t, read in places}
+    return found if len(found) == len(places) else None
+
+
+def bind(check, run, model: torch.nn.Module, input_ids: torch.Tensor, cache: CacheBatch):
+    """Run `run` (a graph's traced code, from `replays`) on this call and, when it only gathers
+    its inputs and calls its graph, learn that graph's arguments: -> (output, Bound or None).
+    A Bound serves later calls of the same batch shape whose guards `check` passes: the model's
+    tensors are the same objects (the engine's contract: modules and parameters are not
+    replaced), the sizes the same numbers, the batch's tensors read from the call."""
+    code = run.__code__
+    ops = list(dis.get_instructions(code))
+    names = {i.argval for i in ops if i.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD")}
+    graphs = [n for n in names if n.startswith("__compiled_fn")]
+    pure = len(graphs) == 1 and all(i.opname in _PURE_OPS for i in ops) and \
+        all(n in _PURE_NAMES or n.startswith("__import_") for n in names if n != graphs[0])
+    if not pure:
+        return run(model, input_ids, cache), None
+    fn, seen = run.__globals__[graphs[0]], []
+
+    def recorder(*args):
+        seen.append((args, fn(*args)))
+        return seen[-1][1]
+
+    # a copy of the code's globals with the graph recorded: the shared ones stay as they are
+    out = types.FunctionType(code, {**run.__globals__, graphs[0]: recorder}, code.co_name)(model, input_ids, cache)
+    reads = _batch_reads(input_ids, cache)
+    if len(seen) != 1 or reads is None or not isinstance(seen[0][1], (list, tuple)) or seen[0][1][0] is not out:
+        return out, None
+    kept = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    sizes = {n for t in itertools.chain([input_ids], (cache.cu_seqlens, cache.context_lens, cache.kda_slots,
+                                                       cache.page_table)) if t is not None for n in t.shape}
+    args, at = list(seen[0][0]), []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and id(a) in reads:
+            at.append((i, reads[id(a)]))
+            args[i] = None  # not kept alive: read from each call
+        elif not (isinstance(a, torch.Tensor) and id(a) in kept or type(a) is int and a in sizes):
+            return out, None  # something the batch's shape does not fix: every call runs the code
+    return out, Bound(check, fn, args, at)
 
 
 class DecodeGraph:
@@ -197,6 +286,9 @@ class DecodeGraph:
         self._served: set[tuple[bool, int]] = set()
         # (guard check, traced code) of each graph dynamo holds for the forward (`replays`)
         self._replays: list[tuple[Callable[[dict], bool], Callable]] = []
+        # (sequences, table width) -> the Bound call of the graph that first served it (None: that
+        # graph's code does more than gather its inputs, or they could not all be placed)
+        self._bound: dict[tuple[int, int], Bound | None] = {}
 
     @property
     def state(self) -> str:
@@ -223,16 +315,25 @@ class DecodeGraph:
             return None
         shape = (input_ids.shape[1] == 1, cache.page_table.shape[1])
         # A shape served before runs the first graph whose guards pass, as dynamo would, without
-        # its frame hook (`replays`); one none passes goes through dynamo. A new shape is set up
-        # to trace: its dynamic dimensions marked, the recompile limit raised (a config patch
-        # costs ~60 us, 3% of a kimi8 step at one sequence: not paid every step)
+        # its frame hook (`replays`; `Bound` once its arguments are known for this batch shape);
+        # one none passes goes through dynamo. A new shape is set up to trace: its dynamic
+        # dimensions marked, the recompile limit raised (a config patch costs ~60 us, 3% of a
+        # kimi8 step at one sequence: not paid every step)
         served = shape in self._served
         if served:
             frame = {"model": self.model, "input_ids": input_ids, "cache": cache}
+            key = (input_ids.shape[1], cache.page_table.shape[1])
+            bound = self._bound.get(key)
+            if bound is not None and bound.check(frame):
+                self.replayed += 1
+                return bound(input_ids, cache)
             for check, run in self._replays:
                 if check(frame):
                     self.replayed += 1
-                    return run(self.model, input_ids, cache)
+                    if key in self._bound or len(self._bound) >= MAX_BOUND:
+                        return run(self.model, input_ids, cache)
+                    out, self._bound[key] = bind(check, run, self.model, input_ids, cache)
+                    return out
         else:
             self._mark(input_ids, cache)
         try:

@@ -19,7 +19,8 @@ from torch._dynamo.utils import counters
 from k3.model import K3ForCausalLM, get_preset
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.engine import graphs
-from k3.serve.engine.graphs import MIN_TABLE_PAGES, DecodeGraph, OneRowMatmuls, compiled_forward, replays
+from k3.model.cache import CacheBatch, KDAPool
+from k3.serve.engine.graphs import MIN_TABLE_PAGES, Bound, DecodeGraph, OneRowMatmuls, bind, compiled_forward, replays
 
 
 def two_layer_model():
@@ -65,8 +66,10 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
     assert eager_eng.decode_graph is None
     g = eng.decode_graph
     assert g.error is None and g.calls >= 59
-    # only each shape's first step (a width the start did not compile) went through dynamo
+    # only each shape's first step (a width the start did not compile) went through dynamo; the
+    # next of each batch shape learnt its graph's arguments, the later ones called it with them
     assert g.replayed == g.calls - (len(g._served) - 2) and g.replayed >= 56
+    assert g._bound and all(isinstance(b, Bound) for b in g._bound.values())
     assert eng.stats()["decode_graph_compile_s"] > 0
     for a, b in zip(compiled, eager):
         assert a.token_ids == b.token_ids
@@ -371,3 +374,99 @@ def test_replays_are_dynamos_own_graphs():
         assert not check({"x": x.double(), "y": y}) and not check({"x": torch.randn(6), "y": torch.randn(6)})
         torch.testing.assert_close(run(x, y), want)
     assert not check({"x": x, "y": y})  # traced without grad, checked with it
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("shift", torch.arange(4.0))
+
+
+def tiny_batch(n: int, width: int) -> tuple[torch.Tensor, CacheBatch]:
+    cb = CacheBatch(cu_seqlens=torch.arange(n + 1), context_lens=torch.arange(n) + 3, kda_slots=torch.arange(n),
+                    page_table=torch.arange(n * width).view(n, width), kda={0: KDAPool(torch.randn(n, 4), torch.randn(n, 4))},
+                    mla_pages={1: torch.randn(6, 4)}, decode=True)
+    return torch.arange(n)[None], cb
+
+
+def reads_everything(model, input_ids, cache):
+    pool = cache.kda[0]
+    pool.recurrent.mul_(0.5)  # the pools are updated in place, as a decode step's are
+    x = pool.recurrent + pool.conv * cache.context_lens[:, None] + cache.mla_pages[1][:input_ids.shape[1]]
+    x = x + cache.page_table.float().sum(-1, keepdim=True) / cache.page_table.shape[1] + input_ids[0, :, None]
+    return model.proj(x + model.shift + cache.cu_seqlens[1:, None] + cache.kda_slots[:, None])
+
+
+def test_a_bound_graph_reads_the_batch_of_each_call():
+    # bind learns a graph's arguments once: the model's tensors kept, the batch's tensors and
+    # pools read from each call; a later call with other values (same shapes) gets what the
+    # traced code itself gives, its in-place updates included
+    torch.manual_seed(0)
+    model = Tiny()
+    fn = torch.compile(reads_everything, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        ids, cb = tiny_batch(3, 8)
+        DecodeGraph._mark(ids, cb)  # the sizes the decode graphs trace as symbols: passed as ints
+        fn(model, ids, cb)
+        (check, run), = replays(fn)
+        ids, cb = tiny_batch(3, 8)
+        want = reads_everything(model, ids, replace_pools(cb))
+        out, bound = bind(check, run, model, ids, cb)
+        assert isinstance(bound, Bound) and torch.equal(out, want)
+        for _ in range(2):
+            ids, cb = tiny_batch(3, 8)
+            cb.context_lens += 5
+            cb.mla_pages[1].normal_()
+            expected_cb = replace_pools(cb)
+            want = reads_everything(model, ids + 1, expected_cb)
+            assert check({"model": model, "input_ids": ids + 1, "cache": cb})
+            assert torch.equal(bound(ids + 1, cb), want)
+            assert torch.equal(cb.kda[0].recurrent, expected_cb.kda[0].recurrent)
+
+
+def replace_pools(cb: CacheBatch) -> CacheBatch:
+    """cb with copies of its pools (a reference run must not update the pools under test)."""
+    import dataclasses
+
+    return dataclasses.replace(cb, kda={k: KDAPool(p.recurrent.clone(), p.conv.clone()) for k, p in cb.kda.items()},
+                               mla_pages={k: t.clone() for k, t in cb.mla_pages.items()})
+
+
+OUTSIDE = torch.ones(4)
+
+
+def sets_a_field(model, input_ids, cache):
+    cache.max_new = 7  # a side effect the traced code replays after the graph
+    return model.proj(cache.kda[0].recurrent)
+
+
+def reads_a_global(model, input_ids, cache):
+    return model.proj(cache.kda[0].recurrent + OUTSIDE)
+
+
+@pytest.mark.parametrize("traced", [sets_a_field, reads_a_global])
+def test_code_that_does_more_than_gather_its_inputs_is_not_bound(traced):
+    # the call still runs (its side effects done), every later call runs the traced code
+    model = Tiny()
+    fn = torch.compile(traced, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        fn(model, *tiny_batch(2, 8))
+        (check, run), = replays(fn)
+        ids, cb = tiny_batch(2, 8)
+        out, bound = bind(check, run, model, ids, cb)
+        assert bound is None and torch.equal(out, traced(model, ids, cb))
+    assert (cb.max_new == 7) == (traced is sets_a_field)
+
+
+def test_a_tensor_in_two_places_of_the_batch_is_not_bound():
+    # which place the graph read could not be told apart
+    model = Tiny()
+    fn = torch.compile(reads_everything, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        ids, cb = tiny_batch(2, 8)
+        cb.kda_slots = cb.context_lens
+        fn(model, ids, cb)
+        frame = {"model": model, "input_ids": ids, "cache": cb}
+        check, run = next((c, r) for c, r in replays(fn) if c(frame))
+        assert bind(check, run, model, ids, cb)[1] is None
