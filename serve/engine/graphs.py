@@ -231,6 +231,21 @@ def _batch_reads(input_ids: torch.Tensor, cache: CacheBatch) -> dict[int, Callab
     return found if len(found) == len(places) else None
 
 
+_GRAPH_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # traced code -> `_only_calls_its_graph`
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ids of its parameters and buffers
+
+
+def _only_calls_its_graph(code: types.CodeType) -> str | None:
+    """The global name of the graph a traced code object calls, when all it does is read its
+    inputs, call that one graph and return (`_PURE_OPS`, `_PURE_NAMES`); else None."""
+    ops = list(dis.get_instructions(code))
+    names = {i.argval for i in ops if i.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD")}
+    graphs = [n for n in names if n.startswith("__compiled_fn")]
+    pure = len(graphs) == 1 and all(i.opname in _PURE_OPS for i in ops) and \
+        all(n in _PURE_NAMES or n.startswith("__import_") for n in names if n != graphs[0])
+    return graphs[0] if pure else None
+
+
 def bind(check, run, model: torch.nn.Module, input_ids: torch.Tensor, cache: CacheBatch):
     """Run `run` (a graph's traced code, from `replays`) on this call and, when it only gathers
     its inputs and calls its graph, learn that graph's arguments: -> (output, Bound or None).
@@ -238,25 +253,25 @@ def bind(check, run, model: torch.nn.Module, input_ids: torch.Tensor, cache: Cac
     tensors are the same objects (the engine's contract: modules and parameters are not
     replaced), the sizes the same numbers, the batch's tensors read from the call."""
     code = run.__code__
-    ops = list(dis.get_instructions(code))
-    names = {i.argval for i in ops if i.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD")}
-    graphs = [n for n in names if n.startswith("__compiled_fn")]
-    pure = len(graphs) == 1 and all(i.opname in _PURE_OPS for i in ops) and \
-        all(n in _PURE_NAMES or n.startswith("__import_") for n in names if n != graphs[0])
-    if not pure:
+    if code not in _GRAPH_OF:
+        _GRAPH_OF[code] = _only_calls_its_graph(code)
+    graph = _GRAPH_OF[code]
+    if graph is None:
         return run(model, input_ids, cache), None
-    fn, seen = run.__globals__[graphs[0]], []
+    fn, seen = run.__globals__[graph], []
 
     def recorder(*args):
         seen.append((args, fn(*args)))
         return seen[-1][1]
 
     # a copy of the code's globals with the graph recorded: the shared ones stay as they are
-    out = types.FunctionType(code, {**run.__globals__, graphs[0]: recorder}, code.co_name)(model, input_ids, cache)
+    out = types.FunctionType(code, {**run.__globals__, graph: recorder}, code.co_name)(model, input_ids, cache)
     reads = _batch_reads(input_ids, cache)
     if len(seen) != 1 or reads is None or not isinstance(seen[0][1], (list, tuple)) or seen[0][1][0] is not out:
         return out, None
-    kept = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    kept = _KEPT.get(model)
+    if kept is None:  # the model's parameters and buffers: the same objects for its life (the contract)
+        kept = _KEPT[model] = frozenset(id(t) for t in itertools.chain(model.parameters(), model.buffers()))
     sizes = {n for t in itertools.chain([input_ids], (cache.cu_seqlens, cache.context_lens, cache.kda_slots,
                                                        cache.page_table)) if t is not None for n in t.shape}
     args, at = list(seen[0][0]), []
