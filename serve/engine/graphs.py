@@ -168,9 +168,9 @@ def replays(fn) -> list[tuple[Callable[[dict], bool], Callable]]:
     """(guard check, traced code) of each graph dynamo holds for the compiled function `fn`, in
     dynamo's order: a call whose arguments pass a graph's check may run that graph's code as a
     plain function. That is what dynamo's frame hook does on a cache hit, less the hook itself
-    (~90 us of Python a call) — the same guards, the same code, its side effects included. Empty where this torch does not
-    expose its cache entries (or `fn` is not a compiled function): every call then goes
-    through dynamo."""
+    (~90 us of Python a call): the same guards, the same code, its side effects included. Empty
+    where this torch does not expose its cache entries (or `fn` is not a compiled function):
+    every call then goes through dynamo."""
     orig = getattr(fn, "_torchdynamo_orig_callable", None)
     entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if not isinstance(orig, types.FunctionType) or entries is None:

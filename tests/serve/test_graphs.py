@@ -343,7 +343,8 @@ def test_a_served_shape_runs_the_first_graph_whose_guards_pass(model, monkeypatc
     g._fn = lambda m, ids, cache: ran.append("dynamo") or torch.zeros(ids.shape[1], 4)
 
     def step(n, width=8):
-        return g.logits(torch.zeros((1, n), dtype=torch.long), eng.cache.compile_batch(n, lambda _: width, private=True))
+        cb = eng.cache.compile_batch(n, lambda _: width, private=True)
+        return g.logits(torch.zeros((1, n), dtype=torch.long), cb)
 
     for n, width in [(1, 8), (1, 8), (3, 8), (3, 8), (2, 8), (1, 16), (1, 16)]:
         assert step(n, width).shape == (n, 4)
@@ -385,8 +386,9 @@ class Tiny(torch.nn.Module):
 
 def tiny_batch(n: int, width: int) -> tuple[torch.Tensor, CacheBatch]:
     cb = CacheBatch(cu_seqlens=torch.arange(n + 1), context_lens=torch.arange(n) + 3, kda_slots=torch.arange(n),
-                    page_table=torch.arange(n * width).view(n, width), kda={0: KDAPool(torch.randn(n, 4), torch.randn(n, 4))},
-                    mla_pages={1: torch.randn(6, 4)}, decode=True)
+                    page_table=torch.arange(n * width).view(n, width),
+                    kda={0: KDAPool(torch.randn(n, 4), torch.randn(n, 4))}, mla_pages={1: torch.randn(6, 4)},
+                    decode=True)
     return torch.arange(n)[None], cb
 
 
