@@ -78,6 +78,29 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
 
 
 @pytest.mark.slow
+def test_a_shrinking_batch_binds_each_shape_and_keeps_the_eager_tokens(model):
+    # requests ending at different steps: the batch goes 4 -> 3 -> 2 -> 1 across a page-table
+    # bucket, each (sequences, width) bound on its first served step; a second batch on the same
+    # engine runs its shapes through the bounds learnt by the first
+    lengths, ends = [12, 5, 9, 7], [70, 20, 40, 55]
+    for round_ in range(2):
+        ps = prompts(lengths, seed=10 + round_)
+        sps = [SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True) for n in ends]
+        want = LLMEngine(model, EngineConfig(page_size=8)).generate(ps, sps)
+        if round_ == 0:
+            eng = LLMEngine(model, EngineConfig(compile_decode=True, page_size=8))
+        bound_before = dict(eng.decode_graph._bound)
+        got = eng.generate(ps, sps)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    g = eng.decode_graph
+    assert {n for n, _ in g._bound} == {1, 2, 3, 4} and all(isinstance(b, Bound) for b in g._bound.values())
+    assert bound_before == g._bound  # the second round learnt nothing new: every shape was bound
+    assert g.replayed == g.calls - (len(g._served) - 2)
+
+
+@pytest.mark.slow
 def test_one_sequence_at_a_time_compiles_the_batch_of_one_only(model):
     ps = prompts([4, 11], seed=5)
     (_, eager), (eng, compiled) = (run(model, ps, c, 12, max_num_seqs=1) for c in (False, True))
