@@ -17,9 +17,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from k3.model import K3ForCausalLM, get_preset
-from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.engine import graphs
 from k3.model.cache import CacheBatch, KDAPool
+from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams, graphs
 from k3.serve.engine.graphs import MIN_TABLE_PAGES, Bound, DecodeGraph, OneRowMatmuls, bind, compiled_forward, replays
 
 
