@@ -190,9 +190,10 @@ _PURE_OPS = frozenset({"RESUME", "NOP", "LOAD_FAST", "STORE_FAST", "DELETE_FAST"
                        "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR", "BUILD_LIST", "BUILD_TUPLE", "LIST_EXTEND",
                        "UNPACK_SEQUENCE", "PRECALL", "CALL", "KW_NAMES", "PUSH_NULL", "COPY", "SWAP", "POP_TOP",
                        "RETURN_VALUE"})
+# A decode batch's metadata tensors (CacheBatch fields); its pools are `kda` and `mla_pages`.
+_BATCH_TENSORS = ("cu_seqlens", "context_lens", "kda_slots", "page_table")
 _PURE_NAMES = frozenset({"_modules", "_parameters", "_buffers", "call_size", "record_pregraph_bytecode_enter",
-                         "record_pregraph_bytecode_exit", "cu_seqlens", "context_lens", "kda_slots", "page_table",
-                         "kda", "recurrent", "conv", "mla_pages"})
+                         "record_pregraph_bytecode_exit", *_BATCH_TENSORS, "kda", "recurrent", "conv", "mla_pages"})
 # Batch shapes (sequences, table width) a DecodeGraph keeps a Bound for.
 MAX_BOUND = 1024
 
@@ -219,7 +220,7 @@ def _batch_reads(input_ids: torch.Tensor, cache: CacheBatch) -> dict[int, Callab
     """{id(tensor): how to read it from a call's (input_ids, cache)} for every tensor of the
     batch; None when one tensor sits in two places (which one a graph read could not be told)."""
     places = [(input_ids, lambda ids, cb: ids)]
-    for name in ("cu_seqlens", "context_lens", "kda_slots", "page_table"):
+    for name in _BATCH_TENSORS:
         if getattr(cache, name) is not None:
             places.append((getattr(cache, name), lambda ids, cb, name=name: getattr(cb, name)))
     for layer, pool in cache.kda.items():
@@ -272,8 +273,8 @@ def bind(check, run, model: torch.nn.Module, input_ids: torch.Tensor, cache: Cac
     kept = _KEPT.get(model)
     if kept is None:  # the model's parameters and buffers: the same objects for its life (the contract)
         kept = _KEPT[model] = frozenset(id(t) for t in itertools.chain(model.parameters(), model.buffers()))
-    sizes = {n for t in itertools.chain([input_ids], (cache.cu_seqlens, cache.context_lens, cache.kda_slots,
-                                                       cache.page_table)) if t is not None for n in t.shape}
+    sizes = {n for t in [input_ids, *(getattr(cache, name) for name in _BATCH_TENSORS)] if t is not None
+             for n in t.shape}
     args, at = list(seen[0][0]), []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and id(a) in reads:

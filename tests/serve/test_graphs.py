@@ -6,6 +6,7 @@ while requests run eagerly and then go on through the graphs; on by default on C
 eager switch; a model that cannot be traced falls back to eager steps."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import subprocess
 import sys
@@ -422,6 +423,12 @@ def reads_everything(model, input_ids, cache):
     return model.proj(x + model.shift + cache.cu_seqlens[1:, None] + cache.kda_slots[:, None])
 
 
+def replace_pools(cb: CacheBatch) -> CacheBatch:
+    """cb with copies of its pools (a reference run must not update the pools under test)."""
+    return dataclasses.replace(cb, kda={k: KDAPool(p.recurrent.clone(), p.conv.clone()) for k, p in cb.kda.items()},
+                               mla_pages={k: t.clone() for k, t in cb.mla_pages.items()})
+
+
 def test_a_bound_graph_reads_the_batch_of_each_call():
     # bind learns a graph's arguments once: the model's tensors kept, the batch's tensors and
     # pools read from each call; a later call with other values (same shapes) gets what the
@@ -447,14 +454,6 @@ def test_a_bound_graph_reads_the_batch_of_each_call():
             assert check({"model": model, "input_ids": ids + 1, "cache": cb})
             assert torch.equal(bound(ids + 1, cb), want)
             assert torch.equal(cb.kda[0].recurrent, expected_cb.kda[0].recurrent)
-
-
-def replace_pools(cb: CacheBatch) -> CacheBatch:
-    """cb with copies of its pools (a reference run must not update the pools under test)."""
-    import dataclasses
-
-    return dataclasses.replace(cb, kda={k: KDAPool(p.recurrent.clone(), p.conv.clone()) for k, p in cb.kda.items()},
-                               mla_pages={k: t.clone() for k, t in cb.mla_pages.items()})
 
 
 OUTSIDE = torch.ones(4)
