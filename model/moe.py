@@ -204,12 +204,18 @@ class Experts(nn.Module):
         expert (routing collapsed onto other ranks' experts) the result is empty but stays in the
         autograd graph of x and the weights, so every rank runs the same backward collectives."""
         order = local_ids.argsort(stable=True)
-        xs = x[order if per_row == 1 else order.div(per_row, rounding_mode="floor")]
+        # index_select, not x[order]: the same gather in a quarter of the time on CPU, and its
+        # backward (an index_add) faster than advanced indexing's (an accumulating index_put)
+        xs = x.index_select(0, order if per_row == 1 else order.div(per_row, rounding_mode="floor"))
         offs = tokens_per_expert(local_ids, self.count).cumsum(0).to(torch.int32)
         g = grouped_mm(xs, self.w_gate.transpose(1, 2), offs)
         u = grouped_mm(xs, self.w_up.transpose(1, 2), offs)
         ys = grouped_mm(gated_activation(self.cfg, g, u), self.w_down.transpose(1, 2), offs)
-        return torch.empty_like(ys).index_copy_(0, order, ys)  # in place: the out-of-place copies the empty first
+        if torch.is_grad_enabled() and ys.requires_grad:  # its backward a gather (an index_select's a scatter)
+            return torch.empty_like(ys).index_copy_(0, order, ys)  # in place: the out-of-place copies the empty first
+        # with nothing to differentiate, a gather by the inverse permutation: ~3x faster on CPU
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return ys.index_select(0, inverse)
 
     def by_index(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`forward` with each token's k experts read by index: no sort, no grouped call, and
