@@ -54,6 +54,16 @@ STATE_VERSION = 3  # 2: media spans and rows; 3: keyed digest
 _NP_VIEW = {torch.bfloat16: torch.int16}  # torch dtypes numpy lacks, carried as their bit pattern
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t, in one pass that allocates nothing: min and max propagate a NaN,
+    and are finite exactly when every value is (~10x faster than `torch.isfinite(t).all()` on a
+    CPU, whose elementwise test is not vectorised: 1.0 -> 0.09 ms for a 2K-token state's 1.5 MB)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU numpy copy; bf16 as its int16 bit pattern."""
     t = t.detach().to("cpu").contiguous()
@@ -392,16 +402,15 @@ class Handoff:
         out = {}
         for l in self._latent_arrays(pages[0], ps, "pool page 1: "):
             t = to_torch(np.concatenate([p[l] for p in pages]), self.cache.dtype, self.device)
-            finite = torch.isfinite(t).all(dim=1)
-            if not bool(finite.all()):
-                _refuse(f"MLA layer {l} latents holds non-finite values",
-                        f"pool page {int((~finite).nonzero()[0]) // ps + 1}: ")
+            if not all_finite(t):
+                row = int((~torch.isfinite(t).all(dim=1)).nonzero()[0])
+                _refuse(f"MLA layer {l} latents holds non-finite values", f"pool page {row // ps + 1}: ")
             out[l] = t
         return out
 
     def _finite(self, a: np.ndarray, dtype: torch.dtype, name: str, where: str) -> torch.Tensor:
         t = to_torch(a, dtype, self.device)
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             _refuse(f"{name} holds non-finite values", where)
         return t
 

@@ -268,3 +268,21 @@ def test_state_is_plain_numpy_and_its_size_is_the_cache_it_holds(tiny_model, han
     want = kda * (H * K * K * 4 + 3 * H * K * (cfg.kda_conv_size - 1) * 4) + \
         cfg.layer_types.count("mla") * len(prompt) * cfg.mla_latent_dim * 4 + len(prompt) * 8
     assert state.nbytes == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_finite_check_finds_one_bad_value_anywhere(dtype):
+    # the import's one-pass check (min and max) against torch.isfinite: a single NaN or infinity
+    # at either end or inside is found, the largest finite value passes, an empty tensor passes
+    from k3.serve.engine.handoff import all_finite
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[3] = torch.finfo(dtype).max
+    x[4] = torch.finfo(dtype).min
+    assert all_finite(x) and all_finite(x.view(10, 100)) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 517, 999):
+            y = x.clone()
+            y[at] = bad
+            assert not all_finite(y) and not all_finite(y.view(10, 100)), (bad, at)
+            assert bool(torch.isfinite(y).all()) is False
