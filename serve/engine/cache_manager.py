@@ -565,10 +565,11 @@ class CacheManager:
         shared pages that already hold them)."""
         ps = self.page_size
         for l, lat in latents.items():
-            full = min(len(pages), lat.shape[0] // ps)  # pages the rows fill whole: one indexed copy
-            if full > first_page:
-                at = torch.tensor(pages[first_page:full], dtype=torch.long, device=lat.device)
-                self._mla[l].index_copy_(0, at, lat[first_page * ps:full * ps].view(full - first_page, ps, -1))
-            for j in range(max(first_page, full), len(pages)):
+            j0, full = first_page, min(len(pages), lat.shape[0] // ps)
+            if full - j0 > 1:  # several pages the rows fill whole: one indexed copy, not one per page
+                at = torch.tensor(pages[j0:full], dtype=torch.long, device=lat.device)
+                self._mla[l].index_copy_(0, at, lat[j0 * ps:full * ps].view(full - j0, ps, -1))
+                j0 = full
+            for j in range(j0, len(pages)):
                 rows = lat[j * ps:(j + 1) * ps]
                 self._mla[l][pages[j], : rows.shape[0]].copy_(rows)
