@@ -465,14 +465,27 @@ class CacheManager:
         self._write_slot(mem.slot, states)
         return len(reuse) * self.page_size
 
-    def read_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[tuple[Latents, KDAStates | None]]:
-        """Per page of tokens' resumable prefix here (prefix_depth): its latents [page_size,
-        latent] per MLA layer and its snapshot, if it has one (views)."""
-        out = []
-        for blk in list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]:
-            snap = self._read_slot(blk.snapshot_slot) if blk.snapshot_slot is not None else None
-            out.append(({l: t[blk.page] for l, t in self._mla.items()}, snap))
-        return out
+    def copy_prefix(self, tokens: list[int], hashes: list[bytes],
+                    only: set[bytes] | None = None) -> list[tuple[int, Latents, KDAStates | None]]:
+        """Per page of tokens' resumable prefix here (prefix_depth) whose hash is in `only` (every
+        page when None): (its index, its latents [page_size, latent] per MLA layer, its snapshot if
+        it has one), as copies taken with one gather per layer and part (a page's tensors are
+        views of those): the cache may change as soon as this returns."""
+        walk = list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]
+        chosen = [(j, blk) for j, blk in enumerate(walk) if only is None or hashes[j] in only]
+        if not chosen:
+            return []
+        pages = torch.tensor([blk.page for _, blk in chosen], dtype=torch.long, device=self.device)
+        latents = {l: t.index_select(0, pages) for l, t in self._mla.items()}
+        snapped = {k: i for i, k in enumerate(k for k, (_, blk) in enumerate(chosen) if blk.snapshot_slot is not None)}
+        snaps = {}
+        if snapped:
+            slots = torch.tensor([chosen[k][1].snapshot_slot for k in snapped], dtype=torch.long, device=self.device)
+            snaps = {l: (p.conv.index_select(0, slots), p.recurrent.index_select(0, slots))
+                     for l, p in self._kda.items()}
+        return [(j, {l: t[k] for l, t in latents.items()},
+                 {l: (c[snapped[k]], r[snapped[k]]) for l, (c, r) in snaps.items()} if k in snapped else None)
+                for k, (j, _) in enumerate(chosen)]
 
     def import_prefix_page(self, h: bytes, tokens: tuple[int, ...], depth: int, latents: Latents,
                            snapshot: KDAStates | None) -> bool:

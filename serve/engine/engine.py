@@ -491,8 +491,17 @@ class LLMEngine:
     def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
                       only: set[bytes] | None = None) -> list[PoolPage]:
         """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
-        pages (only the pages whose hash is in `only`, when given)."""
+        pages (only the pages whose hash is in `only`, when given): `copy_prefix` here, then
+        `seal_prefix`, which may run in another thread."""
         return self.handoff.export_prefix(prompt, media, only)
+
+    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None):
+        """The step thread's share of `export_prefix`: copies of the pages' bytes (a few gathers)."""
+        return self.handoff.copy_prefix(prompt, media, only)
+
+    def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
+        """Pool pages of what `copy_prefix` took, sealed; reads no engine state (any thread)."""
+        return self.handoff.seal_prefix(prompt, copied)
 
     def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt (the pages and snapshots this cache lacks); returns

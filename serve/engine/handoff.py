@@ -64,11 +64,13 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(lo) and math.isfinite(hi)
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU numpy copy; bf16 as its int16 bit pattern."""
+def to_numpy(t: torch.Tensor, copy: bool = True) -> np.ndarray:
+    """A CPU numpy copy (without `copy`, a view where t is a contiguous CPU tensor already: for
+    tensors nothing else holds); bf16 as its int16 bit pattern."""
     t = t.detach().to("cpu").contiguous()
     view = _NP_VIEW.get(t.dtype)
-    return (t.view(view) if view is not None else t).numpy().copy()
+    a = (t.view(view) if view is not None else t).numpy()
+    return a.copy() if copy else a
 
 
 def to_torch(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -425,18 +427,29 @@ class Handoff:
     def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
                       only: set[bytes] | None = None) -> list[PoolPage]:
         """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
-        pages (`media`: the prompt's spans; only the pages whose hash is in `only`, when given)."""
+        pages (`media`: the prompt's spans; only the pages whose hash is in `only`, when given):
+        `seal_prefix(*copy_prefix(...))`."""
+        return self.seal_prefix(*self.copy_prefix(prompt, media, only))
+
+    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None):
+        """The step thread's share of `export_prefix`: copies of the pages' latents and snapshots
+        (a few gathers), for `seal_prefix` to make pool pages of in any thread, whatever the
+        cache does meanwhile. For a 2,240-token prompt of k3-tiny, 140 pages and 35 snapshots, the
+        sealing is ~10 of the export's ~13 ms (blake2b over 6 MB and 700 arrays)."""
+        hashes = page_hashes(prompt, self.cache.page_size, media=media)
+        return prompt, [(hashes[j], j, lat, snap) for j, lat, snap in self.cache.copy_prefix(prompt, hashes, only)]
+
+    def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
+        """Pool pages, sealed, of what `copy_prefix` took (reads nothing of the engine's)."""
         ps = self.cache.page_size
-        hashes = page_hashes(prompt, ps, media=media)
-        out = []
-        for j, (latents, snap) in enumerate(self.cache.read_prefix(prompt, hashes)):
-            if only is not None and hashes[j] not in only:
-                continue
-            out.append(PoolPage(hashes[j], j + 1, tuple(prompt[j * ps:(j + 1) * ps]),
-                                {l: to_numpy(t) for l, t in latents.items()},
-                                None if snap is None else {l: (to_numpy(c), to_numpy(r)) for l, (c, r) in snap.items()}
-                                ).seal(self._secret))
-        return out
+
+        def own(t: torch.Tensor) -> np.ndarray:  # copy_prefix's copies, held by nothing else: a view will do
+            return to_numpy(t, copy=False)
+
+        return [PoolPage(h, j + 1, tuple(prompt[j * ps:(j + 1) * ps]), {l: own(t) for l, t in lat.items()},
+                         None if snap is None else {l: (own(c), own(r)) for l, (c, r) in snap.items()}
+                         ).seal(self._secret)
+                for h, j, lat, snap in copied]
 
     def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt into the prefix cache (pages it lacks, and snapshots

@@ -72,6 +72,58 @@ def test_a_publisher_sends_only_what_the_pool_lacks(tiny_model):
     assert through(a, lambda: a.export_prefix(prefix + [9], only=set())) == []
 
 
+def test_the_pages_copied_between_steps_seal_the_same_after_the_cache_moves_on(tiny_model):
+    # the step thread takes copies (copy_prefix); the sealing, in another thread in a replica, may
+    # run after the engine has dropped and reused those pages: the same pages, bytes and digests
+    # as an export in one go, none of them sharing memory with the cache
+    prefix = rand(48, 5)
+    a = LLMEngine(tiny_model, CFG)
+    a.generate([prefix + [7]], GREEDY)
+    want = through(a, lambda: a.export_prefix(prefix + [9]))
+    copied = through(a, lambda: a.copy_prefix(prefix + [9]))
+    cache = [t.numpy() for t in a.cache._mla.values()] + [t.numpy() for p in a.cache._kda.values()
+                                                          for t in (p.conv, p.recurrent)]
+    assert a.reset_prefix_cache() > 0
+    a.generate([rand(48, 6) + [7], rand(40, 7)], GREEDY)  # the freed pages and slots written over
+    got = a.seal_prefix(*copied)
+    assert [p.hash for p in got] == [p.hash for p in want] and len(got) == 6
+    for g, w in zip(got, want):
+        assert (g.digest, g.snapshot_digest, g.tokens) == (w.digest, w.snapshot_digest, w.tokens)
+        arrays = [*g.latents.values(), *(a for cr in (g.snapshot or {}).values() for a in cr)]
+        assert not any(np.shares_memory(x, c) for x in arrays for c in cache)
+    b = LLMEngine(tiny_model, CFG)
+    assert through(b, lambda: b.import_prefix(prefix + [9], got)) == 48
+
+
+def test_a_replica_seals_its_pages_in_a_background_thread(tiny_model):
+    # AsyncEngine.export_prefix: the copy between two steps, the sealing in a thread of its own
+    # below the caller's priority (on Linux); the pages those of an export in one go
+    import asyncio
+    import os
+    import sys
+    import threading
+
+    from k3.serve.engine.async_engine import BACKGROUND_NICE, AsyncEngine
+
+    prefix = rand(48, 8)
+    eng = LLMEngine(tiny_model, CFG)
+    eng.generate([prefix + [7]], GREEDY)
+    want = eng.export_prefix(prefix + [9])
+    seen, real = {}, eng.seal_prefix
+
+    def spy(*args):
+        seen["thread"] = threading.current_thread().name
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform == "linux" else None
+        return real(*args)
+
+    eng.seal_prefix = spy
+    got = asyncio.run(AsyncEngine(eng).export_prefix(prefix + [9]))
+    assert [(p.hash, p.digest, p.snapshot_digest) for p in got] == [(p.hash, p.digest, p.snapshot_digest) for p in want]
+    assert seen["thread"].startswith("k3-pool-seal")
+    if sys.platform == "linux":
+        assert seen["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)
+
+
 def test_pages_of_another_prompt_are_refused(tiny_model):
     a = LLMEngine(tiny_model, CFG)
     p1, p2 = rand(32, 2), rand(32, 3)
