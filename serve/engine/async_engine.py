@@ -28,9 +28,9 @@ class RequestFailed(RuntimeError):
     """The engine ended this request with an error (the message says why)."""
 
 
-# How far below the step thread's priority the pool pages are sealed (Linux nice, per thread):
-# on a host whose cores the replicas share, a decode step is not kept waiting by another
-# replica's publishing (hashing ~6 MB for a 2K-token prompt of k3-tiny).
+# How far below normal priority the pool pages are sealed (Linux nice, per thread): the hashing
+# (~12 ms for a 2K-token prompt of k3-tiny) yields the cores to the steps of this replica and of
+# the others on the host.
 BACKGROUND_NICE = 10
 
 
