@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -55,6 +56,14 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: S
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def int64_tensor(values, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of a list (or array) of ints on `device`. Through numpy: `torch.tensor`
+    converts a list element by element (a 256-page table row: 22 against 5 us), and a decode
+    step builds its page table, lengths and slots anew."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return t if device.type == "cpu" else t.to(device)
 
 
 @dataclass(eq=False)
@@ -310,16 +319,15 @@ class CacheManager:
         (a function of the most pages any sequence holds): the page table's width, padded with
         page 0 past every sequence's end (a compiled graph serves one width)."""
         dev = self.device
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
         width = max(1, max(len(m.pages) for m in mems))
         width = width if table_width is None else max(width, table_width(width))
-        table = torch.tensor([m.pages + [0] * (width - len(m.pages)) for m in mems], dtype=torch.long, device=dev)
-        return CacheBatch(cu_seqlens=torch.tensor(cu, dtype=torch.long, device=dev),
-                          context_lens=torch.tensor(context, dtype=torch.long, device=dev),
-                          kda_slots=torch.tensor([m.slot for m in mems], dtype=torch.long, device=dev),
-                          page_table=table, kda=self._kda, mla_pages=self._mla, decode=all(n == 1 for n in lengths),
+        table = np.zeros((len(mems), width), dtype=np.int64)
+        for i, m in enumerate(mems):
+            table[i, :len(m.pages)] = m.pages
+        return CacheBatch(cu_seqlens=int64_tensor(list(itertools.accumulate(lengths, initial=0)), dev),
+                          context_lens=int64_tensor(context, dev), kda_slots=int64_tensor([m.slot for m in mems], dev),
+                          page_table=int64_tensor(table, dev),
+                          kda=self._kda, mla_pages=self._mla, decode=all(n == 1 for n in lengths),
                           max_context=max(context), max_new=max(lengths), snapshot_offsets=snapshot_offsets or {})
 
     def compile_batch(self, n: int, table_width: Callable[[int], int], private: bool) -> CacheBatch:

@@ -35,7 +35,7 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.vision_processor import MediaItem
 
-from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache
+from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache, int64_tensor
 from .detokenizer import Detokenizer, StopMatcher
 from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage
@@ -282,10 +282,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             graph = self._graph_for(sched)
-            batch, logits_at, sample_idx = self._build(sched, graph)
+            batch, rows, sample_idx = self._build(sched, graph)
             logits = graph.logits(batch[0], batch[1]) if graph is not None else None
             if logits is None:
                 extra = {"media_embeds": batch[2]} if self.multimodal else {}
+                logits_at = int64_tensor(rows, self.device)
                 logits = self.model(batch[0], cache=batch[1], logits_at=logits_at, **extra).logits
         except Exception as e:  # noqa: BLE001 - isolate whatever the forward raised
             self._forward_failed(sched, e)
@@ -376,7 +377,7 @@ class LLMEngine:
         row = 0
         for i, s in enumerate(sched):
             seq = s.seq
-            ids.extend(seq.tokens[seq.num_computed: seq.num_computed + s.num_tokens])
+            ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + s.num_tokens))
             if seq.media is not None and (r := seq.media.rows_for(seq.num_computed, seq.num_computed + s.num_tokens)) \
                     is not None:
                 media.append(r)
@@ -390,9 +391,8 @@ class LLMEngine:
                 offsets[i] = s.snapshot_offsets
         cb = self.cache.cache_batch(lengths, [s.seq.mem for s in sched], context, offsets,
                                     table_width=graph.table_width if graph is not None else None)
-        logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
         embeds = torch.cat(media).to(self.device) if media else None
-        return (torch.tensor([ids], device=self.device), cb, embeds), logits_at, sample_idx
+        return (int64_tensor(ids, self.device)[None], cb, embeds), rows, sample_idx
 
     def _forward_failed(self, sched: list[Scheduled], e: Exception) -> None:
         self.failed_forwards += 1

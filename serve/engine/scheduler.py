@@ -14,6 +14,7 @@ point of the failure, so the culprit fails alone and the others continue unchang
 """
 from __future__ import annotations
 
+import collections.abc
 import enum
 import itertools
 from collections import deque
@@ -65,6 +66,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def first_tokens(self, n: int | None = None) -> "TokenView":
+        """Its first n tokens (all by default) as a view: slicing it copies only the slice, so a
+        step's bookkeeping does not copy the whole context (`tokens` does)."""
+        return TokenView(self.prompt, self.output, self.length if n is None else n)
+
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """tokens[a:b] for 0 <= a <= b <= length, without building `tokens`."""
+        return _between(self.prompt, self.output, a, b)
+
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -72,6 +82,45 @@ class Sequence:
     @property
     def suspect(self) -> bool:
         return self.num_computed < self.suspect_until
+
+
+def _between(prompt: list[int], output: list[int], a: int, b: int) -> list[int]:
+    """(prompt + output)[a:b] for 0 <= a <= b, copying only those tokens."""
+    P = len(prompt)
+    if b <= P:
+        return prompt[a:b]
+    if a >= P:
+        return output[a - P:b - P]
+    return prompt[a:] + output[:b - P]
+
+
+class TokenView(collections.abc.Sequence):
+    """The first n tokens of a prompt followed by its output, read in place: a slice copies
+    what it covers and nothing else (`Sequence.tokens` copies every token: ~4 ns each, 1.1 ms
+    for 300K tokens, and a decode step read it twice per sequence)."""
+
+    __slots__ = ("prompt", "output", "n")
+
+    def __init__(self, prompt: list[int], output: list[int], n: int) -> None:
+        if not 0 <= n <= len(prompt) + len(output):
+            raise ValueError(f"TokenView: n must be in [0, {len(prompt) + len(output)}], got {n}")
+        self.prompt, self.output, self.n = prompt, output, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            a, b, step = i.indices(self.n)
+            if step != 1:
+                return [self[k] for k in range(a, b, step)]
+            return _between(self.prompt, self.output, a, max(a, b))
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(f"TokenView index {i} out of range for {self.n} tokens")
+        P = len(self.prompt)
+        return self.prompt[i] if i < P else self.output[i - P]
 
 
 @dataclass
@@ -254,7 +303,7 @@ class Scheduler:
             return
         ps, end = self.cache.page_size, seq.num_computed
         self._extend_hashes(seq)
-        self.cache.share_pages(seq.mem, seq.tokens, seq.hashes, end)
+        self.cache.share_pages(seq.mem, seq.first_tokens(), seq.hashes, end)
         start = end - sch.num_tokens
         prompt_pages = len(seq.prompt) // ps
         due = [(off, snapshots.get(off)) for off in sch.snapshot_offsets]
@@ -273,5 +322,5 @@ class Scheduler:
         if len(seq.hashes) < full:
             spans = seq.media.spans if seq.media is not None else ()
             parent = seq.hashes[-1] if seq.hashes else b""
-            seq.hashes += page_hashes(seq.tokens[:full * self.cache.page_size], self.cache.page_size, parent, spans,
-                                      first=len(seq.hashes))
+            ps = self.cache.page_size
+            seq.hashes += page_hashes(seq.first_tokens(full * ps), ps, parent, spans, first=len(seq.hashes))

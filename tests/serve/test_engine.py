@@ -319,3 +319,66 @@ def test_long_context_32k_memory_grows_only_with_mla(tiny_model):
             assert used == -(-computed // 64)  # pages track the tokens cached, nothing else
     assert out[-1].finished and len(out[-1].token_ids) == 2
     assert eng.cache.nbytes() == before  # nothing allocated beyond the budget
+
+
+def test_a_token_view_reads_the_prompt_then_the_output_in_place():
+    from k3.serve.engine.scheduler import Sequence, TokenView
+
+    seq = Sequence("r", [10, 11, 12, 13], GREEDY)
+    seq.output += [20, 21, 22]
+    whole = seq.tokens
+    for n in range(len(whole) + 1):
+        view = seq.first_tokens(n)
+        assert len(view) == n and list(view) == whole[:n]
+        for a in range(-n - 1, n + 2):
+            for b in range(-n - 1, n + 2):
+                assert view[a:b] == whole[:n][a:b], (n, a, b)
+        assert view[::2] == whole[:n][::2] and view[::-1] == whole[:n][::-1]
+        if n:
+            assert view[-1] == whole[n - 1] and view[0] == whole[0]
+        with pytest.raises(IndexError, match=f"out of range for {n} tokens"):
+            view[n]
+    for a in range(len(whole) + 1):
+        for b in range(a, len(whole) + 1):
+            assert seq.token_slice(a, b) == whole[a:b]
+    with pytest.raises(ValueError, match=r"n must be in \[0, 7\], got 8"):
+        TokenView(seq.prompt, seq.output, 8)
+    with pytest.raises(ValueError, match=r"n must be in \[0, 7\], got -1"):
+        seq.first_tokens(-1)
+
+
+def test_decode_steps_never_copy_the_whole_context(tiny_model, monkeypatch):
+    # A decode step's bookkeeping (its input token, the pages it shares, the hashes of a page it
+    # completes) slices the prompt and output where it reads them: `Sequence.tokens` (the whole
+    # context, copied) is read at admission, never in a step, whatever the context's length.
+    from k3.serve.engine.scheduler import Sequence
+
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=16, max_num_seqs=2, compile_decode=False))
+    prompts = rand_prompts(2, 40, 60, seed=5)
+    want = [eng.generate([p], SamplingParams(max_tokens=40, temperature=0))[0].token_ids for p in prompts]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
+    eng.step()  # both admitted and prefilled
+    reads = []
+    monkeypatch.setattr(Sequence, "tokens", property(lambda s: reads.append(s) or s.prompt + s.output))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert reads == []
+    assert [outs[f"r{i}"].token_ids for i in range(2)] == want  # 40 tokens: pages completed and shared
+
+
+def test_a_cache_batch_holds_int64_lengths_slots_and_zero_padded_pages(tiny_model):
+    from k3.serve.engine.cache_manager import SeqCache
+
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=16, compile_decode=False))
+    mems = [SeqCache(slot=3, pages=[5, 6, 7]), SeqCache(slot=1, pages=[9])]
+    cb = eng.cache.cache_batch([2, 1], mems, [30, 4], table_width=lambda w: 8)
+    assert cb.cu_seqlens.tolist() == [0, 2, 3] and cb.context_lens.tolist() == [30, 4]
+    assert cb.kda_slots.tolist() == [3, 1]
+    assert cb.page_table.tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0, 0]]
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (cb.cu_seqlens, cb.context_lens, cb.kda_slots,
+                                                                       cb.page_table))
+    assert (cb.max_context, cb.max_new, cb.decode) == (30, 2, False)
+    assert eng.cache.cache_batch([1, 1], mems, [30, 4]).page_table.shape == (2, 3)  # no padding asked
