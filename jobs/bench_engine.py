@@ -29,6 +29,11 @@
    prefix and each new page evicts one: TTFT of a 2K-token prompt and decode tokens/s at 8
    sequences, on an engine whose prefix cache is full (filled with random idle pages, as section
    3 fills context) beside a fresh one, alternating.
+11. bookkeeping (not in the default list): the host work of a decode step that grows with the
+   context, at 2K-128K tokens for 1 and 8 sequences: the step's token read and the page table,
+   lengths and slots built (`CacheManager.cache_batch`), as the engine does them now, beside
+   the way it did them until 2026-12-06 (the whole context copied as `Sequence.tokens`, twice a
+   step, and the page table converted by `torch.tensor` from padded lists), restated here.
 
 The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
 multiturn) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
@@ -401,6 +406,53 @@ def fill_prefix_cache(eng: LLMEngine) -> int:
     return n
 
 
+def bookkeeping() -> dict:
+    """Per decode step and sequence count: the context-dependent host work, now and before."""
+    from k3.serve.engine.graphs import DecodeGraph
+    from k3.serve.engine.scheduler import Sequence
+
+    def best_us(fn, reps: int) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return round(min(ts) * 1e6, 1)
+
+    out = {}
+    for ctx in ([2048, 32768] if args.quick else [2048, 32768, 131072]):
+        for n in (1, 8):
+            ec = EngineConfig(max_num_seqs=n, page_size=16, enable_prefix_caching=False,
+                              cache_memory_bytes=n * cache_bytes(tiny.cfg, ctx + 16, torch.float32) + 2**20)
+            cm = CacheManager(tiny.cfg, ec)
+            mems = [SeqCache() for _ in range(n)]
+            for m in mems:
+                cm.take_slot(m)
+                cm.grow(m, ctx + 1)
+            seqs = [Sequence(f"s{i}", rand(ctx), SamplingParams(max_tokens=8)) for i in range(n)]
+            for s in seqs:
+                s.output.append(1)
+
+            def now():
+                for s in seqs:  # the step's input token (_build) and the pages it shares (after_step)
+                    s.token_slice(ctx, ctx + 1), len(s.first_tokens())
+                cm.cache_batch([1] * n, mems, [ctx] * n, table_width=DecodeGraph.table_width)
+
+            def before():
+                for s in seqs:
+                    s.tokens[ctx:ctx + 1], len(s.tokens)
+                w = DecodeGraph.table_width(max(len(m.pages) for m in mems))
+                torch.tensor([m.pages + [0] * (w - len(m.pages)) for m in mems], dtype=torch.long)
+                for values in ([0, *range(1, n + 1)], [ctx] * n, [m.slot for m in mems]):
+                    torch.tensor(values, dtype=torch.long)
+
+            reps = 20 if ctx > 32768 else 200
+            out[f"{ctx}x{n}"] = {"now_us": best_us(now, reps), "before_us": best_us(before, reps),
+                                 "pages_per_sequence": len(mems[0].pages)}
+    return out
+
+
 def full_cache() -> dict:
     """A full prefix cache against a fresh one: 2K-token TTFT and 8-sequence decode tokens/s."""
     reps, prompt_len, out_tokens = (1, 512, 16) if args.quick else (3, 2048, 64)
@@ -444,5 +496,7 @@ if "multiturn" in only:
     result["multiturn"] = multiturn()
 if "full" in only:
     result["full_prefix_cache"] = full_cache()
+if "bookkeeping" in only:
+    result["decode_step_bookkeeping"] = bookkeeping()
 result["machine"]["load_average_at_end"] = os.getloadavg()
 print(json.dumps(result, indent=2), file=RESULT, flush=True)

@@ -382,3 +382,24 @@ def test_a_cache_batch_holds_int64_lengths_slots_and_zero_padded_pages(tiny_mode
                                                                        cb.page_table))
     assert (cb.max_context, cb.max_new, cb.decode) == (30, 2, False)
     assert eng.cache.cache_batch([1, 1], mems, [30, 4]).page_table.shape == (2, 3)  # no padding asked
+
+
+def test_page_table_rows_follow_their_pages_as_they_grow_or_are_replaced(tiny_model):
+    # a step's page table row is kept beside the sequence's page list and extended by what was
+    # appended; a list replaced whole (released, a prefix hit, an import) is read anew
+    from k3.serve.engine.cache_manager import SeqCache
+
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=16, compile_decode=False))
+    mem = SeqCache(slot=0, pages=[4])
+    table = lambda: eng.cache.cache_batch([1], [mem], [1]).page_table[0].tolist()  # noqa: E731
+    assert table() == [4]
+    for p in range(5, 60):  # past the row's first capacity: it grows and keeps what it held
+        mem.pages.append(p)
+        assert table() == list(range(4, p + 1))
+    mem.pages = [9, 8]
+    assert table() == [9, 8]
+    mem.pages.pop()  # the manager never cuts a list short or rewrites its last page in place; if it did,
+    mem.pages.append(7)  # the row is read anew
+    assert table() == [9, 7]
+    mem.pages.pop()
+    assert table() == [9]
