@@ -33,7 +33,9 @@
    context, at 2K-128K tokens for 1 and 8 sequences: the step's token read and the page table,
    lengths and slots built (`CacheManager.cache_batch`), as the engine does them now, beside
    the way it did them until 2026-12-06 (the whole context copied as `Sequence.tokens`, twice a
-   step, and the page table converted by `torch.tensor` from padded lists), restated here.
+   step, and the page table converted by `torch.tensor` from padded lists), restated here; and
+   one streamed output's pickle round trip (a Serve hop) after 256-32K generated tokens, with the
+   cumulative token ids and text (before) and as the servers send it now.
 
 The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
 multiturn) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
@@ -450,6 +452,20 @@ def bookkeeping() -> dict:
             reps = 20 if ctx > 32768 else 200
             out[f"{ctx}x{n}"] = {"now_us": best_us(now, reps), "before_us": best_us(before, reps),
                                  "pages_per_sequence": len(mems[0].pages)}
+    # what one streamed output of a running request costs to pickle and unpickle (a Serve hop)
+    # after `generated` tokens: with the cumulative token ids and text (before), as the servers
+    # send it now (the step's delta; `k3.serve.servers.engine_stream`)
+    import pickle
+
+    from k3.serve.engine import RequestOutput
+
+    for generated in (256, 4096, 32768):
+        full = RequestOutput("r", [7], rand(generated), "ab", "ab" * generated)
+        delta = RequestOutput("r", [7], [], "ab", "")
+        out[f"stream_output_after_{generated}_tokens"] = {
+            "before_us": best_us(lambda: pickle.loads(pickle.dumps(full)), 200),
+            "now_us": best_us(lambda: pickle.loads(pickle.dumps(delta)), 200),
+            "before_bytes": len(pickle.dumps(full)), "now_bytes": len(pickle.dumps(delta))}
     return out
 
 

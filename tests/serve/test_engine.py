@@ -403,3 +403,24 @@ def test_page_table_rows_follow_their_pages_as_they_grow_or_are_replaced(tiny_mo
     assert table() == [9, 7]
     mem.pages.pop()
     assert table() == [9]
+
+
+def test_a_served_stream_sends_deltas_and_the_whole_answer_once(tiny_model, tokenizer):
+    # Across the Serve hop a running request's outputs carry what the step added; the cumulative
+    # token ids and text (a pickle of everything so far, every token) come with the last output
+    from k3.serve.servers import engine_stream
+
+    eng = LLMEngine(tiny_model, EngineConfig(compile_decode=False), tokenizer=tokenizer)
+    want = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    aeng = AsyncEngine(eng)
+
+    async def run():
+        return [o async for o in engine_stream(aeng.generate([1, 2, 3], SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True)))]
+
+    got = asyncio.run(run())
+    assert len(got) > 1 and got[-1].finished and not any(o.finished for o in got[:-1])
+    assert all(o.token_ids == [] and o.text == "" for o in got[:-1])
+    assert got[-1].token_ids == want.token_ids and got[-1].text == want.text != ""
+    assert [t for o in got for t in o.new_token_ids] == want.token_ids
+    assert "".join(o.text_delta for o in got) == want.text
