@@ -36,6 +36,9 @@
    step, and the page table converted by `torch.tensor` from padded lists), restated here; and
    one streamed output's pickle round trip (a Serve hop) after 256-32K generated tokens, with the
    cumulative token ids and text (before) and as the servers send it now.
+12. long_graph (not in the default list): a one-sequence decode step of k3-tiny at 4K-64K tokens of
+   context through the decode graph and eagerly, on the same filled cache, best of 5 each; the
+   graph's first call (its trace) timed apart.
 
 The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
 multiturn) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
@@ -469,6 +472,44 @@ def bookkeeping() -> dict:
     return out
 
 
+def long_graph() -> dict:
+    """A one-sequence decode step of k3-tiny at long contexts through the engine's decode graph
+    and eagerly, side by side on the same filled cache (as section 3 fills it): what a graph
+    saves where the attention over the context is most of a step."""
+    from k3.serve.engine.graphs import DecodeGraph
+
+    out = {}
+    for ctx in ([4096, 16384] if args.quick else [4096, 16384, 65535]):
+        ec = EngineConfig(max_num_seqs=1, page_size=16, enable_prefix_caching=False,
+                          cache_memory_bytes=2 * cache_bytes(tiny.cfg, ctx + 16, torch.float32) + 2**20)
+        cm = CacheManager(tiny.cfg, ec)
+        mem = SeqCache()
+        cm.take_slot(mem)
+        cm.grow(mem, ctx + 1)
+        view = cm.cache_batch([1], [mem], [ctx])
+        for t in view.mla_pages.values():
+            t.normal_()
+        for pool in view.kda.values():
+            pool.recurrent.normal_(0, 0.1)
+        g = DecodeGraph(tiny, torch.device("cpu"))
+        ids = torch.randint(0, 4096, (1, 1))
+        sides = {"graph": lambda cb: g.logits(ids, cb), "eager": lambda cb: tiny(ids, cache=cb).logits}
+        times: dict = {name: [] for name in sides}
+        with torch.no_grad():
+            t = time.perf_counter()
+            sides["graph"](cm.cache_batch([1], [mem], [ctx], table_width=DecodeGraph.table_width))  # traced here
+            compile_s = time.perf_counter() - t
+            for _ in range(5):
+                for name, step in sides.items():
+                    cb = cm.cache_batch([1], [mem], [ctx], table_width=DecodeGraph.table_width)
+                    t = time.perf_counter()
+                    step(cb)
+                    times[name].append(time.perf_counter() - t)
+        out[str(ctx)] = {name: round(min(ts) * 1000, 2) for name, ts in times.items()} | {
+            "first_graph_call_s": round(compile_s, 1), "graph_served": g.error is None}
+    return out
+
+
 def full_cache() -> dict:
     """A full prefix cache against a fresh one: 2K-token TTFT and 8-sequence decode tokens/s."""
     reps, prompt_len, out_tokens = (1, 512, 16) if args.quick else (3, 2048, 64)
@@ -514,5 +555,7 @@ if "full" in only:
     result["full_prefix_cache"] = full_cache()
 if "bookkeeping" in only:
     result["decode_step_bookkeeping"] = bookkeeping()
+if "long_graph" in only:
+    result["decode_step_graph_vs_eager_ms"] = long_graph()
 result["machine"]["load_average_at_end"] = os.getloadavg()
 print(json.dumps(result, indent=2), file=RESULT, flush=True)

@@ -294,6 +294,7 @@ class DecodeGraph:
         self.error: str | None = None  # why graphs are off, once they are
         self.calls = 0  # decode steps the graphs ran
         self.replayed = 0  # of those, the steps run without dynamo's frame hook (`replays`)
+        self._replayed = False
         self.compile_seconds: float | None = None  # the engine's compile at its start
         self.ready = False  # the graphs compiled at the engine's start are there: steps may use them
         self.compiled = threading.Event()  # that compile has ended (ready, or failed)
@@ -323,34 +324,43 @@ class DecodeGraph:
         out = self.compile(input_ids, cache)
         if out is not None:
             self.calls += 1
+            self.replayed += self._replayed
         return out
 
     def compile(self, input_ids: torch.Tensor, cache: CacheBatch) -> torch.Tensor | None:
         """`logits` without counting a step: compiles the batch's graph if no graph serves it."""
+        self._replayed = False  # this call ran a graph without dynamo's frame hook (`logits` counts it)
         if self.error is not None:
             return None
         shape = (input_ids.shape[1] == 1, cache.page_table.shape[1])
-        # A shape served before runs the first graph whose guards pass, as dynamo would, without
-        # its frame hook (`replays`; `Bound` once its arguments are known for this batch shape);
-        # one none passes goes through dynamo. A new shape is set up to trace: its dynamic
-        # dimensions marked, the recompile limit raised (a config patch costs ~60 us, 3% of a
-        # kimi8 step at one sequence: not paid every step)
+        # A call runs the first graph whose guards pass, as dynamo would, without its frame hook
+        # (`replays`; `Bound` once its arguments are known for this batch shape), a shape not
+        # served before too (a new table width on CPU, where the width is dynamic: the graph that
+        # accepts it); one none passes goes through dynamo. A new shape is set up to trace: its
+        # dynamic dimensions marked, the recompile limit raised (a config patch costs ~60 us, 3%
+        # of a kimi8 step at one sequence: not paid every step)
         served = shape in self._served
-        if served:
-            frame = {"model": self.model, "input_ids": input_ids, "cache": cache}
-            key = (input_ids.shape[1], cache.page_table.shape[1])
-            bound = self._bound.get(key)
-            if bound is not None and bound.check(frame):
-                self.replayed += 1
-                return bound(input_ids, cache)
-            for check, run in self._replays:
-                if check(frame):
-                    self.replayed += 1
-                    if key in self._bound or len(self._bound) >= MAX_BOUND:
-                        return run(self.model, input_ids, cache)
-                    out, self._bound[key] = bind(check, run, self.model, input_ids, cache)
-                    return out
-        else:
+        frame = {"model": self.model, "input_ids": input_ids, "cache": cache}
+        key = (input_ids.shape[1], cache.page_table.shape[1])
+        bound = self._bound.get(key) if served else None
+        if bound is not None and bound.check(frame):
+            self._replayed = True
+            return bound(input_ids, cache)
+        for check, run in self._replays:
+            if check(frame):
+                self._replayed = True
+                self._served.add(shape)
+                if key in self._bound or len(self._bound) >= MAX_BOUND:
+                    return run(self.model, input_ids, cache)
+                out, self._bound[key] = bind(check, run, self.model, input_ids, cache)
+                return out
+        return self._trace(input_ids, cache, shape, served)
+
+    def _trace(self, input_ids: torch.Tensor, cache: CacheBatch, shape: tuple[bool, int],
+               served: bool) -> torch.Tensor | None:
+        """Call the compiled forward through dynamo, which traces the call when no graph of it
+        serves it; the logits, or None when that failed (graphs are then off)."""
+        if not served:
             self._mark(input_ids, cache)
         try:
             with contextlib.nullcontext() if served else torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):

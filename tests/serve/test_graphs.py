@@ -66,9 +66,10 @@ def test_compiled_decode_gives_the_eager_tokens(model, lengths):
     assert eager_eng.decode_graph is None
     g = eng.decode_graph
     assert g.error is None and g.calls >= 59
-    # only each shape's first step (a width the start did not compile) went through dynamo; the
-    # next of each batch shape learnt its graph's arguments, the later ones called it with them
-    assert g.replayed == g.calls - (len(g._served) - 2) and g.replayed >= 56
+    # no step went through dynamo: a width the start did not compile ran the graph whose guards
+    # accept it (the table's width is dynamic on CPU); the first step of each batch shape learnt
+    # its graph's arguments, the later ones called it with them
+    assert g.replayed == g.calls
     assert g._bound and all(isinstance(b, Bound) for b in g._bound.values())
     assert eng.stats()["decode_graph_compile_s"] > 0
     for a, b in zip(compiled, eager):
@@ -97,7 +98,7 @@ def test_a_shrinking_batch_binds_each_shape_and_keeps_the_eager_tokens(model):
     g = eng.decode_graph
     assert {n for n, _ in g._bound} == {1, 2, 3, 4} and all(isinstance(b, Bound) for b in g._bound.values())
     assert bound_before == g._bound  # the second round learnt nothing new: every shape was bound
-    assert g.replayed == g.calls - (len(g._served) - 2)
+    assert g.replayed == g.calls  # no step through dynamo: a new width runs the graph that accepts it
 
 
 @pytest.mark.slow
@@ -350,8 +351,8 @@ def test_a_shape_served_before_runs_without_the_trace_setup(model):
 
 def test_a_served_shape_runs_the_first_graph_whose_guards_pass(model, monkeypatch):
     # as dynamo's frame hook would: the graphs in its order, the first whose guards accept the
-    # call; a call none accepts, and each new shape, go through dynamo (which may trace them),
-    # after which the list is read again
+    # call, a new shape's too (a new width on CPU, where it is dynamic); a call none accepts goes
+    # through dynamo (which may trace it), after which the list is read again
     eng = LLMEngine(model, EngineConfig(compile_decode=False, page_size=8))
     g = DecodeGraph(model, torch.device("cpu"))
     ran = []
@@ -371,13 +372,13 @@ def test_a_served_shape_runs_the_first_graph_whose_guards_pass(model, monkeypatc
 
     for n, width in [(1, 8), (1, 8), (3, 8), (3, 8), (2, 8), (1, 16), (1, 16)]:
         assert step(n, width).shape == (n, 4)
-    assert ran == ["dynamo", "one", "dynamo", "many", "many", "dynamo", "any"]
-    assert g.calls == 7 and g.replayed == 4
+    assert ran == ["dynamo", "one", "many", "many", "many", "any", "any"]
+    assert g.calls == 7 and g.replayed == 6
     held[:] = [graph("never", lambda n, w: False)]  # dynamo's list changes (read after its next call)
     step(3)  # "many" in the list in hand
     step(4)  # a shape served but accepted by none: through dynamo, then its list is read
     step(3)
-    assert ran[-3:] == ["many", "dynamo", "dynamo"] and g.calls == 10 and g.replayed == 5
+    assert ran[-3:] == ["many", "dynamo", "dynamo"] and g.calls == 10 and g.replayed == 7
 
 
 def test_replays_are_dynamos_own_graphs():
