@@ -222,7 +222,8 @@ class Ingress:
             self.metrics.observe("k3_serve_inter_token_latency_seconds", b - a)
         self.metrics.observe("k3_serve_e2e_request_latency_seconds", times[-1] - t0)
         self.metrics.inc("k3_serve_prompt_tokens", outs[-1].prompt_tokens)
-        self.metrics.inc("k3_serve_generation_tokens", sum(len(o.new_token_ids) for o in outs))  # a stream left early too
+        # from the deltas: a stream left early counts what it got (only a last output holds them all)
+        self.metrics.inc("k3_serve_generation_tokens", sum(len(o.new_token_ids) for o in outs))
         self.metrics.inc("k3_serve_requests_finished", finish_reason=outs[-1].finish_reason or "abort")
 
     # -- routes (bound in __serve_build_asgi_app__) ------------------------------------------------
