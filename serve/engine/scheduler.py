@@ -318,9 +318,9 @@ class Scheduler:
 
     def _extend_hashes(self, seq: Sequence) -> None:
         """seq.hashes covers every full page of its computed tokens (prompt, then output)."""
-        full = seq.num_computed // self.cache.page_size
+        ps = self.cache.page_size
+        full = seq.num_computed // ps
         if len(seq.hashes) < full:
             spans = seq.media.spans if seq.media is not None else ()
             parent = seq.hashes[-1] if seq.hashes else b""
-            ps = self.cache.page_size
             seq.hashes += page_hashes(seq.first_tokens(full * ps), ps, parent, spans, first=len(seq.hashes))
