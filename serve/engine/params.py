@@ -105,7 +105,7 @@ class EngineConfig(BaseModel):
     handoff_key: SecretStr = Field(
         default_factory=lambda: SecretStr(secrets.token_hex(32)), min_length=16,
         description="Secret (16+ characters) that seals handoff states and prefix-pool pages with a keyed "
-                    "blake2b MAC; engines that exchange them must share it, and a state sealed under another "
+                    "BLAKE3 MAC; engines that exchange them must share it, and a state sealed under another "
                     "key is refused. Default: a random key drawn when this config is validated, so engines "
                     "built from one config share it (the Serve builders validate the application's config "
                     "once: every replica of the application gets the same key).")
