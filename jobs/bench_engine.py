@@ -12,7 +12,8 @@
 4. Cache bytes per sequence at those context lengths, for both models.
 5. handoff: exporting a prompt's hybrid cache state (prefill-only) and importing it into a second
    engine, time and bytes per prompt length; and the state's trip through Ray's object store as
-   numpy arrays vs torch tensors (the latter zero-copy only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS).
+   numpy arrays vs torch tensors (the latter zero-copy only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS);
+   and the same prompt's pages as the prefix pool takes them: copied, sealed, loaded elsewhere.
 6. chunk: a 512-token prefill chunk over 8K and 32K tokens of cached context (the MLA layers'
    absorbed form, the old path, vs the expanded form), beside that chunk's share of a one-shot
    prefill of the whole sequence.
@@ -243,13 +244,44 @@ def handoff() -> dict:
                     zero_copy = None  # torch tensors are copied unless RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1
                 trip[kind] = {"put_ms": round(put_s * 1000, 3), "get_ms": round(get_s * 1000, 3),
                               "zero_copy_get": zero_copy}
+            pool = pool_pages(n, ec)
             out[str(n)] = {"state_bytes": state.nbytes, "export_ms": round(export_s * 1000, 2),
-                           "import_check_ms": round(check_s * 1000, 2),
+                           "state_seal_ms": round(median_time(lambda: state.seal(a.handoff._secret), 9) * 1000, 3),
+                           "import_check_ms": round(check_s * 1000, 2), "pool_pages": pool,
                            "import_admit_step_ms": round(admit_s * 1000, 2), "object_store": trip,
                            "zero_copy_torch_env": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "")}
     finally:
         ray.shutdown()
     return out
+
+
+def pool_pages(n: int, ec: EngineConfig) -> dict:
+    """A prompt's pages as the prefix pool takes them: copied out of the cache (the step thread's
+    share), sealed (a keyed MAC per page and per snapshot), and loaded into a second engine (every
+    page checked first), as the prefill replicas do (serve/servers.py)."""
+    import pickle
+
+    ec = ec.model_copy(update={"enable_prefix_caching": True, "page_size": 16, "snapshot_interval": 4})
+    src, dst = LLMEngine(tiny, ec), LLMEngine(tiny, ec)
+    prompt = rand(n)
+    src.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    h = src.handoff
+    copied = h.copy_prefix(prompt)
+    pages = h.seal_prefix(*copied)
+    blob = pickle.dumps(pages, protocol=5)  # arrays arrive read-only, as through Ray
+
+    def load() -> int:
+        dst.reset_prefix_cache()
+        return dst.handoff.import_prefix(prompt, pickle.loads(blob))
+
+    resumable = load()
+    assert resumable > 0, "the pages load"
+    return {"pages": len(pages), "resumable_tokens": resumable, "snapshots": sum(p.snapshot is not None for p in pages),
+            "bytes": sum(sum(a.nbytes for a in p.latents.values()) +
+                         sum(c.nbytes + r.nbytes for c, r in (p.snapshot or {}).values()) for p in pages),
+            "copy_ms": round(median_time(lambda: h.copy_prefix(prompt), 15) * 1000, 2),
+            "seal_ms": round(median_time(lambda: h.seal_prefix(*copied), 15) * 1000, 2),
+            "import_ms": round(median_time(load, 15) * 1000, 2)}
 
 
 def chunk() -> dict:
