@@ -35,7 +35,8 @@ from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFailed, RequestOutput, SamplingParams
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.errors import OpenAIError, log_fault
-from k3.serve.prefix_pool import PrefixPool
+from k3.serve.engine.async_engine import background_executor
+from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
 from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
 import k3.model
 
@@ -191,11 +192,18 @@ class PrefixPoolServer:
 
     def __init__(self, budget_bytes: int) -> None:
         self.pool = PrefixPool(budget_bytes)
+        self._unpacker = background_executor("k3-pool-unpack")
 
     def wanted(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         return self.pool.wanted(hashes)
 
-    def publish(self, pages: list) -> int:
+    async def publish(self, pages: bytes | list) -> int:
+        """Store a publish: pages packed by `pack_pages` (unpacked in a thread below normal
+        priority, so the replicas decoding beside the pool do not wait on it; stored on this
+        event loop, where the lookups run) or a list of pages."""
+        if isinstance(pages, (bytes, bytearray)):
+            unpacked = await asyncio.get_running_loop().run_in_executor(self._unpacker, unpack_pages, pages)
+            return self.pool.publish(unpacked, copy=False)
         return self.pool.publish(pages)
 
     def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list:
@@ -248,8 +256,8 @@ class PrefillServer(EngineHost):
         pages = await self.engine.export_prefix(prompt, spans, only=missing | bare)
         # new pages, and pages the pool holds without the snapshot this replica has
         pages = [p for p in pages if p.hash in missing or p.snapshot is not None]
-        if pages:
-            await self.pool.publish.remote(pages)
+        if pages:  # packed in the sealing thread: the pages' objects are walked below normal priority
+            await self.pool.publish.remote(await self.engine.in_background(pack_pages, pages))
 
     async def reset_prefix_cache(self) -> int:
         """Forget every idle cached page of this replica (memory pressure, an operator's reset;

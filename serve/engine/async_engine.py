@@ -28,14 +28,14 @@ class RequestFailed(RuntimeError):
     """The engine ended this request with an error (the message says why)."""
 
 
-# How far below normal priority the pool pages are sealed (Linux nice, per thread): the hashing
-# (~12 ms for a 2K-token prompt of k3-tiny) yields the cores to the steps of this replica and of
-# the others on the host.
+# How far below normal priority the pool pages are sealed and packed (Linux nice, per thread):
+# that work (~12 ms for a 2K-token prompt of k3-tiny) yields the cores to the steps of this
+# replica and of the others on the host.
 BACKGROUND_NICE = 10
 
 
 def _background() -> None:
-    """The sealing thread's initializer: below normal priority where the OS lets a thread be so
+    """A background thread's initializer: below normal priority where the OS lets a thread be so
     (Linux: the nice value is a thread's own); elsewhere it runs at the normal priority."""
     if sys.platform.startswith("linux"):
         tid = threading.get_native_id()
@@ -43,6 +43,13 @@ def _background() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
         except OSError:
             pass
+
+
+def background_executor(name: str) -> ThreadPoolExecutor:
+    """One worker thread below normal priority (`BACKGROUND_NICE`), for work nobody waits on
+    (sealing, packing and unpacking the prefix pool's pages) that should yield the cores to
+    decode steps in this process and beside it."""
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_background)
 
 
 def _mergeable(item) -> bool:
@@ -59,7 +66,7 @@ class AsyncEngine:
         self._left: dict[str, int] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._sealer: ThreadPoolExecutor | None = None  # pool pages sealed here (export_prefix)
+        self._background: ThreadPoolExecutor | None = None  # pool pages sealed and packed here
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -154,9 +161,13 @@ class AsyncEngine:
         in a worker thread below normal priority (`BACKGROUND_NICE`): neither the engine's steps
         nor this event loop wait for the hashing."""
         copied = await self.call(lambda: self.engine.copy_prefix(prompt, media, only))
-        if self._sealer is None:
-            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="k3-pool-seal", initializer=_background)
-        return await asyncio.get_running_loop().run_in_executor(self._sealer, self.engine.seal_prefix, *copied)
+        return await self.in_background(self.engine.seal_prefix, *copied)
+
+    async def in_background(self, fn, *args):
+        """fn(*args) in this engine's background thread (`background_executor`): its result."""
+        if self._background is None:
+            self._background = background_executor("k3-pool-seal")
+        return await asyncio.get_running_loop().run_in_executor(self._background, fn, *args)
 
     async def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
         return await self.call(lambda: self.engine.import_prefix(prompt, pages, media))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from k3.serve.prefix_pool import PrefixPool
+from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
 
 CFG = EngineConfig(page_size=8, snapshot_interval=2)
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -176,6 +176,32 @@ def test_the_pool_keeps_copies_not_views_of_what_it_was_sent(tiny_model):
         for k in (p.snapshot or {}):
             assert all(not np.shares_memory(x, buf) for x in h.snapshot[k])
         assert h.verified(KEY)  # the same bytes: the seals hold
+
+
+def test_packed_pages_unpack_as_pages_of_their_own_and_the_pool_server_stores_them(tiny_model):
+    """A prefill replica sends its publish packed (made in its background thread); the pool's
+    server unpacks it in its own background thread and stores the pages without another copy."""
+    import asyncio
+    import pickle
+
+    from k3.serve.servers import PrefixPoolServer
+
+    pages = pages_of(tiny_model, rand(32, 5) + [1])
+    blob = pack_pages(pages)
+    got = unpack_pages(blob)
+    assert [p.hash for p in got] == [p.hash for p in pages] and all(p.verified(KEY) for p in got)
+    arrays = [a for p in got for a in [*p.latents.values(), *(x for cr in (p.snapshot or {}).values() for x in cr)]]
+    assert all(not np.shares_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])
+    server = PrefixPoolServer(budget_bytes=64 * 2**20)
+    assert asyncio.run(server.publish(blob)) == len(pages)
+    held = server.pool.fetch([p.hash for p in pages])
+    assert [h.depth for h in held] == [p.depth for p in pages] and all(h.verified(KEY) for h in held)
+    assert asyncio.run(server.publish(pages)) == 0  # a list of pages still goes; all are held already
+    for bad, why in [(b"not a pickle", "not packed pool pages"), (pickle.dumps({"a": 1}), "expected a list of PoolPage"),
+                     (pickle.dumps([pages[0], 3]), "PoolPage, int")]:
+        with pytest.raises(ValueError, match=why):
+            asyncio.run(server.publish(bad))
+    assert server.pool.stats()["pages"] == len(pages)  # a refused publish stores nothing
 
 
 @pytest.mark.parametrize("have_pages, fetched", [(0, 4), (2, 4), (3, 4), (4, 0), (9, 0)])
