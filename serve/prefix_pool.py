@@ -35,7 +35,7 @@ def unpack_pages(blob: bytes) -> list[PoolPage]:
         raise ValueError(f"publish: the bytes are not packed pool pages ({type(e).__name__}: {e})") from None
     if not isinstance(pages, list) or not all(isinstance(p, PoolPage) for p in pages):
         kinds = sorted({type(p).__name__ for p in pages}) if isinstance(pages, list) else [type(pages).__name__]
-        raise ValueError(f"publish: expected a list of PoolPage, got {', '.join(kinds) or 'an empty list'}")
+        raise ValueError(f"publish: expected a list of PoolPage, got {', '.join(kinds)}")
     return pages
 
 
