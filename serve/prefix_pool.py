@@ -78,13 +78,13 @@ class PrefixPool:
             if have is not None:
                 if have.snapshot is None and p.snapshot is not None:
                     self.bytes += p.nbytes - have.nbytes
-                    self.pages[p.hash] = (p.owned() if copy else p)
+                    self.pages[p.hash] = p.owned() if copy else p
                     stored += 1
                 self.pages.move_to_end(p.hash)
                 continue
             if p.nbytes > self.budget:
                 continue
-            self.pages[p.hash] = (p.owned() if copy else p)
+            self.pages[p.hash] = p.owned() if copy else p
             self.bytes += p.nbytes
             stored += 1
         self.counts["published"] += stored
