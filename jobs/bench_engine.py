@@ -259,7 +259,7 @@ def pool_pages(n: int, ec: EngineConfig) -> dict:
     """A prompt's pages as the prefix pool takes them: copied out of the cache (the step thread's
     share), sealed (a keyed MAC per page and per snapshot), and loaded into a second engine (every
     page checked first), as the prefill replicas do (serve/servers.py)."""
-    import pickle
+    from k3.serve.prefix_pool import pack_pages, unpack_pages
 
     ec = ec.model_copy(update={"enable_prefix_caching": True, "page_size": 16, "snapshot_interval": 4})
     src, dst = LLMEngine(tiny, ec), LLMEngine(tiny, ec)
@@ -268,17 +268,16 @@ def pool_pages(n: int, ec: EngineConfig) -> dict:
     h = src.handoff
     copied = h.copy_prefix(prompt)
     pages = h.seal_prefix(*copied)
-    blob = pickle.dumps(pages, protocol=5)  # arrays arrive read-only, as through Ray
+    blob = pack_pages(pages)  # as a publish travels to the pool
 
     def load() -> int:
         dst.reset_prefix_cache()
-        return dst.handoff.import_prefix(prompt, pickle.loads(blob))
+        return dst.handoff.import_prefix(prompt, unpack_pages(blob))
 
     resumable = load()
     assert resumable > 0, "the pages load"
     return {"pages": len(pages), "resumable_tokens": resumable, "snapshots": sum(p.snapshot is not None for p in pages),
-            "bytes": sum(sum(a.nbytes for a in p.latents.values()) +
-                         sum(c.nbytes + r.nbytes for c, r in (p.snapshot or {}).values()) for p in pages),
+            "bytes": sum(p.nbytes for p in pages),
             "copy_ms": round(median_time(lambda: h.copy_prefix(prompt), 15) * 1000, 2),
             "seal_ms": round(median_time(lambda: h.seal_prefix(*copied), 15) * 1000, 2),
             "import_ms": round(median_time(load, 15) * 1000, 2)}
