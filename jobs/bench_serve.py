@@ -5,6 +5,7 @@ on a private local Ray (127.0.0.1); JSON out.
     python jobs/bench_serve.py --model-path runs/demo/model --prompt-words 2000 --out serve.json
     python jobs/bench_serve.py --output-len 64 --no-pool   # pd without the prefix pool
     python jobs/bench_serve.py --eager              # every decode step eager (compile_decode: false)
+    python jobs/bench_serve.py --thread-engine      # engines stepped in the replicas' threads
 
 Both applications are deployed on one Serve instance, with the same engine settings: "pd"
 (Ingress -> DecodeServer -> PrefillServer, one replica each, the hybrid cache state handed over
@@ -74,6 +75,9 @@ p.add_argument("--eager", action="store_true",
 p.add_argument("--compile-decode", action="store_true",
                help="decode graphs in the decode and LLM replicas: the default now (kept so that the commands "
                     "docs/benchmarks.md records still run)")
+p.add_argument("--thread-engine", action="store_true",
+               help="engine_process: false in both apps: each decode and LLM replica steps its engine in a thread "
+                    "of its own process (the default before the engine core), for a side-by-side")
 args = p.parse_args()
 RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
 if args.eager and args.compile_decode:
@@ -105,7 +109,7 @@ def app_config(tok: str, disaggregated: bool) -> dict:
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "page_size": args.page_size,
                        "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20,
                        "compile_decode": not args.eager, "compile_decode_wait": True},
-            **({"prefix_pool_bytes": 0} if args.no_pool else {}),
+            **({"prefix_pool_bytes": 0} if args.no_pool else {}), "engine_process": not args.thread_engine,
             "prefill": one, "decode": one, "llm": one, "ingress": one}
 
 

@@ -118,4 +118,7 @@ class LLMServingConfig(BaseModel):
                                                               "dies or its state is lost in transit.")
     handoff_timeout_s: float = Field(120.0, gt=0, description="Seconds a decode replica waits for one prefill.")
     torch_threads: int = Field(1, ge=1, description="torch threads per replica (1 on a shared CPU host).")
+    engine_process: bool = Field(True, description="Decode and aggregated replicas step their engine in a process "
+                                 "of their own (its engine core), so the replica's per-token Python runs beside the "
+                                 "steps; False: in a thread of the replica.")
     media: MediaConfig = Field(default_factory=MediaConfig, description="Image and video limits (vision models).")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from k3.platform.ops.metrics import ServeMetrics
 from k3.serve.config import LLMServingConfig, ModelSource
 from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFailed, RequestOutput, SamplingParams
 from k3.serve.engine.async_engine import background_executor
+from k3.serve.engine.engine_core import ProcessEngine
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
@@ -109,6 +111,16 @@ async def fetch_media(req: GenerateRequest) -> list | None:
     return await req.media[0] if req.media else None
 
 
+def build_engine(config: LLMServingConfig, decodes: bool, device: str) -> LLMEngine:
+    """A replica's engine on `device`: its model loaded (`load_model`), torch's threads set, the
+    decode graphs compiled only where decode steps run (a prefill replica would compile them for
+    nothing). Called in the replica, or in the engine's own process (`ProcessEngine`)."""
+    torch.set_num_threads(config.torch_threads)
+    model = load_model(config.model).to(device)
+    ec = config.engine if decodes else config.engine.model_copy(update={"compile_decode": False})
+    return LLMEngine(model, ec, config.model.tokenizer())
+
+
 def replica_device() -> torch.device:
     """cuda when Ray gave this replica a GPU (`ray_actor_options.num_gpus`), else cpu."""
     import ray
@@ -125,11 +137,10 @@ class EngineHost:
     def __init__(self, config: LLMServingConfig | dict) -> None:
         self.config = LLMServingConfig.model_validate(config)
         torch.set_num_threads(self.config.torch_threads)
-        model = load_model(self.config.model).to(replica_device())
-        # decode graphs only where decode steps run: a prefill replica would compile them for nothing
-        ec = self.config.engine if self.decodes else self.config.engine.model_copy(update={"compile_decode": False})
-        engine = LLMEngine(model, ec, self.config.model.tokenizer())
-        self.engine = AsyncEngine(engine)
+        build = functools.partial(build_engine, self.config, self.decodes, str(replica_device()))
+        # a replica that decodes steps its engine in a process of its own (engine_process); a
+        # prefill replica, whose prefix pool reads and writes the cache, in its own thread
+        self.engine = ProcessEngine(build) if self.decodes and self.config.engine_process else AsyncEngine(build())
         self.metrics = ServeMetrics(self.config.model_id, self.role)
         self._reporter: asyncio.Task | None = None
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
@@ -159,7 +170,9 @@ class EngineHost:
         self.engine.check_health()
 
     async def stats(self) -> dict:
-        return {**await self.engine.stats(), "pid": os.getpid(), "role": self.role}
+        # pid: the replica; engine_pid: the process that steps its engine (the same pid without engine_process)
+        return {**await self.engine.stats(), "pid": os.getpid(), "engine_pid": getattr(self.engine, "pid", os.getpid()),
+                "role": self.role}
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
+POISON = 4095  # a token id the test models below treat as fatal
 CONFIG_YAML = Path(__file__).resolve().parents[1] / "serve" / "config.yaml"
 
 KEY = "sk-test-k3"
@@ -72,3 +74,51 @@ def client(base):
 
 def rand(n, seed):
     return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Poisoned(nn.Module):
+    """The tiny model, but a forward whose input holds POISON raises (mode "raise"), or every
+    logits row sampled for a sequence that has consumed POISON is NaN (mode "nan")."""
+
+    def __init__(self, model, mode):
+        super().__init__()
+        self.inner, self.cfg, self.mode = model, model.cfg, mode
+        self.poisoned_slots: set[int] = set()
+
+    def forward(self, input_ids, cache=None, logits_at=None, **kw):
+        if self.mode == "raise" and bool((input_ids == POISON).any()):
+            raise RuntimeError("kernel failure on poisoned input")
+        out = self.inner(input_ids, cache=cache, logits_at=logits_at, **kw)
+        if self.mode == "nan":
+            cu, slots, ctx = cache.cu_seqlens.tolist(), cache.kda_slots.tolist(), cache.context_lens.tolist()
+            for i, slot in enumerate(slots):
+                if ctx[i] == 0:  # a new sequence in this slot
+                    self.poisoned_slots.discard(slot)
+                if bool((input_ids[0, cu[i]:cu[i + 1]] == POISON).any()):
+                    self.poisoned_slots.add(slot)
+            for j, r in enumerate(logits_at.tolist()):
+                i = next(i for i in range(len(cu) - 1) if cu[i] <= r < cu[i + 1])
+                if slots[i] in self.poisoned_slots:
+                    out.logits[j] = float("nan")
+        return out
+
+
+def tiny_lm():
+    """k3-tiny as tests/serve/conftest.py's `tiny_model` builds it."""
+    from k3.model import K3ForCausalLM, get_preset
+
+    torch.manual_seed(0)
+    m = K3ForCausalLM(get_preset("k3-tiny")).eval()
+    with torch.no_grad():
+        m.model.attn_res.queries.normal_(0, 0.05)
+    return m
+
+
+def tiny_engine(poison: str | None = None, **engine):
+    """An engine over `tiny_lm` (wrapped in `Poisoned(mode=poison)` when given), eager steps: a
+    factory a `ProcessEngine`'s child can unpickle (this module is on the tests' path)."""
+    from k3.serve.engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(1)
+    m = tiny_lm()
+    return LLMEngine(m if poison is None else Poisoned(m, poison), EngineConfig(**{"compile_decode": False, **engine}))

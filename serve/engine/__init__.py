@@ -5,13 +5,14 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-`AsyncEngine` wraps it for asyncio callers (the Ray Serve deployments).
+`AsyncEngine` wraps it for asyncio callers (the Ray Serve deployments); `ProcessEngine`
+(engine_core.py) gives the same streams over an engine stepped in a process of its own.
 
 engine.py (requests and the step loop), scheduler.py (continuous batching), cache_manager.py
 (the only owner of the memory: KDA slots, MLA pages, the prefix cache; others hold opaque
 handles), handoff.py (the connector to other engines: cache states and prefix-pool pages,
-exported sealed, imported checked), async_engine.py, sampler.py, detokenizer.py, prompt_media.py,
-params.py.
+exported sealed, imported checked), async_engine.py, engine_core.py, sampler.py, detokenizer.py,
+prompt_media.py, params.py.
 """
 from .async_engine import AsyncEngine, RequestFailed
 from .engine import LLMEngine, RequestOutput

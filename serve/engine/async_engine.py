@@ -82,23 +82,43 @@ class AsyncEngine:
             try:
                 outs = await asyncio.to_thread(self.engine.step)
             except Exception as e:  # noqa: BLE001 - the engine itself broke (not one request): tell every stream
-                for q in list(self._queues.values()):
-                    q.put_nowait(e)
+                self._fail_all(e)
                 continue
-            delivery = self.engine.deliveries  # this step's (steps never overlap)
-            for o in outs:
-                q = self._queues.get(o.request_id)
-                if q is not None and self._left.get(o.request_id, 0) < delivery:
-                    q.put_nowait(o)
-            self._left = {r: d for r, d in self._left.items() if d > delivery}
+            self._dispatch(outs, self.engine.deliveries)  # this step's count (steps never overlap)
 
-    async def _stream(self, request_id: str | None, submit: Callable[[str | None], str]) -> AsyncIterator[RequestOutput]:
-        if request_id is not None and request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        rid = submit(request_id)  # validates; raises ValueError before anything runs
-        q: asyncio.Queue = asyncio.Queue()
+    def _dispatch(self, outs: list[RequestOutput], delivery: int) -> None:
+        """One step's outputs to their streams, less those of streams that left before the step
+        delivered (`delivery`: the engine's count of delivered steps, this one included)."""
+        for o in outs:
+            q = self._queues.get(o.request_id)
+            if q is not None and self._left.get(o.request_id, 0) < delivery:
+                q.put_nowait(o)
+        self._left = {r: d for r, d in self._left.items() if d > delivery}
+
+    def _fail_all(self, e: Exception) -> None:
+        """The engine itself broke (not one request): every open stream ends with `e`."""
+        for q in list(self._queues.values()):
+            q.put_nowait(e)
+
+    async def _open(self, request_id: str | None, submit: Callable, q: asyncio.Queue) -> str:
+        """Submit a request (validated: ValueError before anything runs) and register its stream's
+        queue; its id."""
+        rid = submit(request_id)
         self._queues[rid] = q
         self._ensure_loop()
+        return rid
+
+    def _leave(self, rid: str) -> None:
+        """A stream left before its request finished: abort the request (its id is free at once)."""
+        self.engine.abort_request(rid)
+        self._left[rid] = self.engine.deliveries
+        self._wake.set()
+
+    async def _stream(self, request_id: str | None, submit: Callable) -> AsyncIterator[RequestOutput]:
+        if request_id is not None and request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        rid = await self._open(request_id, submit, q)
         done = False
         first = True
         waiting: deque = deque()  # taken from the queue, not yet yielded
@@ -124,9 +144,7 @@ class AsyncEngine:
             if self._queues.get(rid) is q:
                 del self._queues[rid]
             if not done:  # left early (client disconnect, cancellation): abort, it is still ours
-                self.engine.abort_request(rid)
-                self._left[rid] = self.engine.deliveries
-                self._wake.set()
+                self._leave(rid)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  request_id: str | None = None, prefill_only: bool = False,

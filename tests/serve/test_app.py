@@ -372,10 +372,12 @@ def _read_stream(url: str, body: dict, log: dict) -> None:
 
 
 def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, tokenizer, tmp_path):
+    import contextlib
     import os
     import threading
     import time
 
+    import psutil
     import ray
     from ray import serve
 
@@ -420,6 +422,41 @@ def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, token
         ok = httpx.post(url, json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 2},
                         headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         assert ok.status_code == 200, ok.text  # the surviving replica serves on
+
+        # A decode replica's engine process (engine_process) killed under a running stream: that
+        # stream ends with a clean error; the replica's health check fails, Serve replaces it, and
+        # the app serves on.
+        log: dict = {}
+        reader = threading.Thread(target=_read_stream, args=(url, {
+            "model": "k3-tiny", "prompt": rand(12, 900), "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}, log))
+        reader.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and log.get("tokens", 0) < 2:
+            time.sleep(0.2)
+        holder = None
+        for n in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::pdkill#DecodeServer#")]:
+            with contextlib.suppress(ray.exceptions.RayError):
+                a = ray.get_actor(n, namespace="serve")
+                if ray.get(a.get_num_ongoing_requests.remote(), timeout=30) == 1:
+                    holder = ray.get(a.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+        assert holder is not None, "no decode replica holds the stream"
+        cores = [c for c in psutil.Process(holder).children() if "k3.serve.engine.engine_core" in " ".join(c.cmdline())]
+        assert len(cores) == 1, cores  # each decoding replica steps its engine in a process of its own
+        cores[0].kill()
+        reader.join(timeout=120)
+        assert not reader.is_alive() and "error" in log and log.get("done"), log
+        deadline, code = time.time() + 240, None
+        while time.time() < deadline and code != 200:
+            code = httpx.post(url, json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 2},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=120).status_code
+            time.sleep(0.5 if code == 200 else 2)
+        assert code == 200
+        deadline = time.time() + 240  # the replica with the dead engine is replaced, not kept
+        while time.time() < deadline and psutil.pid_exists(holder) and psutil.Process(holder).status() != "zombie":
+            time.sleep(1)
+        assert not psutil.pid_exists(holder) or psutil.Process(holder).status() == "zombie"
     finally:
         serve.delete("pdkill")
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine, RequestFailed, SamplingParams
 from k3.serve.engine.detokenizer import StopMatcher
+from serve_apps import POISON, Poisoned
 
-POISON = 4095  # a token id the test models below treat as fatal
 GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
 
 
@@ -20,33 +20,6 @@ def prompts(n, seed, lo=5, hi=40):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 4000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
-
-
-class Poisoned(nn.Module):
-    """The tiny model, but a forward whose input holds POISON raises (mode "raise"), or every
-    logits row sampled for a sequence that has consumed POISON is NaN (mode "nan")."""
-
-    def __init__(self, model, mode):
-        super().__init__()
-        self.inner, self.cfg, self.mode = model, model.cfg, mode
-        self.poisoned_slots: set[int] = set()
-
-    def forward(self, input_ids, cache=None, logits_at=None, **kw):
-        if self.mode == "raise" and bool((input_ids == POISON).any()):
-            raise RuntimeError("kernel failure on poisoned input")
-        out = self.inner(input_ids, cache=cache, logits_at=logits_at, **kw)
-        if self.mode == "nan":
-            cu, slots, ctx = cache.cu_seqlens.tolist(), cache.kda_slots.tolist(), cache.context_lens.tolist()
-            for i, slot in enumerate(slots):
-                if ctx[i] == 0:  # a new sequence in this slot
-                    self.poisoned_slots.discard(slot)
-                if bool((input_ids[0, cu[i]:cu[i + 1]] == POISON).any()):
-                    self.poisoned_slots.add(slot)
-            for j, r in enumerate(logits_at.tolist()):
-                i = next(i for i in range(len(cu) - 1) if cu[i] <= r < cu[i + 1])
-                if slots[i] in self.poisoned_slots:
-                    out.logits[j] = float("nan")
-        return out
 
 
 def run_all(eng, reqs):

@@ -1,0 +1,171 @@
+"""The engine's steps in a process of its own (`ProcessEngine`, serve/engine/engine_core.py): the
+same tokens as the engine in a thread, bad input refused by name with the engine going on, one
+failing request failing alone, ids freed and reused without crosstalk, a child that cannot start
+or dies said so."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+
+import pytest
+
+from k3.serve.engine import AsyncEngine, RequestFailed, SamplingParams
+from k3.serve.engine.engine_core import EngineProcessDied, ProcessEngine
+from serve_apps import POISON, tiny_engine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+PROMPTS = [list(range(5, 60)), list(range(100, 130)), [7, 8, 9] * 20]
+
+
+@pytest.fixture(scope="module")
+def core():
+    eng = ProcessEngine(functools.partial(tiny_engine, "raise", max_num_seqs=4))
+    yield eng
+    eng.close()
+    assert eng._proc.returncode == 0  # ended by its socket closing, not killed
+
+
+async def _collect(agen):
+    return [o async for o in agen]
+
+
+def _run(coro, timeout=120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_same_tokens_as_the_engine_in_a_thread(core):
+    local = AsyncEngine(tiny_engine("raise", max_num_seqs=4))
+
+    async def both(e):
+        return await asyncio.gather(*(_collect(e.generate(p, GREEDY if i % 2 == 0 else SEEDED))
+                                      for i, p in enumerate(PROMPTS)))
+
+    got, want = _run(both(core)), _run(both(local))
+    for g, w in zip(got, want):
+        assert g[-1].finished and g[-1].token_ids == w[-1].token_ids
+        assert [t for o in g for t in o.new_token_ids] == g[-1].token_ids  # the deltas add up to the whole
+        glp, wlp = [lp for o in g for lp in o.logprobs], [lp for o in w for lp in o.logprobs]
+        # batches form by arrival, so the float sums may differ in their last bits
+        assert [lp["token"] for lp in glp] == [lp["token"] for lp in wlp]
+        assert [lp["logprob"] for lp in glp] == pytest.approx([lp["logprob"] for lp in wlp], abs=1e-5)
+        # a running request's outputs cross the socket as deltas only
+        assert all(o.token_ids == [] and o.text == "" for o in g if not o.finished)
+    assert len(got[0][-1].token_ids) == 12
+
+
+@pytest.mark.parametrize("prompt,params,request_id,match", [
+    ([], SamplingParams(), None, "prompt"),
+    ([1, 2, 3], SamplingParams(max_tokens=10**9), None, "max_tokens|cache"),
+    ([1, 2, 10**7], SamplingParams(), None, "token id|vocab"),
+    ([1, 2, 3], SamplingParams(), "", "request_id"),
+])
+def test_bad_input_is_refused_by_name_and_the_engine_goes_on(core, prompt, params, request_id, match):
+    async def go():
+        with pytest.raises(ValueError, match=match):
+            await _collect(core.generate(prompt, params, request_id=request_id))
+        return await _collect(core.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+
+    assert len(_run(go())[-1].token_ids) == 3
+    core.check_health()
+
+
+def test_a_failing_request_fails_alone(core):
+    async def go():
+        return await asyncio.gather(_collect(core.generate([1, 2, 3], GREEDY)),
+                                    _collect(core.generate([5, POISON, 7], GREEDY)),
+                                    _collect(core.generate([8, 9], GREEDY)), return_exceptions=True)
+
+    ok1, bad, ok2 = _run(go())
+    assert isinstance(bad, RequestFailed) and "poisoned" in str(bad)
+    assert len(ok1[-1].token_ids) == 12 and len(ok2[-1].token_ids) == 12
+
+
+def test_ids_held_refused_and_a_reused_id_gets_only_its_own_outputs(core):
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def go():
+        first = core.generate([1, 2, 3], long, request_id="x")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await core.generate([4, 5], long, request_id="x").__anext__()
+        await first.aclose()  # leaves early: aborted in the child, the id free at once
+        # leave and reuse the id many times in a row, each time before the child confirms
+        for _ in range(5):
+            again = core.generate([1, 2, 3], long, request_id="x")
+            await again.__anext__()
+            await again.aclose()
+        last = await _collect(core.generate([4, 5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                            request_id="x"))
+        stats = await core.stats()
+        return last, stats
+
+    last, stats = _run(go())
+    assert last[-1].finished and len(last[-1].token_ids) == 4
+    assert [t for o in last for t in o.new_token_ids] == last[-1].token_ids  # nothing of the aborted ones
+    assert stats["running"] == 0 and stats["waiting"] == 0  # every abort reached the engine
+
+
+def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would():
+    """The pd path: a state of a long prompt (hundreds of KB, more than a socket takes at once)
+    sent to the child from a Serve-like uvloop event loop, whose transport does not block."""
+    uvloop = pytest.importorskip("uvloop")  # Ray Serve's replicas run on it (ray[serve] installs it)
+    key = {"handoff_key": "engine-core-test-key"}
+    prompt = [(i * 37) % 4000 + 5 for i in range(1500)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    local = AsyncEngine(tiny_engine(None, **key))
+    remote = ProcessEngine(functools.partial(tiny_engine, None, **key))
+    try:
+        async def go():
+            whole = await _collect(local.generate(prompt, params))
+            first = await _collect(local.generate(prompt, params, prefill_only=True))
+            state = first[-1].cache_state
+            assert state.nbytes > 256 * 1024
+            got = await _collect(remote.import_request(prompt, state, params))
+            assert state.timings["check_s"] > 0  # measured in the child, told to the caller's copy
+            return whole, got
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            whole, got = r.run(asyncio.wait_for(go(), 120))
+        assert got[-1].token_ids == whole[-1].token_ids and len(got[-1].token_ids) == 8
+    finally:
+        remote.close()
+
+
+def test_calls_by_name_only(core):
+    async def go():
+        assert (await core.call_engine("stats"))["steps"] > 0
+        with pytest.raises(ValueError, match="no engine call 'step'"):
+            await core.call_engine("step")
+        with pytest.raises(TypeError):
+            await core.call(lambda: 1)
+
+    _run(go())
+
+
+def test_an_engine_that_cannot_start_says_why():
+    # the child's factory raises (EngineConfig refuses the value): its reason reaches the replica
+    with pytest.raises(RuntimeError, match="(?s)could not start: .*max_num_seqs"):
+        ProcessEngine(functools.partial(tiny_engine, "raise", max_num_seqs=0))
+
+
+def test_a_killed_engine_process_ends_every_stream_and_fails_health():
+    eng = ProcessEngine(functools.partial(tiny_engine, None))
+    try:
+        async def go():
+            agen = eng.generate([1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True))
+            await agen.__anext__()
+            os.kill(eng.pid, signal.SIGKILL)
+            with pytest.raises(EngineProcessDied, match="exited"):
+                async for _ in agen:
+                    pass
+            with pytest.raises(EngineProcessDied):  # nothing new is accepted
+                await _collect(eng.generate([1, 2], SamplingParams(max_tokens=2)))
+
+        _run(go())
+        with pytest.raises(EngineProcessDied, match=str(eng.pid)):
+            eng.check_health()
+    finally:
+        eng.close()
