@@ -1,20 +1,16 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from k3.model import K3ForCausalLM, get_preset
+from k3.model import get_preset
 from k3.platform.train.corpus import stdlib_corpus
 from k3.model.tokenizer import train_bpe
+from serve_apps import tiny_lm
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    torch.manual_seed(0)
-    m = K3ForCausalLM(get_preset("k3-tiny")).eval()
-    with torch.no_grad():
-        m.model.attn_res.queries.normal_(0, 0.05)
-    return m
+    return tiny_lm()
 
 
 @pytest.fixture(scope="session")
