@@ -500,6 +500,20 @@ def bookkeeping() -> dict:
             "before_us": best_us(lambda: pickle.loads(pickle.dumps(full)), 200),
             "now_us": best_us(lambda: pickle.loads(pickle.dumps(delta)), 200),
             "before_bytes": len(pickle.dumps(full)), "now_bytes": len(pickle.dumps(delta))}
+        # the engine's own output of a running request's step at that length: with the answer so
+        # far copied in (cumulative_outputs, the default) and without (the servers' engines)
+        eng = LLMEngine(tiny, EngineConfig(max_num_seqs=1, compile_decode=False))
+        seq = Sequence("r", rand(16), SamplingParams(max_tokens=generated + 8))
+        seq.output.extend(rand(generated))
+        seq.text = "ab" * generated
+
+        def emit(cumulative: bool) -> None:
+            eng.cumulative_outputs = cumulative
+            eng._output(seq, [7], [], False, "ab")
+            eng._produced.clear()
+
+        out[f"stream_output_after_{generated}_tokens"] |= {"engine_cumulative_us": best_us(lambda: emit(True), 200),
+                                                           "engine_delta_us": best_us(lambda: emit(False), 200)}
     return out
 
 

@@ -118,7 +118,9 @@ def build_engine(config: LLMServingConfig, decodes: bool, device: str) -> LLMEng
     torch.set_num_threads(config.torch_threads)
     model = load_model(config.model).to(device)
     ec = config.engine if decodes else config.engine.model_copy(update={"compile_decode": False})
-    return LLMEngine(model, ec, config.model.tokenizer())
+    engine = LLMEngine(model, ec, config.model.tokenizer())
+    engine.cumulative_outputs = False  # a server sends each step's delta (engine_stream)
+    return engine
 
 
 def replica_device() -> torch.device:

@@ -424,3 +424,28 @@ def test_a_served_stream_sends_deltas_and_the_whole_answer_once(tiny_model, toke
     assert got[-1].token_ids == want.token_ids and got[-1].text == want.text != ""
     assert [t for o in got for t in o.new_token_ids] == want.token_ids
     assert "".join(o.text_delta for o in got) == want.text
+
+
+def test_delta_outputs_carry_the_step_and_the_finished_one_the_whole_answer(tiny_model, tokenizer):
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(max_tokens=9, temperature=0, logprobs=1, stop=["zz"])
+
+    def stream(cumulative):
+        eng = LLMEngine(tiny_model, tokenizer=tokenizer)
+        eng.cumulative_outputs = cumulative
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params)
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        return outs
+
+    full, delta = stream(True), stream(False)
+    assert len(full) == len(delta) == 18
+    for f, d in zip(full, delta):
+        assert (d.request_id, d.new_token_ids, d.text_delta, d.finished, d.logprobs) == \
+            (f.request_id, f.new_token_ids, f.text_delta, f.finished, f.logprobs)
+        if d.finished:  # the whole answer, as the cumulative output says it
+            assert (d.token_ids, d.text) == (f.token_ids, f.text) and len(d.token_ids) == 9
+        else:
+            assert (d.token_ids, d.text) == ([], "") and len(f.token_ids) >= 1
