@@ -237,6 +237,7 @@ class ProcessEngine(AsyncEngine):
         compiled) or `start_timeout_s` passed. Raises RuntimeError with the child's reason when
         the engine cannot start."""
         super().__init__(None)
+        payload = _frame(factory)  # a factory that cannot be pickled fails here, before any process starts
         mine, theirs = socket.socketpair()
         for sock in (mine, theirs):  # a prompt's cache state (MBs) in one write, not in the kernel's default pieces
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -256,7 +257,7 @@ class ProcessEngine(AsyncEngine):
         self._connected: asyncio.Task | None = None  # the transport on `_loop`, made or being made
         self._dups: list[socket.socket] = []  # the socket's descriptor each event loop's transport holds
         self._dead: Exception | None = None
-        mine.sendall(_frame(factory))
+        mine.sendall(payload)
         deadline = None if start_timeout_s is None else time.monotonic() + start_timeout_s
         while not select.select([mine], [], [], 0.5)[0]:
             if self._proc.poll() is not None:
@@ -353,9 +354,11 @@ class ProcessEngine(AsyncEngine):
         self._queues[rid] = q  # before the child can step it: its outputs may come ahead of the reply
         try:
             await submit(rid)
-        except BaseException:
+        except BaseException as e:
             if self._queues.get(rid) is q:
                 del self._queues[rid]
+            if isinstance(e, asyncio.CancelledError):  # left before the child answered: it may have taken it
+                self._leave(rid)
             raise
         return rid
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pickle
 import signal
 
 import pytest
@@ -132,6 +133,35 @@ def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would():
         assert got[-1].token_ids == whole[-1].token_ids and len(got[-1].token_ids) == 8
     finally:
         remote.close()
+
+
+def test_a_stream_cancelled_before_the_child_answers_aborts_its_request(core):
+    endless = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+
+    async def go():
+        await core.stats()  # this loop's transport is up: the task below sends its request at once
+        task = asyncio.get_running_loop().create_task(_collect(core.generate([1, 2, 3], endless, request_id="gone")))
+        await asyncio.sleep(0)  # the request is on its way to the child, not yet answered
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the abort follows it: the child drops the request
+            s = await core.stats()
+            if s["running"] == 0 and s["waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        again = await _collect(core.generate([4, 5], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                             request_id="gone"))
+        return s, again
+
+    s, again = _run(go())
+    assert s["running"] == 0 and s["waiting"] == 0
+    assert len(again[-1].token_ids) == 3  # the id is free again
+
+
+def test_a_factory_that_cannot_be_pickled_fails_before_any_process_starts():
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+        ProcessEngine(lambda: None)
 
 
 def test_calls_by_name_only(core):
