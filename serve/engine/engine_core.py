@@ -68,6 +68,13 @@ def _frame(msg) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
+def _request_frame(msg: tuple) -> bytes:
+    """A request for the child: its (kind, token) head and the rest pickled apart, so a body the
+    child cannot unpickle (a class it cannot import) is answered as that request's error."""
+    head, body = _dumps(tuple(msg[:2])), _dumps(tuple(msg[2:]))
+    return _HEADER.pack(len(head)) + head + _HEADER.pack(len(body)) + body
+
+
 def _read_exactly(f, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -80,8 +87,12 @@ def _read_exactly(f, n: int) -> bytes:
 
 def _read_frame(f) -> object:
     """One message from a blocking binary file over the socket; EOFError when it closed."""
+    return pickle.loads(_read_bytes(f))
+
+
+def _read_bytes(f) -> bytes:
     n, = _HEADER.unpack(_read_exactly(f, _HEADER.size))
-    return pickle.loads(_read_exactly(f, n))
+    return _read_exactly(f, n)
 
 
 class _Wire(asyncio.Protocol):
@@ -104,9 +115,13 @@ class _Wire(asyncio.Protocol):
             end = _HEADER.size + n
             if len(self.buf) < end:
                 return
-            msg = pickle.loads(memoryview(self.buf)[_HEADER.size:end])
-            del self.buf[:end]
-            self.on_message(msg)
+            try:
+                msg = pickle.loads(self.buf[_HEADER.size:end])  # a copy: the buffer is cut below
+                self.on_message(msg)
+            except Exception:  # noqa: BLE001 - a fault here must not end the reading of the others
+                log.exception("engine core: a message from the engine process could not be delivered")
+            finally:
+                del self.buf[:end]
 
     def connection_lost(self, exc) -> None:
         self.on_lost(exc)
@@ -139,13 +154,22 @@ class _Core:
 
     def read(self) -> None:
         """The reader thread: every message handled as it arrives; the process ends when the
-        parent's end of the socket closes."""
+        parent's end of the socket closes (or this reader fails: nothing could reach it then)."""
         try:
             while True:
-                self.handle(_read_frame(self.rfile))
+                head = pickle.loads(_read_bytes(self.rfile))
+                body = _read_bytes(self.rfile)
+                try:
+                    self.handle((*head, *pickle.loads(body)))
+                except Exception as e:  # noqa: BLE001 - that request's error (an unreadable body, ...)
+                    log.exception("engine core: request %r failed", head)
+                    self.send(("reply", head[1], False, _portable(e)))
         except (EOFError, OSError):
             pass
-        os._exit(0)  # the replica is gone: nothing is waiting for this process's work
+        except BaseException:  # noqa: BLE001 - logged; the process must not outlive its reader
+            log.exception("engine core: the reader failed")
+        finally:
+            os._exit(0)  # the replica is gone (or unreachable): nothing is waiting for this process's work
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -166,7 +190,7 @@ class _Core:
             self.wake.set()
             self.send(reply)
         elif kind == "abort":
-            rid = msg[1]
+            rid = msg[2]
             eng.abort_request(rid)
             # outputs of rid in steps delivered up to here belong to the stream that left
             self.send(("aborted", rid, eng.deliveries))
@@ -177,12 +201,18 @@ class _Core:
                 self.send(("reply", token, False, ValueError(f"no engine call {name!r}; calls: {sorted(CALLS)}")))
                 return
             fut = eng.call(lambda: getattr(eng, name)(*args))
-            fut.add_done_callback(lambda f: self.send(
-                ("reply", token, True, f.result()) if f.exception() is None
-                else ("reply", token, False, _portable(f.exception()))))
+            fut.add_done_callback(lambda f: self.answer(token, f))
             self.wake.set()
         else:
             log.error("engine core: unknown message %r ignored", kind)
+
+    def answer(self, token: int, fut) -> None:
+        """A call's result (or error) to its caller; one that cannot be pickled as an error."""
+        e = fut.exception()
+        try:
+            self.send(("reply", token, True, fut.result()) if e is None else ("reply", token, False, _portable(e)))
+        except Exception as err:  # noqa: BLE001 - the caller must get an answer
+            self.send(("reply", token, False, RuntimeError(f"the engine's answer could not be sent: {err!r}")))
 
     def run(self) -> None:
         """The step loop (the main thread)."""
@@ -276,36 +306,59 @@ class ProcessEngine(AsyncEngine):
         self.pid = first[1]["pid"]
 
     # -- the socket ----------------------------------------------------------------------------
+    def _gone(self) -> EngineProcessDied:
+        """A fresh exception saying why this engine cannot be used (raised anew each time)."""
+        return EngineProcessDied(str(self._dead))
+
     async def _ensure_reader(self) -> None:
-        """The socket on the running event loop (a loop of its own for each loop that uses this
-        engine: a test's asyncio.run, a replica's one loop)."""
+        """The socket on the running event loop. One loop at a time: another may take the engine
+        over once the first has stopped (a test's successive asyncio.run calls); a replica has
+        its one loop."""
+        if self._dead is not None:
+            raise self._gone()
         loop = asyncio.get_running_loop()
-        if self._loop is not loop and self._dead is None:
-            self._loop = loop
+        if self._loop is not loop:
+            old = self._wire.transport
+            if self._loop is not None and self._loop.is_running():
+                raise RuntimeError("a ProcessEngine serves one running event loop at a time")
+            if old is not None and old.get_write_buffer_size():  # the child would read half a message
+                self._died(RuntimeError("an event loop ended with a message to the engine half sent"))
+                raise self._gone()
+            for d in self._dups:  # the stopped loop's transport holds one; its loop cannot close it
+                d.close()
+            self._loop, self._wire.transport = loop, None
             # a descriptor of its own: a transport closes what it holds, never the socket itself
             sock = socket.socket(fileno=os.dup(self._sock.fileno()))
-            self._dups.append(sock)
+            self._dups = [sock]
             self._connected = loop.create_task(loop.create_unix_connection(lambda: self._wire, sock=sock))
         await asyncio.shield(self._connected)  # callers that came meanwhile wait for the same transport
 
     def _lost(self, exc) -> None:
-        if self._dead is None:  # not closed by `close`: the child went away
-            self._died(exc)
+        self._died(exc)
 
     def _died(self, exc: BaseException | None = None) -> None:
+        """On the event loop: the child is gone (or unusable). Every open stream and every
+        pending answer ends with EngineProcessDied, once the reason is known."""
         if self._dead is None:
             try:
-                code = self._proc.wait(5.0)
-            except subprocess.TimeoutExpired:  # its socket closed, the process not yet gone
-                code = None
+                code = self._proc.wait(0.5)
+            except subprocess.TimeoutExpired:  # its socket closed and it lives on: it is of no use
+                self._proc.kill()
+                code = self._proc.wait()
             why = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
             self._dead = EngineProcessDied(f"the engine process (pid {self._proc.pid}) exited with code {code}{why}")
             log.error("%s", self._dead)
         for fut in self._replies.values():
             if not fut.done():
-                fut.set_exception(self._dead)
+                fut.set_exception(self._gone())
         self._replies.clear()
-        self._fail_all(self._dead)
+        self._fail_all(self._gone())
+
+    def _fail_open_soon(self) -> None:
+        """From any thread, once `_dead` is set: fail what is open, on its event loop."""
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(self._died)
 
     def _on(self, msg: tuple) -> None:
         kind = msg[0]
@@ -327,14 +380,15 @@ class ProcessEngine(AsyncEngine):
         elif kind == "broken":
             self._fail_all(msg[1])
 
-    def _send(self, msg) -> None:
-        """Queue a message on the transport (it never blocks: what the socket does not take at
-        once goes out as the child reads)."""
+    def _send(self, msg: tuple) -> None:
+        """Queue a request (kind, token, ...) on the transport (it never blocks: what the socket
+        does not take at once goes out as the child reads)."""
         if self._dead is not None:
-            raise self._dead
-        self._wire.transport.write(_frame(msg))
+            raise self._gone()
+        self._wire.transport.write(_request_frame(msg))
 
-    async def _ask(self, kind: str, *rest):
+    async def _ask(self, kind: str, *rest, sent: list | None = None):
+        """Send a request and wait for the child's answer; `sent` gets True once it is on its way."""
         await self._ensure_reader()
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
@@ -344,6 +398,8 @@ class ProcessEngine(AsyncEngine):
         except BaseException:
             self._replies.pop(token, None)
             raise
+        if sent is not None:
+            sent.append(True)
         return await fut
 
     # -- AsyncEngine's hooks -------------------------------------------------------------------
@@ -352,35 +408,35 @@ class ProcessEngine(AsyncEngine):
             raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
         self._queues[rid] = q  # before the child can step it: its outputs may come ahead of the reply
+        sent: list = []
         try:
-            await submit(rid)
+            await submit(rid, sent)
         except BaseException as e:
             if self._queues.get(rid) is q:
                 del self._queues[rid]
-            if isinstance(e, asyncio.CancelledError):  # left before the child answered: it may have taken it
+            if isinstance(e, asyncio.CancelledError) and sent:  # left before the child answered: it may have taken it
                 self._leave(rid)
             raise
         return rid
 
     def _leave(self, rid: str) -> None:
+        if self._dead is not None or self._wire.transport is None:  # nothing to abort, or no way to
+            return
         self._aborting[rid] = self._aborting.get(rid, 0) + 1
         self._left[rid] = math.inf  # until the child says which steps came before the abort
-        try:
-            self._send(("abort", rid))
-        except EngineProcessDied:
-            pass
+        self._send(("abort", None, rid))
 
     # -- the front end -------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  request_id: str | None = None, prefill_only: bool = False,
                  media: list | None = None) -> AsyncIterator[RequestOutput]:
-        return self._stream(request_id, lambda rid: self._ask("add", rid, (prompt_token_ids, params, prefill_only,
-                                                                            media)))
+        return self._stream(request_id, lambda rid, sent: self._ask("add", rid, (prompt_token_ids, params,
+                                                                                  prefill_only, media), sent=sent))
 
     def import_request(self, prompt_token_ids: list[int], state: HybridCacheState, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        async def submit(rid: str) -> None:
-            state.timings.update(await self._ask("import", rid, (prompt_token_ids, state, params)))
+        async def submit(rid: str, sent: list) -> None:
+            state.timings.update(await self._ask("import", rid, (prompt_token_ids, state, params), sent=sent))
 
         return self._stream(request_id, submit)
 
@@ -413,13 +469,16 @@ class ProcessEngine(AsyncEngine):
         if self._dead is None and self._proc.poll() is not None:
             self._dead = EngineProcessDied(f"the engine process (pid {self._proc.pid}) exited with code "
                                            f"{self._proc.returncode}")
+            self._fail_open_soon()  # the socket's EOF may not have been read yet
         if self._dead is not None:
-            raise self._dead
+            raise self._gone()
 
     def close(self, timeout: float = 10.0) -> None:
         """End the child (its socket closed: it exits by itself; killed if it has not in
         `timeout` seconds)."""
-        self._dead = self._dead or EngineProcessDied("the engine process was closed")
+        if self._dead is None:
+            self._dead = EngineProcessDied("the engine process was closed")
+            self._fail_open_soon()
         try:  # the connection itself, whichever descriptors of it are open: the child reads EOF
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -9,6 +9,9 @@ import functools
 import os
 import pickle
 import signal
+import sys
+import time
+import types
 
 import pytest
 
@@ -159,6 +162,24 @@ def test_a_stream_cancelled_before_the_child_answers_aborts_its_request(core):
     assert len(again[-1].token_ids) == 3  # the id is free again
 
 
+def test_a_request_the_engine_process_cannot_read_fails_alone(core):
+    # a SamplingParams of a module only this process has: the child cannot unpickle the request
+    mod = types.ModuleType("k3_test_parent_only")
+    mod.Params = type("Params", (SamplingParams,), {"__module__": "k3_test_parent_only"})
+    sys.modules["k3_test_parent_only"] = mod
+    try:
+        async def go():
+            with pytest.raises(ModuleNotFoundError, match="k3_test_parent_only"):
+                await _collect(core.generate([1, 2, 3], mod.Params(max_tokens=3)))
+            return await _collect(core.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0,
+                                                                          ignore_eos=True)))
+
+        assert len(_run(go())[-1].token_ids) == 3
+        core.check_health()
+    finally:
+        del sys.modules["k3_test_parent_only"]
+
+
 def test_a_factory_that_cannot_be_pickled_fails_before_any_process_starts():
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
         ProcessEngine(lambda: None)
@@ -188,6 +209,10 @@ def test_a_killed_engine_process_ends_every_stream_and_fails_health():
             agen = eng.generate([1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True))
             await agen.__anext__()
             os.kill(eng.pid, signal.SIGKILL)
+            while eng._proc.poll() is None:  # reaped here, before this loop has read the socket's end
+                time.sleep(0.01)
+            with pytest.raises(EngineProcessDied):  # a health probe first: the streams must still end
+                eng.check_health()
             with pytest.raises(EngineProcessDied, match="exited"):
                 async for _ in agen:
                     pass
