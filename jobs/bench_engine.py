@@ -442,19 +442,22 @@ def fill_prefix_cache(eng: LLMEngine) -> int:
     return n
 
 
+def best_us(fn, reps: int) -> float:
+    """The best of `reps` timed calls of fn (after one untimed), in µs."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return round(min(ts) * 1e6, 1)
+
+
 def bookkeeping() -> dict:
-    """Per decode step and sequence count: the context-dependent host work, now and before."""
+    """Per decode step and sequence count: the context-dependent host work, now and before; then
+    what a running request's output costs (`stream_output_costs`)."""
     from k3.serve.engine.graphs import DecodeGraph
     from k3.serve.engine.scheduler import Sequence
-
-    def best_us(fn, reps: int) -> float:
-        fn()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return round(min(ts) * 1e6, 1)
 
     out = {}
     for ctx in ([2048, 32768] if args.quick else [2048, 32768, 131072]):
@@ -486,6 +489,15 @@ def bookkeeping() -> dict:
             reps = 20 if ctx > 32768 else 200
             out[f"{ctx}x{n}"] = {"now_us": best_us(now, reps), "before_us": best_us(before, reps),
                                  "pages_per_sequence": len(mems[0].pages)}
+    return out | stream_output_costs()
+
+
+def stream_output_costs() -> dict:
+    """A running request's output after 256 / 4K / 32K generated tokens: its Serve hop and the
+    engine's own making of it, cumulative and as deltas."""
+    from k3.serve.engine.scheduler import Sequence
+
+    out = {}
     # what one streamed output of a running request costs to pickle and unpickle (a Serve hop)
     # after `generated` tokens: with the cumulative token ids and text (before), as the servers
     # send it now (the step's delta; `k3.serve.servers.engine_stream`)

@@ -18,9 +18,9 @@ replica), answers "ready", then runs two threads:
 - the stepper (the main thread), which steps while the engine has work and sends each step's
   outputs with that count; it waits on an event while the engine is idle.
 
-A running request's outputs carry only their deltas (an unfinished output's cumulative
-`token_ids` and `text` are emptied in the child: resent every token they cost a pickle of
-everything generated so far); the finished output carries them whole. The child exits when the
+A running request's outputs carry only their deltas (the child's engine makes them so,
+`LLMEngine.cumulative_outputs`: resent every token the answer so far would cost a pickle of
+everything generated); the finished output carries it whole. The child exits when the
 socket closes (the replica ended or died); the replica sees the child's death as an error on
 every open stream and in `check_health`, which makes Serve replace it.
 """
@@ -228,9 +228,6 @@ class _Core:
                 log.exception("engine step failed")
                 self.send(("broken", _portable(e)))
                 continue
-            for o in outs:
-                if not o.finished:
-                    o.token_ids, o.text = [], ""
             self.send(("out", eng.deliveries, outs))
 
 
@@ -240,6 +237,7 @@ def _child_main(fd: int) -> None:
     try:
         factory = _read_frame(rfile)
         engine = factory()
+        engine.cumulative_outputs = False  # running outputs cross the socket as deltas
     except BaseException as e:  # noqa: BLE001 - the parent is told why the engine could not start
         sock.sendall(_frame(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         raise SystemExit(1) from None
