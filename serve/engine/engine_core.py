@@ -63,6 +63,18 @@ SOCKET_BUFFER_BYTES = 8 * 2**20
 _HEADER = struct.Struct("!Q")  # each message on the socket: its pickle's length, then the pickle
 
 
+def _widen(sock: socket.socket) -> None:
+    """Ask for SOCKET_BUFFER_BYTES each way, so a prompt's cache state (MBs) goes in one write, not
+    in the kernel's default pieces. An OS that refuses the size (macOS caps a Unix socket's
+    buffers) keeps its default: the wire reads and writes in pieces either way, only slower."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError as e:
+            log.info("the engine core's socket keeps the OS's buffer size (%s refused: %s)",
+                     "SO_SNDBUF" if opt == socket.SO_SNDBUF else "SO_RCVBUF", e)
+
+
 def _frame(msg) -> bytes:
     data = _dumps(msg)
     return _HEADER.pack(len(data)) + data
@@ -267,9 +279,8 @@ class ProcessEngine(AsyncEngine):
         super().__init__(None)
         payload = _frame(factory)  # a factory that cannot be pickled fails here, before any process starts
         mine, theirs = socket.socketpair()
-        for sock in (mine, theirs):  # a prompt's cache state (MBs) in one write, not in the kernel's default pieces
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        for sock in (mine, theirs):
+            _widen(sock)
         env = dict(os.environ)
         # the child imports k3 the way this process does
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

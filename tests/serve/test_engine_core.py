@@ -9,6 +9,7 @@ import functools
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import types
@@ -112,15 +113,25 @@ def test_ids_held_refused_and_a_reused_id_gets_only_its_own_outputs(core):
     assert stats["running"] == 0 and stats["waiting"] == 0  # every abort reached the engine
 
 
-def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would():
+@pytest.mark.parametrize("buffers", ["widened", "refused"])
+def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffers, monkeypatch):
     """The pd path: a state of a long prompt (hundreds of KB, more than a socket takes at once)
-    sent to the child from a Serve-like uvloop event loop, whose transport does not block."""
+    sent to the child from a Serve-like uvloop event loop, whose transport does not block; also
+    where the OS refuses the wider socket buffers (macOS's cap) and the default sizes carry it."""
     uvloop = pytest.importorskip("uvloop")  # Ray Serve's replicas run on it (ray[serve] installs it)
+    if buffers == "refused":
+        def refuse(sock, level, opt, value):
+            raise OSError(55, "No buffer space available")
+        monkeypatch.setattr(socket.socket, "setsockopt", refuse)
     key = {"handoff_key": "engine-core-test-key"}
     prompt = [(i * 37) % 4000 + 5 for i in range(1500)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     local = AsyncEngine(tiny_engine(None, **key))
     remote = ProcessEngine(functools.partial(tiny_engine, None, **key))
+    monkeypatch.undo()
+    default = socket.socket(socket.AF_UNIX).getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    sndbuf = remote._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert (sndbuf == default) == (buffers == "refused"), (sndbuf, default)
     try:
         async def go():
             whole = await _collect(local.generate(prompt, params))
