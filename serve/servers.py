@@ -24,8 +24,9 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,17 @@ def build_engine(config: LLMServingConfig, decodes: bool, device: str) -> LLMEng
     return engine
 
 
+def _in_replica() -> bool:
+    """Whether this runs in a Ray Serve replica (not a test or script building a server by hand)."""
+    try:
+        from ray import serve
+
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - RayServeException outside a replica (or no Ray at all)
+        return False
+    return True
+
+
 def replica_device() -> torch.device:
     """cuda when Ray gave this replica a GPU (`ray_actor_options.num_gpus`), else cpu."""
     import ray
@@ -130,8 +142,20 @@ def replica_device() -> torch.device:
     return torch.device("cuda") if ray.is_initialized() and ray.get_gpu_ids() else torch.device("cpu")
 
 
+# a Serve replica whose engine died checks this often, and waits at most this long for its open
+# streams to take their errors before it exits
+ENGINE_WATCH_PERIOD_S = 0.5
+ENGINE_DEATH_GRACE_S = 10.0
+
+
 class EngineHost:
-    """One engine in a replica, and the replica's engine gauges reported every second."""
+    """One engine in a replica, and the replica's engine gauges reported every second.
+
+    In a Serve replica a thread watches the engine: once it has died (its process killed, its
+    loop broken) the replica ends its open streams with the error, waits for them to be read
+    (at most ENGINE_DEATH_GRACE_S) and exits, so Ray marks the actor dead, the routers stop
+    sending it requests and Serve starts a replacement at its next health check (a replica that
+    stayed up would answer every request with an error until three health checks had failed)."""
 
     role = "llm"
     decodes = True  # runs decode steps (a prefill replica stops at each prompt's first token)
@@ -146,6 +170,35 @@ class EngineHost:
         self.metrics = ServeMetrics(self.config.model_id, self.role)
         self._reporter: asyncio.Task | None = None
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
+        self._closing = threading.Event()
+        if _in_replica():
+            threading.Thread(target=self._watch_engine, name="k3-engine-watch", daemon=True).start()
+
+    def _watch_engine(self, exit_process: Callable[[int], None] = os._exit) -> None:
+        """Until the replica shuts down: once the engine is dead, exit (see the class)."""
+        while not self._closing.wait(ENGINE_WATCH_PERIOD_S):
+            try:
+                self.engine.check_health()
+            except Exception as e:  # noqa: BLE001 - whatever killed the engine, the replica goes
+                if self._closing.is_set():
+                    return
+                logger.error("this replica's engine died (%s): its %d open streams end with the error, then the "
+                             "replica exits for Serve to replace it", e, self.engine.open_streams)
+                deadline = time.monotonic() + ENGINE_DEATH_GRACE_S
+                while self.engine.open_streams and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)  # the streams' last events on their way to the callers
+                exit_process(1)
+                return
+
+    def __del__(self) -> None:
+        """Serve's shutdown of the replica: the engine (its process) ends with it, not as a death."""
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
+            close = getattr(getattr(self, "engine", None), "close", None)
+            if close is not None:
+                close()
 
     def _start_reporting(self) -> None:
         if self._reporter is None or self._reporter.done():

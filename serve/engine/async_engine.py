@@ -86,6 +86,11 @@ class AsyncEngine:
                 continue
             self._dispatch(outs, self.engine.deliveries)  # this step's count (steps never overlap)
 
+    @property
+    def open_streams(self) -> int:
+        """Streams whose readers have not yet taken their last item (safe to read from any thread)."""
+        return len(self._queues)
+
     def _dispatch(self, outs: list[RequestOutput], delivery: int) -> None:
         """One step's outputs to their streams, less those of streams that left before the step
         delivered (`delivery`: the engine's count of delivered steps, this one included)."""

@@ -235,3 +235,46 @@ def test_a_killed_engine_process_ends_every_stream_and_fails_health():
             eng.check_health()
     finally:
         eng.close()
+
+
+def test_a_replica_whose_engine_died_lets_its_streams_end_then_exits():
+    """`EngineHost`'s watch (started in a Serve replica): the engine process killed under an open
+    stream, the watch waits until the stream has taken its error, then exits the process (here a
+    recorded call); a replica shutting down (its engine closed on purpose) does not exit."""
+    import threading
+
+    from k3.serve.servers import EngineHost
+
+    host = EngineHost.__new__(EngineHost)
+    host.engine = ProcessEngine(functools.partial(tiny_engine, None))
+    host._closing = threading.Event()
+    exits: list = []
+    try:
+        async def go():
+            agen = host.engine.generate([1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True))
+            await agen.__anext__()
+            watch = threading.Thread(target=host._watch_engine, args=(lambda code: exits.append(
+                (code, host.engine.open_streams)),))
+            watch.start()
+            os.kill(host.engine.pid, signal.SIGKILL)
+            await asyncio.sleep(1.5)  # the watch has seen the death and waits for the stream
+            assert not exits and host.engine.open_streams == 1
+            with pytest.raises(EngineProcessDied):
+                async for _ in agen:
+                    pass
+            await asyncio.to_thread(watch.join, 30)
+            assert not watch.is_alive()
+
+        _run(go())
+        assert exits == [(1, 0)]  # exited with 1, after the stream had ended
+    finally:
+        host.engine.close()
+
+    host = EngineHost.__new__(EngineHost)
+    host.engine = ProcessEngine(functools.partial(tiny_engine, None))
+    host._closing = threading.Event()
+    watch = threading.Thread(target=host._watch_engine, args=(exits.append,))
+    watch.start()
+    host.__del__()  # Serve's shutdown: closes the engine, the watch ends without an exit
+    watch.join(10)
+    assert not watch.is_alive() and exits == [(1, 0)] and host.engine._proc.returncode == 0
