@@ -5,10 +5,13 @@ and (with --ray-address) the Serve replicas' resident memory sampled every secon
 
 The replica processes are found through Ray's state API (every live `ServeReplica:*` actor and its
 pid, looked up again at each sample, so a replaced replica shows as a new curve) and measured with
-psutil: the replicas must run on this machine. The verdict is per process: no replica's RSS, after
-its own --warmup-s, grows by more than --max-rss-growth from the first to the last fifth of its
-samples; a replica that autoscaling adds or removes is listed (rss.added / rss.removed), not
-counted as growth. Exit status 1 on any failed request or a growing process.
+psutil, each with its engine process where the engine steps in one of its own (`engine_process`,
+the default: the model and its cache live there), and the prefix pool less the pages it holds
+(it fills its byte budget by design): the replicas must run on this machine. The verdict is per
+process: no process's RSS, after its own --warmup-s (--added-warmup-s for one that appears during
+the run), grows by more than --max-rss-growth from the first to the last fifth of its samples; a
+replica that autoscaling adds or removes is listed (rss.added / rss.removed), not counted as
+growth. Exit status 1 on any failed request or a growing process.
 """
 from __future__ import annotations
 
@@ -20,9 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
-from k3.serve.soak import SoakConfig, run_soak
+from k3.serve.soak import SoakConfig, run_soak, serve_process_rss
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
@@ -35,6 +36,9 @@ p.add_argument("--input-len", type=int, default=64, help="words per prompt")
 p.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
 p.add_argument("--warmup-s", type=float, default=10.0,
                help="a process's RSS samples in its first seconds (from the start, or from when it appeared) are not judged")
+p.add_argument("--added-warmup-s", type=float, default=60.0,
+               help="the warm-up of a process that appears during the run (an autoscaled replica and its engine "
+                    "process build the model and compile graphs first)")
 p.add_argument("--max-rss-growth", type=float, default=0.05, help="largest growth of one process still called flat")
 p.add_argument("--ray-address", default=None, help="sample the Serve replicas of this Ray cluster (its GCS address)")
 p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -42,20 +46,31 @@ args = p.parse_args()
 
 
 def replica_rss() -> dict[str, int]:
-    """{"<actor class> <pid>": RSS bytes} of every live Serve replica on this machine."""
+    """RSS bytes of every live Serve replica on this machine and of its engine process
+    (`serve_process_rss`: "<actor class> <pid>", "<actor class> <pid> engine <child pid>")."""
     from ray.util.state import list_actors
 
-    out = {}
     # the connected cluster's exact GCS address: without one the state API picks the newest Ray
     # on the machine, which need not be this one
-    for a in list_actors(address=gcs_address, filters=[("state", "=", "ALIVE")], limit=10_000,
-                         raise_on_missing_output=False):
-        if not a.class_name.startswith("ServeReplica") or not a.pid:
-            continue
-        try:
-            out[f"{a.class_name} {a.pid}"] = psutil.Process(a.pid).memory_info().rss
-        except psutil.NoSuchProcess:  # ended between the listing and the read
-            pass
+    actors = [a for a in list_actors(address=gcs_address, filters=[("state", "=", "ALIVE")], limit=10_000,
+                                     raise_on_missing_output=False) if a.class_name.startswith("ServeReplica") and a.pid]
+    return serve_process_rss([(a.class_name, a.pid) for a in actors], pool_bytes(actors))
+
+
+def pool_bytes(actors) -> dict[int, int]:
+    """{pid: bytes of pages held} of each k3 prefix pool (its deployment's one replica): the pool
+    fills its byte budget by design, so it is judged on its memory less what it holds."""
+    from ray import serve
+
+    out = {}
+    for a in actors:
+        _, app, deployment = a.class_name.split(":", 2)
+        if deployment == "PrefixPool":
+            try:
+                out[a.pid] = serve.get_deployment_handle("PrefixPool", app_name=app).stats.remote().result(
+                    timeout_s=10)["bytes"]
+            except Exception as e:  # noqa: BLE001 - a pool going away or busy: measured whole this time
+                print(f"prefix pool of {app!r}: no stats ({type(e).__name__}: {e})", file=sys.stderr)
     return out
 
 
@@ -71,7 +86,8 @@ if args.ray_address is not None:
 
 cfg = SoakConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
                  clients=args.clients, duration_s=args.duration, input_len=args.input_len,
-                 output_len=args.output_len, warmup_s=args.warmup_s, max_rss_growth=args.max_rss_growth)
+                 output_len=args.output_len, warmup_s=args.warmup_s, added_warmup_s=args.added_warmup_s,
+                 max_rss_growth=args.max_rss_growth)
 summary = asyncio.run(run_soak(cfg, sampler))
 summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 summary["machine"] = {"cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}

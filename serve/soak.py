@@ -4,7 +4,8 @@ memory sampled once a second to show it stays flat after warm-up.
     summary = asyncio.run(run_soak(SoakConfig(base_url=url, clients=32, duration_s=60), sample_rss))
 
 `sample_rss()` returns {process label: RSS bytes}; `jobs/serve_soak.py` finds the Serve replica
-processes through Ray's state API, a test passes the current process.
+processes through Ray's state API and measures them and their engine processes
+(`serve_process_rss`), a test passes the current process.
 
 Memory is judged per process, each after its own warm-up: autoscaling that adds a replica adds
 its memory to the total without any process growing, and a replica that goes away takes its
@@ -15,16 +16,49 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
+import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bench import (BenchConfig, auth_headers, endpoint_url, make_prompts, new_client, request_body, served_model,
                     stream_request, summarize)
 
 RssSampler = Callable[[], dict[str, int]]
+
+# how a replica's engine process (engine_process) is started: `python -m` this module
+ENGINE_CORE_MODULE = "k3.serve.engine.engine_core"
+
+
+def serve_process_rss(replicas: Iterable[tuple[str, int]], stored: dict[int, int] | None = None) -> dict[str, int]:
+    """{label: RSS bytes} of each replica process of `replicas` ((actor class, pid) pairs, on this
+    machine) and of each one's engine process, where the engine and its cache live when it steps
+    in a process of its own: "<class> <pid>" and "<class> <pid> engine <child pid>". A process
+    that ended between the listing and the read is left out.
+
+    `stored` {pid: bytes}: what a budgeted store in that process says it holds (the prefix pool's
+    pages, which fill its byte budget by design); such a process is measured less those bytes,
+    labelled "<class> <pid> less its store", so a leak shows and a filling store does not."""
+    stored = stored or {}
+    out = {}
+    for cls, pid in replicas:
+        try:
+            proc = psutil.Process(pid)
+            if pid in stored:
+                out[f"{cls} {pid} less its store"] = proc.memory_info().rss - stored[pid]
+            else:
+                out[f"{cls} {pid}"] = proc.memory_info().rss
+            for child in proc.children():
+                try:
+                    if ENGINE_CORE_MODULE in child.cmdline():
+                        out[f"{cls} {pid} engine {child.pid}"] = child.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 class SoakConfig(BaseModel):
@@ -42,6 +76,9 @@ class SoakConfig(BaseModel):
     output_len: int = Field(32, ge=1, description="max_tokens per request.")
     warmup_s: float = Field(10.0, ge=0, description="A process's RSS samples in its first warmup_s seconds (from the "
                                                     "run's start, or from when it appeared) are outside the verdict.")
+    added_warmup_s: float = Field(60.0, ge=0, description="The warm-up of a process that appears during the run (a "
+                                                         "replica autoscaling added, its engine process: the model "
+                                                         "built and the decode graphs compiled first).")
     rss_interval_s: float = Field(1.0, gt=0, description="Seconds between RSS samples.")
     max_rss_growth: float = Field(0.05, ge=0, description="Flat: no process's RSS grows by more than this fraction "
                                                           "from the first to the last fifth of its samples after "
@@ -67,13 +104,15 @@ def rss_verdict(times_s: list[float], totals: list[int], warmup_s: float, max_gr
 
 
 def process_verdicts(times_s: list[float], per_process: dict[str, list[int | None]], warmup_s: float,
-                     max_growth: float) -> dict:
+                     max_growth: float, added_warmup_s: float | None = None) -> dict:
     """The memory verdict of a run: each process's curve judged on its own (rss_verdict, its warm-up
     counted from its first sample), and which processes came and went.
 
     Args:
         times_s: sample times.
         per_process: each process's RSS at every sample, None where it did not exist.
+        added_warmup_s: the warm-up of a process absent from the first sample (an autoscaled
+            replica builds its model and compiles its graphs first); default `warmup_s`.
     Returns {"flat": every judged process flat (None when none could be judged), "growing": the
     processes that grew, "processes": each one's verdict, "added" / "removed": processes absent
     from the first / last sample}."""
@@ -84,7 +123,8 @@ def process_verdicts(times_s: list[float], per_process: dict[str, list[int | Non
         seen = [(t, r) for t, r in zip(times_s, curve) if r is not None]
         if not seen:
             raise ValueError(f"per_process[{label!r}] has no sample")
-        verdicts[label] = rss_verdict([t for t, _ in seen], [r for _, r in seen], seen[0][0] + warmup_s, max_growth)
+        warm = warmup_s if curve[0] is not None or added_warmup_s is None else added_warmup_s
+        verdicts[label] = rss_verdict([t for t, _ in seen], [r for _, r in seen], seen[0][0] + warm, max_growth)
     judged = [v["flat"] for v in verdicts.values() if v["flat"] is not None]
     return {"flat": all(judged) if judged else None,
             "growing": sorted(k for k, v in verdicts.items() if v["flat"] is False),
@@ -144,6 +184,6 @@ async def run_soak(cfg: SoakConfig, sample_rss: RssSampler | None = None) -> dic
             "t_s": times,
             "total_mb": [round(sum(s.values()) / 2**20, 2) for _, s in samples],
             "per_process_mb": {k: [None if r is None else round(r / 2**20, 2) for r in v] for k, v in per_process.items()},
-            **process_verdicts(times, per_process, cfg.warmup_s, cfg.max_rss_growth),
+            **process_verdicts(times, per_process, cfg.warmup_s, cfg.max_rss_growth, cfg.added_warmup_s),
         }
     return summary

@@ -31,7 +31,7 @@ from k3.serve.protocol import (
     UsageInfo,
     sse_event,
 )
-from k3.serve.soak import SoakConfig, process_verdicts, rss_verdict, run_soak
+from k3.serve.soak import SoakConfig, process_verdicts, rss_verdict, run_soak, serve_process_rss
 
 TTFT_S = 0.25     # the server's delay before the first token
 ITL_S = 0.08      # and between tokens
@@ -292,6 +292,34 @@ def test_soak_short_run_counts_errors_and_samples_rss(fake):
     assert rss["total_mb"][-1] - rss["total_mb"][0] > 250 and rss["flat"] is True and rss["growing"] == [], rss
 
 
+def test_soak_measures_each_replica_and_its_engine_process():
+    """A stand-in replica (this process) with two children: one started as the engine core is
+    (`python -m k3.serve.engine.engine_core ...`: its memory is the engine's), one other (not
+    measured); a pid that ended is left out."""
+    import subprocess
+    import sys
+
+    sleep = "import sys, time; time.sleep(60)"
+    engine = subprocess.Popen([sys.executable, "-c", sleep, "-m", "k3.serve.engine.engine_core", "5"])
+    other = subprocess.Popen([sys.executable, "-c", sleep])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        me = os.getpid()
+        got = serve_process_rss([("ServeReplica:app:LLMServer", me), ("ServeReplica:app:Ingress", gone.pid)])
+        assert sorted(got) == [f"ServeReplica:app:LLMServer {me}", f"ServeReplica:app:LLMServer {me} engine {engine.pid}"]
+        assert got[f"ServeReplica:app:LLMServer {me} engine {engine.pid}"] == psutil.Process(engine.pid).memory_info().rss
+        # a budgeted store (the prefix pool) is measured less what it says it holds
+        pool = serve_process_rss([("ServeReplica:app:PrefixPool", other.pid)], stored={other.pid: 2**20})
+        assert list(pool) == [f"ServeReplica:app:PrefixPool {other.pid} less its store"]
+        assert abs(pool[f"ServeReplica:app:PrefixPool {other.pid} less its store"]
+                   - (psutil.Process(other.pid).memory_info().rss - 2**20)) < 2**16
+    finally:
+        for proc in (engine, other):
+            proc.kill()
+            proc.wait()
+
+
 def curves(**spec):
     """60 one-second samples per process: (first second present, last second present, MB at start,
     MB growth over its life); a replica's first 5 s are its warm-up (it loads the model)."""
@@ -311,6 +339,7 @@ def curves(**spec):
     ("replica replaced", True, [], ["decode 3"], ["decode 2"]),
     ("one process grows", False, ["decode 1"], [], []),
     ("an added replica grows", False, ["decode 2"], ["decode 2"], []),
+    ("an added replica starting up", True, [], ["decode 2"], []),
 ])
 def test_memory_is_judged_per_process(case, flat, growing, added, removed):
     spec = {"ingress": (0, 59, 500, 1), "decode 1": (0, 59, 800, 2)}
@@ -325,7 +354,17 @@ def test_memory_is_judged_per_process(case, flat, growing, added, removed):
     elif case == "an added replica grows":
         spec["decode 2"] = (20, 59, 800, 200)
     per_process = curves(**spec)
-    v = process_verdicts([float(t) for t in range(60)], per_process, warmup_s=10, max_growth=0.05)
+    added_warmup = None
+    if case == "an added replica starting up":  # its engine builds and compiles for 15 s, then is flat
+        spec["decode 2"] = (20, 59, 800, 0)
+        per_process = curves(**spec)
+        per_process["decode 2"] = [None if r is None else int(r * min(1.0, 0.2 + 0.8 * (t - 20) / 15))
+                                   for t, r in enumerate(per_process["decode 2"])]
+        judged_early = process_verdicts([float(t) for t in range(60)], per_process, warmup_s=10, max_growth=0.05)
+        assert judged_early["growing"] == ["decode 2"]  # its start counted as growth
+        added_warmup = 20
+    v = process_verdicts([float(t) for t in range(60)], per_process, warmup_s=10, max_growth=0.05,
+                         added_warmup_s=added_warmup)
     assert (v["flat"], v["growing"], v["added"], v["removed"]) == (flat, growing, added, removed), v
     assert set(v["processes"]) == set(spec)
     if case == "replica added mid-run":  # what the total alone would have said
