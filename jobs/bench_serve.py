@@ -22,6 +22,12 @@ Then:
    recomputing them), then a third (a local hit). TTFT of each, as the client measured it; the
    pool's hit tokens are read back from the replica to show the hits were pool hits.
 
+Each app's run is also measured process by process (`cpu_ms_per_output_token`): the CPU time every
+process of this private Ray took during it (the replicas, their engine processes, Serve's proxy and
+controller, Ray's own, this driver) over the run's output tokens. The window holds the prompts'
+prefill too (in pd the prefill replica's, in agg the engine's); with --output-len in the hundreds
+the decode dominates.
+
 Every request is traced (header X-K3-Trace: 1): the servers stamp the wall clock at each point on
 the way to the first token and send the stamps back, so `trace_ms` says, per app and per pool
 case, where the time to first token went hop by hop, the engine's own share, and the overhead
@@ -45,7 +51,8 @@ from pathlib import Path
 import httpx
 
 from k3.platform.ops.local_ray import free_port, init_local_ray, json_stdout
-from k3.serve.bench import BenchConfig, make_prompts, request_body, run_side_by_side, stream_request, trace_summary
+from k3.serve.bench import (BenchConfig, cpu_ms_per_token, make_prompts, process_cpu_seconds, request_body, run_side_by_side,
+                            stream_request, trace_summary)
 from k3.serve.engine.params import EngineConfig
 
 SERVED = EngineConfig.model_fields  # the engine settings a served app gets unless its config says otherwise
@@ -168,8 +175,13 @@ def main() -> dict:
                           input_len=args.prompt_words, output_len=args.output_len, ignore_eos=True,
                           metrics_urls=[f"http://127.0.0.1:{metrics_port}/metrics"], trace=True)
         t0 = time.perf_counter()
-        side = asyncio.run(run_side_by_side(cfg, {"pd": f"{base}/pd", "agg": f"{base}/agg"}))
-        out = {"side_by_side": side}
+        side: dict = {"runs": {}}
+        cpu = {}
+        for name in ("pd", "agg"):  # one app after the other, each with the CPU its run took, process by process
+            before = process_cpu_seconds()
+            side["runs"] |= asyncio.run(run_side_by_side(cfg, {name: f"{base}/{name}"}))["runs"]
+            cpu[name] = cpu_ms_per_token(before, process_cpu_seconds(), max(1, side["runs"][name]["total_output_tokens"]))
+        out = {"side_by_side": side, "cpu_ms_per_output_token": cpu}
         if args.pool_groups and not args.no_pool:
             out["pool"] = asyncio.run(pool_run(f"{base}/pd", prefill))
         out["wall_s"] = round(time.perf_counter() - t0, 1)

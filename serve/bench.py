@@ -24,6 +24,7 @@ from typing import Literal
 
 import httpx
 import numpy as np
+import psutil
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Prompt words: short, common in code and English, each about one BPE token, so a prompt of
@@ -321,6 +322,54 @@ async def run_side_by_side(cfg: BenchConfig, targets: dict[str, str],
     for name, url in targets.items():
         runs[name] = await run_benchmark(cfg.model_copy(update={"base_url": url}), progress)
     return {"runs": runs}
+
+
+def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> str:
+    """A process of a private Ray by its part: the driver, a Serve replica ("<app>:<deployment>"),
+    a replica's engine process ("<app>:<deployment> engine"), Serve's proxy and controller, Ray's
+    own processes ("ray system"; idle workers "ray idle workers")."""
+    if proc.pid == root:
+        return "driver (the load generator)"
+    cmd = proc.cmdline()
+    if "k3.serve.engine.engine_core" in cmd:
+        return f"{labels.get(proc.ppid(), 'unknown')} engine"
+    title = cmd[0] if cmd else ""
+    if not title.startswith("ray::"):
+        return "ray system"
+    name = title[len("ray::"):].split(".", 1)[0]  # the worker's actor, less the method running now
+    if name.startswith("ServeReplica:"):
+        return name[len("ServeReplica:"):]
+    return {"ProxyActor": "serve proxy", "ServeController": "serve controller", "IDLE": "ray idle workers"}.get(name, name)
+
+
+def process_cpu_seconds(root_pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """{pid: (label, user + system CPU seconds so far)} of `root_pid` (default this process) and every
+    process under it: for a driver that started a private Ray, its GCS, raylet and workers (Serve's
+    replicas, proxy and controller) and the replicas' engine processes."""
+    root = psutil.Process(root_pid)
+    out: dict[int, tuple[str, float]] = {}
+    labels: dict[int, str] = {}
+    for proc in [root, *root.children(recursive=True)]:  # parents before their children
+        try:
+            labels[proc.pid] = _process_label(proc, labels, root.pid)
+            cpu = proc.cpu_times()
+            out[proc.pid] = (labels[proc.pid], cpu.user + cpu.system)
+        except psutil.Error:  # ended meanwhile
+            continue
+    return out
+
+
+def cpu_ms_per_token(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                     tokens: int) -> dict[str, float]:
+    """CPU milliseconds per output token by process label between two `process_cpu_seconds`
+    readings (a process that started in between counts from zero), largest first, with "total"."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    by: dict[str, float] = {}
+    for pid, (label, cpu) in after.items():
+        by[label] = by.get(label, 0.0) + cpu - (before[pid][1] if pid in before else 0.0)
+    rows = {k: round(v * 1e3 / tokens, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {**rows, "total": round(sum(by.values()) * 1e3 / tokens, 3)}
 
 
 def parse_prometheus(text: str, skip_gauges: bool = False) -> dict[str, float]:

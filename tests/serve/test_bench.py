@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from k3.platform.ops.local_ray import free_port
-from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_prometheus, run_benchmark,
+from k3.serve.bench import (BenchConfig, RequestResult, arrival_gaps, cpu_ms_per_token, make_prompts, parse_prometheus,
+                            process_cpu_seconds, run_benchmark,
                             run_side_by_side, summarize, trace_hops, trace_summary)
 from k3.serve.errors import OpenAIError, install_error_handlers
 from k3.serve.protocol import (
@@ -266,6 +267,45 @@ def test_summarize_tpot_and_goodput():
 def test_bench_config_refuses(bad):
     with pytest.raises(ValueError):
         BenchConfig(**bad)
+
+
+def test_cpu_per_token_by_process_under_the_driver(tmp_path):
+    """A stand-in tree: this process (the driver), a child titled as Ray titles a Serve replica
+    while it runs a method, and its child started as the engine core is (which burns 0.3 s of CPU):
+    that CPU lands on the engine's label, per output token; a bad token count is refused."""
+    import shlex
+    import subprocess
+    import sys
+
+    burn = tmp_path / "burn.py"
+    burn.write_text("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ntime.sleep(60)\n")
+    relay = tmp_path / "replica.py"
+    # (under `exec -a` the title is argv[0], so the child's Python is named, not sys.executable)
+    relay.write_text(f"import subprocess, time\nsubprocess.Popen([{sys.executable!r}, {str(burn)!r}, '-m', "
+                     f"'k3.serve.engine.engine_core', '7'])\ntime.sleep(60)\n")
+    replica = subprocess.Popen(["bash", "-c", f"exec -a ray::ServeReplica:pd:DecodeServer.generate "
+                                f"{shlex.quote(sys.executable)} {shlex.quote(str(relay))}"])
+    try:
+        before = process_cpu_seconds()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            after = process_cpu_seconds()
+            engine = [cpu for label, cpu in after.values() if label == "pd:DecodeServer engine"]
+            if engine and engine[0] >= 0.3:
+                break
+            time.sleep(0.1)
+        labels = {label for label, _ in after.values()}
+        assert {"driver (the load generator)", "pd:DecodeServer", "pd:DecodeServer engine"} <= labels, labels
+        per = cpu_ms_per_token(before, after, 100)
+        assert per["pd:DecodeServer engine"] >= 3.0  # 0.3 s of CPU over 100 tokens
+        assert list(per)[0] == "pd:DecodeServer engine" and per["total"] >= per["pd:DecodeServer engine"]
+        with pytest.raises(ValueError, match="tokens must be >= 1"):
+            cpu_ms_per_token(before, after, 0)
+    finally:
+        for child in psutil.Process(replica.pid).children(recursive=True):
+            child.kill()
+        replica.kill()
+        replica.wait()
 
 
 # ---- soak -----------------------------------------------------------------------------------------
