@@ -287,3 +287,21 @@ def test_the_finite_check_finds_one_bad_value_anywhere(dtype):
             y[at] = bad
             assert not all_finite(y) and not all_finite(y.view(10, 100)), (bad, at)
             assert bool(torch.isfinite(y).all()) is False
+
+
+def test_a_mac_is_its_bytes_in_order_whatever_the_arrays_sizes():
+    """`_mac` joins small arrays before hashing them (BLAKE3 is faster on larger updates); the
+    digest is still keyed BLAKE3 over the header, then every array's bytes in order, so seals made
+    before the change check after it. Empty, tiny, mid-size and large arrays, in every mix."""
+    from k3.serve.engine.handoff import _JOIN_BELOW, _mac, _mac_key
+
+    rng = np.random.default_rng(1)
+    sizes = [0, 1, 1000, 4096, _JOIN_BELOW // 4 - 1, _JOIN_BELOW // 4, 3 * _JOIN_BELOW // 4]  # float32 elements
+    for trial in range(30):
+        n = int(rng.integers(0, 9))
+        arrays = [(f"a{i}", rng.random(int(rng.choice(sizes)), dtype=np.float32)) for i in range(n)]
+        ref = blake3.blake3(key=_mac_key("secret", b"k3 pool page"))
+        ref.update(repr((("header", trial), [(k, a.dtype.str, a.shape) for k, a in arrays])).encode())
+        for _, a in arrays:
+            ref.update(a.view(np.uint8).data)
+        assert _mac("secret", b"k3 pool page", ("header", trial), arrays) == ref.digest()
