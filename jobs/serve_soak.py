@@ -67,11 +67,16 @@ def pool_bytes(actors) -> dict[int, int]:
         _, app, deployment = a.class_name.split(":", 2)
         if deployment == "PrefixPool":
             try:
-                out[a.pid] = serve.get_deployment_handle("PrefixPool", app_name=app).stats.remote().result(
+                _pool_held[a.pid] = serve.get_deployment_handle("PrefixPool", app_name=app).stats.remote().result(
                     timeout_s=10)["bytes"]
-            except Exception as e:  # noqa: BLE001 - a pool going away or busy: measured whole this time
-                print(f"prefix pool of {app!r}: no stats ({type(e).__name__}: {e})", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 - a pool busy or going away: its last answer stands
+                print(f"prefix pool of {app!r}: no stats this time ({type(e).__name__}: {e})", file=sys.stderr)
+            if a.pid in _pool_held:  # (never answered yet: measured whole, under its own label)
+                out[a.pid] = _pool_held[a.pid]
     return out
+
+
+_pool_held: dict[int, int] = {}  # each pool's last answer (pid -> bytes held)
 
 
 sampler = None

@@ -331,14 +331,19 @@ def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> s
     if proc.pid == root:
         return "driver (the load generator)"
     cmd = proc.cmdline()
+    parent = labels.get(proc.ppid())
     if "k3.serve.engine.engine_core" in cmd:
-        return f"{labels.get(proc.ppid(), 'unknown')} engine"
+        return f"{parent or 'unknown'} engine"
     title = cmd[0] if cmd else ""
     if not title.startswith("ray::"):
-        return "ray system"
-    name = title[len("ray::"):].split(".", 1)[0]  # the worker's actor, less the method running now
-    if name.startswith("ServeReplica:"):
-        return name[len("ServeReplica:"):]
+        # a process a replica or an engine started (inductor's compile workers) counts as its parent
+        return parent if parent is not None and parent not in ("driver (the load generator)", "ray system") \
+            else "ray system"
+    name = title[len("ray::"):]
+    if name.startswith("ServeReplica:"):  # "ServeReplica:<app>:<deployment>[.<method running now>]"
+        _, app, deployment = (name.split(":", 2) + ["", ""])[:3]
+        return f"{app}:{deployment.split('.', 1)[0]}"
+    name = name.split(".", 1)[0]  # the worker's actor, less the method running now
     return {"ProxyActor": "serve proxy", "ServeController": "serve controller", "IDLE": "ray idle workers"}.get(name, name)
 
 

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -142,8 +143,34 @@ def replica_device() -> torch.device:
     return torch.device("cuda") if ray.is_initialized() and ray.get_gpu_ids() else torch.device("cpu")
 
 
-# a Serve replica whose engine died checks this often, and waits at most this long for its open
-# streams to take their errors before it exits
+def _counted(method):
+    """A server method counted in `EngineHost._requests` while it runs (an async generator until
+    it ends or is closed): what a replica whose engine died waits for before it exits, requests
+    not yet in the engine (a handoff's fetch, a pool lookup) included."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, *args, **kwargs):
+            self._requests += 1
+            try:
+                async with contextlib.aclosing(method(self, *args, **kwargs)) as inner:
+                    async for item in inner:
+                        yield item
+            finally:
+                self._requests -= 1
+        return stream
+
+    @functools.wraps(method)
+    async def call(self, *args, **kwargs):
+        self._requests += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._requests -= 1
+    return call
+
+
+# a Serve replica whose engine died checks this often, and waits at most this long for its
+# requests to end (with the error) before it exits
 ENGINE_WATCH_PERIOD_S = 0.5
 ENGINE_DEATH_GRACE_S = 10.0
 
@@ -152,8 +179,8 @@ class EngineHost:
     """One engine in a replica, and the replica's engine gauges reported every second.
 
     In a Serve replica a thread watches the engine: once it has died (its process killed, its
-    loop broken) the replica ends its open streams with the error, waits for them to be read
-    (at most ENGINE_DEATH_GRACE_S) and exits, so Ray marks the actor dead, the routers stop
+    loop broken) the replica's open streams end with the error; it waits for its requests to end
+    (`_counted`, at most ENGINE_DEATH_GRACE_S) and exits, so Ray marks the actor dead, the routers stop
     sending it requests and Serve starts a replacement at its next health check (a replica that
     stayed up would answer every request with an error until three health checks had failed)."""
 
@@ -171,6 +198,7 @@ class EngineHost:
         self._reporter: asyncio.Task | None = None
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._closing = threading.Event()
+        self._requests = 0  # server calls running (`_counted`)
         if _in_replica():
             threading.Thread(target=self._watch_engine, name="k3-engine-watch", daemon=True).start()
 
@@ -182,13 +210,14 @@ class EngineHost:
             except Exception as e:  # noqa: BLE001 - whatever killed the engine, the replica goes
                 if self._closing.is_set():
                     return
-                logger.error("this replica's engine died (%s): its %d open streams end with the error, then the "
-                             "replica exits for Serve to replace it", e, self.engine.open_streams)
+                logger.error("this replica's engine died (%s): its %d requests end with the error, then the "
+                             "replica exits for Serve to replace it", e, self._requests)
                 deadline = time.monotonic() + ENGINE_DEATH_GRACE_S
-                while self.engine.open_streams and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                time.sleep(0.5)  # the streams' last events on their way to the callers
-                exit_process(1)
+                while (self._requests or self.engine.open_streams) and time.monotonic() < deadline:
+                    if self._closing.wait(0.05):  # Serve is shutting the replica down itself
+                        return
+                if not self._closing.wait(0.5):  # the last events on their way to the callers
+                    exit_process(1)
                 return
 
     def __del__(self) -> None:
@@ -248,6 +277,7 @@ class LLMServer(EngineHost):
 
     role = "llm"
 
+    @_counted
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stamp(req.trace, "server_in")
         async for out in self._stream(req):
@@ -335,6 +365,7 @@ class PrefillServer(EngineHost):
     def pool_stats(self) -> dict:
         return {"pool_hit_tokens": self.pool_hit_tokens}
 
+    @_counted
     async def prefill(self, req: GenerateRequest) -> dict:
         """Run the prompt to its first token. Returns {"output": RequestOutput without state,
         "state": [ObjectRef of the HybridCacheState] or None when the first token ended the
@@ -439,6 +470,7 @@ class DecodeServer(EngineHost):
         raise OpenAIError(f"no prefill replica delivered the prompt's cache state in {self.config.handoff_attempts} "
                           f"attempts; retry the request", status=503, type="server_error", code="handoff_failed")
 
+    @_counted
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stamp(req.trace, "server_in")
         self._start_reporting()

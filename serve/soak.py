@@ -36,7 +36,7 @@ def serve_process_rss(replicas: Iterable[tuple[str, int]], stored: dict[int, int
     """{label: RSS bytes} of each replica process of `replicas` ((actor class, pid) pairs, on this
     machine) and of each one's engine process, where the engine and its cache live when it steps
     in a process of its own: "<class> <pid>" and "<class> <pid> engine <child pid>". A process
-    that ended between the listing and the read is left out.
+    that ended between the listing and the read (or that psutil may not read) is left out.
 
     `stored` {pid: bytes}: what a budgeted store in that process says it holds (the prefix pool's
     pages, which fill its byte budget by design); such a process is measured less those bytes,
@@ -54,9 +54,9 @@ def serve_process_rss(replicas: Iterable[tuple[str, int]], stored: dict[int, int
                 try:
                     if ENGINE_CORE_MODULE in child.cmdline():
                         out[f"{cls} {pid} engine {child.pid}"] = child.memory_info().rss
-                except psutil.NoSuchProcess:
+                except psutil.Error:  # ended, or not ours to read
                     pass
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
     return out
 

@@ -75,16 +75,20 @@ class AsyncEngine:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-            try:
-                outs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:  # noqa: BLE001 - the engine itself broke (not one request): tell every stream
-                self._fail_all(e)
-                continue
-            self._dispatch(outs, self.engine.deliveries)  # this step's count (steps never overlap)
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                try:
+                    outs = await asyncio.to_thread(self.engine.step)
+                except Exception as e:  # noqa: BLE001 - the engine itself broke (not one request): tell every stream
+                    self._fail_all(e)
+                    continue
+                self._dispatch(outs, self.engine.deliveries)  # this step's count (steps never overlap)
+        except Exception as e:  # the loop itself broke (outside a step): no stream may wait on it
+            self._fail_all(e)
+            raise
 
     @property
     def open_streams(self) -> int:

@@ -116,15 +116,20 @@ def _mac(secret: str, person: bytes, header: object, arrays: list[tuple[str, np.
     # hashes 1 KB chunks side by side only within one update (a pool page's 3-16 KB arrays one at
     # a time went at ~1 GB/s, joined at ~3; docs/benchmarks.md)
     small: list = []
+    pending = 0
     for _, a in arrays:
         view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
         if view.nbytes >= _JOIN_BELOW:
             if small:
                 h.update(b"".join(small))
-                small = []
+                small, pending = [], 0
             h.update(view)
-        else:
-            small.append(view)
+            continue
+        small.append(view)
+        pending += view.nbytes
+        if pending >= _JOIN_BELOW:  # joined pieces stay small: no copy of a whole state
+            h.update(b"".join(small))
+            small, pending = [], 0
     if small:
         h.update(b"".join(small))
     return h.digest()

@@ -449,7 +449,13 @@ def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, token
         assert not reader.is_alive() and "error" in log and log.get("done"), log
         # the replica exits once its stream has its error (its engine watch), instead of answering
         # errors until Serve's third failed health check (3 x 10 s): so it is gone well before that
-        while time.time() < killed + 60 and psutil.pid_exists(holder) and psutil.Process(holder).status() != "zombie":
+        def running(pid):
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        while time.time() < killed + 60 and running(holder):
             time.sleep(0.2)
         gone_s = time.time() - killed
         assert gone_s < 15, f"the replica whose engine died still ran {gone_s:.1f} s after"

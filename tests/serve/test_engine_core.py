@@ -119,6 +119,14 @@ def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffer
     sent to the child from a Serve-like uvloop event loop, whose transport does not block; also
     where the OS refuses the wider socket buffers (macOS's cap) and the default sizes carry it."""
     uvloop = pytest.importorskip("uvloop")  # Ray Serve's replicas run on it (ray[serve] installs it)
+    if buffers == "widened":
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * 2**20)
+        except OSError:
+            pytest.skip("this OS refuses 8 MB socket buffers (the 'refused' case covers it)")
+        finally:
+            probe.close()
     if buffers == "refused":
         def refuse(sock, level, opt, value):
             raise OSError(55, "No buffer space available")
@@ -247,7 +255,7 @@ def test_a_replica_whose_engine_died_lets_its_streams_end_then_exits():
 
     host = EngineHost.__new__(EngineHost)
     host.engine = ProcessEngine(functools.partial(tiny_engine, None))
-    host._closing = threading.Event()
+    host._closing, host._requests = threading.Event(), 0
     exits: list = []
     try:
         async def go():
@@ -256,12 +264,16 @@ def test_a_replica_whose_engine_died_lets_its_streams_end_then_exits():
             watch = threading.Thread(target=host._watch_engine, args=(lambda code: exits.append(
                 (code, host.engine.open_streams)),))
             watch.start()
+            host._requests = 1  # a request still on its way to the engine (a handoff's fetch)
             os.kill(host.engine.pid, signal.SIGKILL)
             await asyncio.sleep(1.5)  # the watch has seen the death and waits for the stream
             assert not exits and host.engine.open_streams == 1
             with pytest.raises(EngineProcessDied):
                 async for _ in agen:
                     pass
+            await asyncio.sleep(1.5)  # the stream has its error; the other request is not done
+            assert not exits and host.engine.open_streams == 0
+            host._requests = 0
             await asyncio.to_thread(watch.join, 30)
             assert not watch.is_alive()
 
@@ -272,9 +284,82 @@ def test_a_replica_whose_engine_died_lets_its_streams_end_then_exits():
 
     host = EngineHost.__new__(EngineHost)
     host.engine = ProcessEngine(functools.partial(tiny_engine, None))
-    host._closing = threading.Event()
+    host._closing, host._requests = threading.Event(), 0
     watch = threading.Thread(target=host._watch_engine, args=(exits.append,))
     watch.start()
     host.__del__()  # Serve's shutdown: closes the engine, the watch ends without an exit
     watch.join(10)
     assert not watch.is_alive() and exits == [(1, 0)] and host.engine._proc.returncode == 0
+
+
+def test_counted_server_calls_are_counted_until_they_end_or_close():
+    """`_counted` (what a replica whose engine died waits for): a streaming call counts until it
+    ends, fails or its caller closes it (and the inner generator is closed at once, so its
+    cleanup, an abort in the engine, runs then); a plain call until it returns or raises."""
+    from k3.serve.servers import _counted
+
+    closed: list = []
+
+    class Server:
+        _requests = 0
+
+        @_counted
+        async def stream(self, n, fail=False):
+            try:
+                for i in range(n):
+                    yield i
+                if fail:
+                    raise RuntimeError("boom")
+            finally:
+                closed.append(n)
+
+        @_counted
+        async def call(self, fail=False):
+            assert self._requests == 1
+            if fail:
+                raise ValueError("bad")
+            return 7
+
+    async def go():
+        s = Server()
+        assert [x async for x in s.stream(3)] == [0, 1, 2] and s._requests == 0
+        agen = s.stream(100)
+        assert await agen.__anext__() == 0 and s._requests == 1
+        await agen.aclose()  # the caller left: the inner generator closed now, not at collection
+        assert s._requests == 0 and closed == [3, 100]
+        with pytest.raises(RuntimeError, match="boom"):
+            async for _ in s.stream(1, fail=True):
+                pass
+        assert s._requests == 0
+        assert await s.call() == 7 and s._requests == 0
+        with pytest.raises(ValueError, match="bad"):
+            await s.call(fail=True)
+        assert s._requests == 0
+
+    _run(go())
+
+
+def test_an_engine_loop_that_breaks_outside_a_step_ends_every_stream():
+    """An in-thread engine's loop that fails between steps (not in one) tells its streams,
+    which would otherwise wait for outputs that never come, and fails the health check."""
+    eng = AsyncEngine(tiny_engine(None))
+    calls = {"n": 0}
+    real = eng.engine.has_unfinished
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("the loop broke")
+        return real()
+
+    eng.engine.has_unfinished = flaky
+
+    async def go():
+        with pytest.raises(RuntimeError, match="the loop broke"):
+            async for _ in eng.generate([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
+                pass
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            eng.check_health()
+
+    _run(go())
