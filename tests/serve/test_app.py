@@ -353,7 +353,9 @@ def test_a_prefill_replica_killed_mid_request_gives_a_retry_or_a_clean_error(app
 
 
 def _read_stream(url: str, body: dict, log: dict) -> None:
-    """Read one SSE completion stream into log: tokens seen, finish reason, error message, [DONE]."""
+    """Read one SSE completion stream into log: chunks seen ("tokens": a chunk holds one token or,
+    when the reader fell behind, several), the usage's completion tokens (with include_usage),
+    finish reason, error message, [DONE]."""
     try:
         with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as r:
             log["status"] = r.status_code
@@ -364,6 +366,8 @@ def _read_stream(url: str, body: dict, log: dict) -> None:
                     event = json.loads(line[6:])
                     if "error" in event:
                         log["error"] = event["error"]["message"]
+                    if event.get("usage"):
+                        log["completion_tokens"] = event["usage"]["completion_tokens"]
                     for c in event.get("choices", []):
                         log["tokens"] = log.get("tokens", 0) + 1
                         log["finish"] = c.get("finish_reason") or log.get("finish")
@@ -398,7 +402,7 @@ def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, token
         logs = [{} for _ in range(6)]
         threads = [threading.Thread(target=_read_stream, args=(url, {
             "model": "k3-tiny", "prompt": rand(12, 500 + i), "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}, logs[i])) for i in range(6)]
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, logs[i])) for i in range(6)]
         for t in threads:
             t.start()
         deadline = time.time() + 120
@@ -417,7 +421,7 @@ def test_a_killed_decode_replica_fails_only_its_own_streams(serve_session, token
         failed = [log for log in logs if "error" in log or "broken" in log]
         finished = [log for log in logs if log.get("finish") == "length" and log.get("done") and "error" not in log]
         assert len(failed) == running[victim] and len(finished) == 6 - running[victim], logs
-        assert all(log["tokens"] == 400 for log in finished)
+        assert all(log.get("completion_tokens") == 400 for log in finished), finished
         assert all("error" in log and log.get("done") for log in failed), logs  # a clean error event, then [DONE]
         ok = httpx.post(url, json={"model": "k3-tiny", "prompt": [1, 2, 3], "max_tokens": 2},
                         headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
