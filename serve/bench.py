@@ -324,6 +324,11 @@ async def run_side_by_side(cfg: BenchConfig, targets: dict[str, str],
     return {"runs": runs}
 
 
+# how a replica's engine process (`engine_process`) is started: `python -m` this module, the name
+# by which its process is told from others (k3.serve.engine.engine_core starts it by `__name__`)
+ENGINE_CORE_MODULE = "k3.serve.engine.engine_core"
+
+
 def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> str:
     """A process of a private Ray by its part: the driver, a Serve replica ("<app>:<deployment>"),
     a replica's engine process ("<app>:<deployment> engine"), Serve's proxy and controller, Ray's
@@ -332,7 +337,7 @@ def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> s
         return "driver (the load generator)"
     cmd = proc.cmdline()
     parent = labels.get(proc.ppid())
-    if "k3.serve.engine.engine_core" in cmd:
+    if ENGINE_CORE_MODULE in cmd:
         return f"{parent or 'unknown'} engine"
     title = cmd[0] if cmd else ""
     if not title.startswith("ray::"):

@@ -23,14 +23,10 @@ import numpy as np
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
-from .bench import (BenchConfig, auth_headers, endpoint_url, make_prompts, new_client, request_body, served_model,
+from .bench import (ENGINE_CORE_MODULE, BenchConfig, auth_headers, endpoint_url, make_prompts, new_client, request_body, served_model,
                     stream_request, summarize)
 
 RssSampler = Callable[[], dict[str, int]]
-
-# how a replica's engine process (engine_process) is started: `python -m` this module
-ENGINE_CORE_MODULE = "k3.serve.engine.engine_core"
-
 
 def serve_process_rss(replicas: Iterable[tuple[str, int]], stored: dict[int, int] | None = None) -> dict[str, int]:
     """{label: RSS bytes} of each replica process of `replicas` ((actor class, pid) pairs, on this

@@ -284,7 +284,8 @@ class ProcessEngine(AsyncEngine):
         env = dict(os.environ)
         # the child imports k3 the way this process does
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self._proc = subprocess.Popen([sys.executable, "-m", "k3.serve.engine.engine_core", str(theirs.fileno())],
+        # `-m` this module by its import name: what tools tell the engine's process by (k3.serve.bench)
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                       pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._sock = mine
