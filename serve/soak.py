@@ -23,8 +23,8 @@ import numpy as np
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
-from .bench import (ENGINE_CORE_MODULE, BenchConfig, auth_headers, endpoint_url, make_prompts, new_client, request_body, served_model,
-                    stream_request, summarize)
+from .bench import (ENGINE_CORE_MODULE, BenchConfig, auth_headers, endpoint_url, make_prompts, new_client,
+                    request_body, served_model, stream_request, summarize)
 
 RssSampler = Callable[[], dict[str, int]]
 
