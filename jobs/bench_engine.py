@@ -40,9 +40,13 @@
 12. long_graph (not in the default list): a one-sequence decode step of k3-tiny at 4K-64K tokens of
    context through the decode graph and eagerly, on the same filled cache, best of 5 each; the
    graph's first call (its trace) timed apart.
+13. shared_prefix: requests over three system prompts of 1,000-2,000 tokens (lengths no snapshot
+   interval divides), each with a question of its own: tokens served from the cache, the system
+   prompt's tokens computed again, and TTFT once each prompt has been seen twice. Uses only the
+   engine's public API, so the same section runs on an older tree.
 
 The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
-multiturn) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
+multiturn, shared_prefix) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
 cache shape would compile decode graphs of its own); throughput, vs_transformers and full take
 the default engine (decode graphs on CPU, compiled when each engine starts, outside the timing).
 """
@@ -63,7 +67,7 @@ from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn,full",
+p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn,shared_prefix,full",
                help="comma-separated sections to run")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
@@ -425,6 +429,31 @@ def multiturn() -> dict:
     return out
 
 
+def shared_prefix() -> dict:
+    """Users sharing system prompts whose lengths no snapshot interval divides (1,000, 1,500 and
+    2,000 tokens; snapshots every 4 pages of 16): each request a system prompt and a question of
+    its own (24-71 tokens), 8 greedy tokens, the system prompts taken in turn, every request run
+    alone. Prompt tokens served from the cache, the system prompt's tokens computed again, and
+    TTFT, over the requests after each system prompt's first two (by then a request may resume
+    where two prompts part). Uses only the engine's public API, so it runs on an older tree."""
+    n, ps = (12, 16) if args.quick else (30, 16)
+    systems = [rand(k) for k in (1000, 1500, 2000)]
+    eng = LLMEngine(tiny, EngineConfig(page_size=ps, compile_decode=False))
+    eng.generate([rand(16)], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    rows = []  # (system prompt's tokens, TTFT, cached tokens)
+    for i in range(n):
+        system = systems[i % 3]
+        ttft, hit, _ = one_turn(eng, system + rand(24 + (17 * i) % 48), 8)
+        rows.append((len(system), ttft, hit))
+    steady = rows[6:]
+    return {"requests": n, "system_prompt_tokens": [len(x) for x in systems], "steady_requests": len(steady),
+            "cached_tokens_mean": round(statistics.mean(hit for _, _, hit in steady), 1),
+            "system_tokens_recomputed_mean": round(statistics.mean(k - min(hit, k) for k, _, hit in steady), 1),
+            "ttft_ms_mean": round(1000 * statistics.mean(t for _, t, _ in steady), 2),
+            "ttft_ms_median": round(1000 * statistics.median(t for _, t, _ in steady), 2),
+            "first_requests_ttft_ms_median": round(1000 * statistics.median(t for _, t, _ in rows[:3]), 2)}
+
+
 def fill_prefix_cache(eng: LLMEngine) -> int:
     """Fill every free page with idle cached pages (random chains of 128 pages, random latents,
     a snapshot-less prefix cache as a served engine's looks after many prompts). Returns the
@@ -608,6 +637,8 @@ if "vs_transformers" in only:
     result["vs_transformers"] = vs_transformers()
 if "multiturn" in only:
     result["multiturn"] = multiturn()
+if "shared_prefix" in only:
+    result["shared_prefix"] = shared_prefix()
 if "full" in only:
     result["full_prefix_cache"] = full_cache()
 if "bookkeeping" in only:

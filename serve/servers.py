@@ -347,13 +347,11 @@ class PrefillServer(EngineHost):
     async def _publish(self, prompt: list[int], spans: list) -> None:
         hashes = page_hashes(prompt, self.config.engine.page_size, media=spans)
         missing, bare = map(set, await self.pool.wanted.remote(hashes))
-        every = self.config.engine.snapshot_interval  # only pages at these depths can carry a snapshot here
-        bare = {h for d, h in enumerate(hashes, start=1) if h in bare and d % every == 0}
         if not missing and not bare:  # the pool holds this prefix whole: nothing to copy or send
             return
-        pages = await self.engine.export_prefix(prompt, spans, only=missing | bare)
-        # new pages, and pages the pool holds without the snapshot this replica has
-        pages = [p for p in pages if p.hash in missing or p.snapshot is not None]
+        # new pages, and pages the pool holds without the snapshot this replica has (every
+        # `snapshot_interval` pages, a prompt's end, where prompts part: the engine copies only those)
+        pages = await self.engine.export_prefix(prompt, spans, only=missing | bare, bare=bare)
         if pages:  # packed in the sealing thread: the pages' objects are walked below normal priority
             await self.pool.publish.remote(await self.engine.in_background(pack_pages, pages))
 

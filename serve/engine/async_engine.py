@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine import LLMEngine, RequestOutput
@@ -182,12 +182,12 @@ class AsyncEngine:
     async def cached_prefix_tokens(self, prompt: list[int], media: list[MediaSpan] = ()) -> int:
         return await self.call(lambda: self.engine.cached_prefix_tokens(prompt, media))
 
-    async def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
-                            only: set[bytes] | None = None) -> list[PoolPage]:
+    async def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None,
+                            bare: Collection[bytes] = ()) -> list[PoolPage]:
         """The pages copied between two steps, then sealed (their MACs, most of an export's time)
         in a worker thread below normal priority (`BACKGROUND_NICE`): neither the engine's steps
         nor this event loop wait for the hashing."""
-        copied = await self.call(lambda: self.engine.copy_prefix(prompt, media, only))
+        copied = await self.call(lambda: self.engine.copy_prefix(prompt, media, only, bare))
         return await self.in_background(self.engine.seal_prefix, *copied)
 
     async def in_background(self, fn, *args):

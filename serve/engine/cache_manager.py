@@ -12,9 +12,10 @@ tables and pools are its own.
   hashed in a chain (each hash covers the previous one and the page's tokens). A cached page
   keeps its latents; some pages also keep a KDA snapshot, the exact state of every KDA layer
   after that page (the scheduler says which: every `snapshot_interval` pages, the prompt's last
-  full page, the last full page generated so far). A hit resumes from the longest prefix that
-  has a snapshot. A page's latents and snapshot, once cached, are never overwritten (by a later
-  computation or an import) until the page is evicted.
+  full page, the page where the prompt leaves a cached one, the last full page generated so
+  far). A hit resumes from the longest prefix that has a snapshot. A page's latents and
+  snapshot, once cached, are never overwritten (by a later computation or an import) until the
+  page is evicted.
 - Snapshots live in the same KDA slots as running sequences and go by worth, not arrival:
   kda_slots.py says which slot holds what.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -419,12 +420,15 @@ class CacheManager:
         mem.reuse = last.hits + last.inherited if last.rolling else 0
         return True
 
-    def note_reuse(self, mem: SeqCache, tokens: list[int], hashes: list[bytes]) -> None:
+    def note_reuse(self, mem: SeqCache, tokens: list[int], hashes: list[bytes]) -> int:
         """mem's request starts and its tokens match these cached pages: each served one more
         request (whether or not it resumes there; a snapshot's worth counts them). Each page's
         base becomes the deepest snapshot before it on a page more requests matched (hits fall
         along a chain: a shared prefix's pages have more than the ones past it), and mem's the
-        deepest snapshot it matched."""
+        deepest snapshot it matched. Returns the depth of the last page matched when that page
+        keeps no snapshot (0 otherwise): where this request's tokens leave an earlier request's,
+        the end of what they share (a system prompt's, often between two `snapshot_interval`
+        pages), so a snapshot there lets the next request with that prefix resume at its end."""
         chain = list(self._walk(tokens, hashes))
         for blk in chain:
             blk.hits += 1
@@ -441,6 +445,7 @@ class CacheManager:
                     levels.pop()
                 levels.append((blk.hits, blk.depth))
                 mem.base = blk.depth
+        return chain[-1].depth if chain and chain[-1].snapshot_slot is None else 0
 
     def _walk(self, tokens: list[int], hashes: list[bytes]):
         """The cached pages of tokens' chain, from the first, while they are cached."""
@@ -497,14 +502,16 @@ class CacheManager:
         self._write_slot(mem.slot, states)
         return len(reuse) * self.page_size
 
-    def copy_prefix(self, tokens: list[int], hashes: list[bytes],
-                    only: set[bytes] | None = None) -> list[tuple[int, Latents, KDAStates | None]]:
+    def copy_prefix(self, tokens: list[int], hashes: list[bytes], only: set[bytes] | None = None,
+                    bare: Collection[bytes] = ()) -> list[tuple[int, Latents, KDAStates | None]]:
         """Per page of tokens' resumable prefix here (prefix_depth) whose hash is in `only` (every
-        page when None): (its index, its latents [page_size, latent] per MLA layer, its snapshot if
-        it has one), as copies taken with one gather per layer and part (a page's tensors are
-        views of those): the cache may change as soon as this returns."""
+        page when None) and, when it is in `bare` (pages the receiver holds without a snapshot),
+        that keeps a snapshot here: (its index, its latents [page_size, latent] per MLA layer,
+        its snapshot if it has one), as copies taken with one gather per layer and part (a page's
+        tensors are views of those): the cache may change as soon as this returns."""
         walk = list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]
-        chosen = [(j, blk) for j, blk in enumerate(walk) if only is None or hashes[j] in only]
+        chosen = [(j, blk) for j, blk in enumerate(walk) if (only is None or hashes[j] in only) and
+                  (blk.snapshot_slot is not None or hashes[j] not in bare)]
         if not chosen:
             return []
         pages = torch.tensor([blk.page for _, blk in chosen], dtype=torch.long, device=self.device)

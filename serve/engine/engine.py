@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import Future
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -493,16 +494,18 @@ class LLMEngine:
         prompt's spans, from `media_spans`)."""
         return self.handoff.cached_prefix_tokens(prompt, media)
 
-    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
-                      only: set[bytes] | None = None) -> list[PoolPage]:
+    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None,
+                      bare: Collection[bytes] = ()) -> list[PoolPage]:
         """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
-        pages (only the pages whose hash is in `only`, when given): `copy_prefix` here, then
-        `seal_prefix`, which may run in another thread."""
-        return self.handoff.export_prefix(prompt, media, only)
+        pages (only the pages whose hash is in `only`, when given; those in `bare` only where
+        they keep a snapshot here): `copy_prefix` here, then `seal_prefix`, which may run in
+        another thread."""
+        return self.handoff.export_prefix(prompt, media, only, bare)
 
-    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None):
+    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None,
+                    bare: Collection[bytes] = ()):
         """The step thread's share of `export_prefix`: copies of the pages' bytes (a few gathers)."""
-        return self.handoff.copy_prefix(prompt, media, only)
+        return self.handoff.copy_prefix(prompt, media, only, bare)
 
     def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
         """Pool pages of what `copy_prefix` took, sealed; reads no engine state (any thread)."""

@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -456,20 +457,22 @@ class Handoff:
         ps = self.cache.page_size
         return self.cache.prefix_depth(prompt, page_hashes(prompt, ps, media=media)[: (len(prompt) - 1) // ps]) * ps
 
-    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (),
-                      only: set[bytes] | None = None) -> list[PoolPage]:
+    def export_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None,
+                      bare: Collection[bytes] = ()) -> list[PoolPage]:
         """The prompt's cached pages here, up to the deepest one with a snapshot, as sealed pool
-        pages (`media`: the prompt's spans; only the pages whose hash is in `only`, when given):
-        `seal_prefix(*copy_prefix(...))`."""
-        return self.seal_prefix(*self.copy_prefix(prompt, media, only))
+        pages (`media`: the prompt's spans; only the pages whose hash is in `only`, when given;
+        those in `bare`, which the importer holds without a snapshot, only where they keep one
+        here): `seal_prefix(*copy_prefix(...))`."""
+        return self.seal_prefix(*self.copy_prefix(prompt, media, only, bare))
 
-    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None):
+    def copy_prefix(self, prompt: list[int], media: list[MediaSpan] = (), only: set[bytes] | None = None,
+                    bare: Collection[bytes] = ()):
         """The step thread's share of `export_prefix`: copies of the pages' latents and snapshots
         (a few gathers), for `seal_prefix` to make pool pages of in any thread, whatever the
         cache does meanwhile. Most of an export is the sealing (a keyed MAC over every page's bytes:
         for k3-tiny's 2,240-token prompt, 140 pages and 35 snapshots, 7.2 ms; 10.2 with blake2b)."""
         hashes = page_hashes(prompt, self.cache.page_size, media=media)
-        return prompt, [(hashes[j], j, lat, snap) for j, lat, snap in self.cache.copy_prefix(prompt, hashes, only)]
+        return prompt, [(hashes[j], j, lat, snap) for j, lat, snap in self.cache.copy_prefix(prompt, hashes, only, bare)]
 
     def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
         """Pool pages, sealed, of what `copy_prefix` took (reads nothing of the engine's)."""

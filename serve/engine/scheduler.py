@@ -61,6 +61,7 @@ class Sequence:
     imported: Imported | None = None  # a handed-over state waiting for admission
     media: SequenceMedia | None = None  # images / video chunks of the prompt (prompt_media.py)
     aborted: bool = False  # its caller gave it up: no output of it is delivered any more
+    branch: int = 0  # prompt page where it leaves a cached prompt that kept no snapshot there: one is due (0: none)
 
     @property
     def tokens(self) -> list[int]:
@@ -182,15 +183,17 @@ class Scheduler:
     def _plan(self, seq: Sequence, n: int) -> Scheduled:
         """The chunk, with the prompt page boundaries in it that are due a KDA snapshot: every
         `snapshot_interval` pages (shared prefixes such as system prompts end somewhere among
-        them) and the prompt's last full page (the next turn of a conversation resends the
-        whole prompt)."""
+        them), the prompt's last full page (the next turn of a conversation resends the
+        whole prompt) and its branch page (where it leaves a cached prompt: the end of the prefix
+        they share, so later requests with it resume there, not up to an interval short)."""
         offsets, at_end = [], False
         if self.prefix_caching:
             ps = self.cache.page_size
             step = ps * self.interval
             last = (len(seq.prompt) // ps) * ps
             lo, hi = seq.num_computed, min(seq.num_computed + n, last)
-            due = sorted(set(range((lo // step + 1) * step, hi + 1, step)) | ({last} if lo < last <= hi else set()))
+            ends = {b for b in (last, seq.branch * ps) if lo < b <= hi}
+            due = sorted(set(range((lo // step + 1) * step, hi + 1, step)) | ends)
             for b in due:
                 if b - lo == n:
                     at_end = True
@@ -209,7 +212,9 @@ class Scheduler:
         if seq.imported is not None:
             return self._import(seq)
         if self.prefix_caching and seq.hashes and not seq.admitted:
-            self.cache.note_reuse(seq.mem, seq.tokens, seq.hashes)
+            branch = self.cache.note_reuse(seq.mem, seq.tokens, seq.hashes)
+            # inside the prompt only: its last full page is due a (rolling) snapshot anyway
+            seq.branch = branch if branch < len(seq.prompt) // self.cache.page_size else 0
         if hit is not None and self.verifier is not None and not self.verifier(seq, hit):
             self.cache.reject(hit)
             hit = None
@@ -313,7 +318,7 @@ class Scheduler:
             due.append((sch.num_tokens, None))
         for off, states in due:
             depth = (start + off) // ps
-            rolling = depth > prompt_pages or depth % self.interval != 0
+            rolling = depth > prompt_pages or (depth % self.interval != 0 and depth != seq.branch)
             self.cache.store_snapshot(seq.mem, seq.hashes[depth - 1], depth, states, rolling=rolling)
 
     def _extend_hashes(self, seq: Sequence) -> None:

@@ -67,9 +67,36 @@ def test_a_publisher_sends_only_what_the_pool_lacks(tiny_model):
     assert missing == hashes[4:] and snapshotless == hashes[:4]
     only = through(a, lambda: a.export_prefix(prefix + [9], only=set(missing) | set(snapshotless)))
     assert [p.hash for p in only] == hashes
-    pool.publish([p for p in only if p.hash in missing or p.snapshot is not None])
+    # `bare`: of the pages the pool holds without a snapshot, only those that keep one here
+    sent = through(a, lambda: a.export_prefix(prefix + [9], only=set(missing) | set(snapshotless), bare=snapshotless))
+    assert [p.hash for p in sent] == [p.hash for p in only if p.hash in missing or p.snapshot is not None]
+    assert [p.depth for p in sent] == [2, 4, 5, 6]
+    pool.publish(sent)
     assert pool.wanted(hashes) == ([], [h for h, p in zip(hashes, every) if p.snapshot is None])
     assert through(a, lambda: a.export_prefix(prefix + [9], only=set())) == []
+
+
+def test_the_snapshot_where_two_prompts_part_reaches_the_pool(tiny_model):
+    # Snapshots every 2 pages; prompts share 5 pages. The second request keeps a snapshot at page
+    # 5, where it leaves the first, and its publish sends it to the pool (which held page 5
+    # without one): another engine then resumes a third such prompt after all 5 shared pages.
+    from k3.serve.engine.cache_manager import page_hashes
+
+    shared = rand(40, 11)
+    first, second, third = (shared + rand(20, 12 + i) for i in range(3))
+    a, b = LLMEngine(tiny_model, CFG), LLMEngine(tiny_model, CFG)
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    for prompt in (first, second):
+        a.generate([prompt], GREEDY)
+        missing, bare = pool.wanted(page_hashes(prompt, 8))
+        pool.publish(through(a, lambda p=prompt: a.export_prefix(p, only=set(missing) | set(bare), bare=bare)))
+    hashes = page_hashes(third, 8)
+    assert pool.lookup(hashes[:len(third) // 8 - 1]) == 5
+    fetched = pool.fetch_deeper(hashes[:(len(third) - 1) // 8], 0)
+    assert through(b, lambda: b.import_prefix(third, fetched)) == 40
+    out = b.generate([third], GREEDY)[0]
+    assert out.cached_tokens == 40
+    assert out.token_ids == LLMEngine(tiny_model, CFG).generate([third], GREEDY)[0].token_ids
 
 
 def test_the_pages_copied_between_steps_seal_the_same_after_the_cache_moves_on(tiny_model):

@@ -65,6 +65,24 @@ def test_resumed_turns_give_the_cold_tokens(tiny_model):
     assert warm.cached_tokens == (45 + 23 - 1) // PS * PS and warm.token_ids == cold.token_ids
 
 
+def test_requests_resume_where_their_prompts_part_not_an_interval_short(tiny_model):
+    # A shared prefix of 6 pages with snapshots every 4: the first request keeps them at 4 and at
+    # its end; the second matches 6 pages, resumes at 4, and keeps one at 6, where it leaves the
+    # first (before: none there, and every later request recomputed pages 5 and 6); the third
+    # resumes at 6. The tokens are a cold run's.
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=PS, snapshot_interval=4))
+    shared = tokens(6 * PS, seed=21)
+    prompts = [shared + tokens(40 + 3 * i, seed=30 + i) for i in range(4)]
+    outs = [eng.generate([p], greedy(5))[0] for p in prompts[:3]]
+    assert [o.cached_tokens for o in outs] == [0, 4 * PS, 6 * PS]
+    # it stays for later requests, a conversation going on from the third one in between
+    eng.generate([prompts[2] + outs[2].token_ids + tokens(20, seed=40)], greedy(20))
+    outs.append(eng.generate([prompts[3]], greedy(5))[0])
+    assert outs[3].cached_tokens == 6 * PS
+    cold = LLMEngine(tiny_model, EngineConfig(page_size=PS, enable_prefix_caching=False)).generate(prompts, greedy(5))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+
+
 def test_a_shared_prefix_outlives_one_off_prompts(tiny_model):
     # 1 running slot, 3 reserved snapshot slots: every one-off prompt (100 tokens) brings two
     # snapshots (64 tokens, and its last full page at 96). By arrival order (LRU) the system
