@@ -81,6 +81,8 @@ class _CachedPage:
     rolling: bool = False  # its snapshot was a sequence's rolling one: where a conversation's next turn resumes
     base: int = 0  # depth of the snapshot a resume would use without this one: a more-used prefix's (kda_slots.py)
     worth: float = 0.0  # of the snapshot, when kept (kda_slots.py)
+    parent: bytes | None = None  # the chain's previous page's hash (None for a first page)
+    children: int = 0  # cached pages whose chain goes on from this one: more than one where prompts part
 
 
 @dataclass(eq=False)
@@ -291,7 +293,8 @@ class CacheManager:
         ps = self.page_size
         full = min(num_computed, len(tokens), len(hashes) * ps) // ps
         for j in range(mem.shared, full):
-            if self._register(hashes[j], tuple(tokens[j * ps:(j + 1) * ps]), j + 1, mem.pages[j], ref=1):
+            if self._register(hashes[j], tuple(tokens[j * ps:(j + 1) * ps]), j + 1, mem.pages[j], ref=1,
+                              parent=hashes[j - 1] if j else None):
                 mem.added.append(hashes[j])
         mem.shared = max(mem.shared, full)
 
@@ -426,9 +429,11 @@ class CacheManager:
         base becomes the deepest snapshot before it on a page more requests matched (hits fall
         along a chain: a shared prefix's pages have more than the ones past it), and mem's the
         deepest snapshot it matched. Returns the depth of the last page matched when that page
-        keeps no snapshot (0 otherwise): where this request's tokens leave an earlier request's,
-        the end of what they share (a system prompt's, often between two `snapshot_interval`
-        pages), so a snapshot there lets the next request with that prefix resume at its end."""
+        keeps no snapshot and a cached page goes on from it (0 otherwise): where this request's
+        tokens leave an earlier request's, the end of what they share (a system prompt's, often
+        between two `snapshot_interval` pages), so a snapshot there lets the next request with
+        that prefix resume at its end. Where nothing cached goes on (an earlier request still
+        computing its prompt, or the rest of its chain evicted) the prompts may not part there."""
         chain = list(self._walk(tokens, hashes))
         for blk in chain:
             blk.hits += 1
@@ -445,7 +450,8 @@ class CacheManager:
                     levels.pop()
                 levels.append((blk.hits, blk.depth))
                 mem.base = blk.depth
-        return chain[-1].depth if chain and chain[-1].snapshot_slot is None else 0
+        last = chain[-1] if chain else None
+        return last.depth if last is not None and last.snapshot_slot is None and last.children > 0 else 0
 
     def _walk(self, tokens: list[int], hashes: list[bytes]):
         """The cached pages of tokens' chain, from the first, while they are cached."""
@@ -510,6 +516,7 @@ class CacheManager:
         its snapshot if it has one), as copies taken with one gather per layer and part (a page's
         tensors are views of those): the cache may change as soon as this returns."""
         walk = list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]
+        bare = bare if isinstance(bare, (set, frozenset)) else set(bare)
         chosen = [(j, blk) for j, blk in enumerate(walk) if (only is None or hashes[j] in only) and
                   (blk.snapshot_slot is not None or hashes[j] not in bare)]
         if not chosen:
@@ -527,7 +534,7 @@ class CacheManager:
                 for k, (j, _) in enumerate(chosen)]
 
     def import_prefix_page(self, h: bytes, tokens: tuple[int, ...], depth: int, latents: Latents,
-                           snapshot: KDAStates | None) -> bool:
+                           snapshot: KDAStates | None, parent: bytes | None = None) -> bool:
         """Cache one prompt page computed elsewhere: its latents if this cache lacks the page, its
         snapshot if the page has none (what is cached here is never replaced). False when no page
         is free."""
@@ -536,7 +543,7 @@ class CacheManager:
             page = self._alloc_page()
             if page is None:
                 return False
-            if not self._register(h, tokens, depth, page, ref=0):  # the hash is cached with other tokens
+            if not self._register(h, tokens, depth, page, ref=0, parent=parent):  # the hash is cached with other tokens
                 self._free_pages.append(page)
                 return False
             self._write_latents([page], 0, latents)
@@ -550,13 +557,17 @@ class CacheManager:
         blk = self._entries.get(h)
         return blk if blk is not None and blk.tokens == tokens else None
 
-    def _register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int, ref: int) -> bool:
-        """Make a full, computed page shareable (held by `ref` running sequences). False if that
-        content is cached already."""
+    def _register(self, h: bytes, tokens: tuple[int, ...], depth: int, page: int, ref: int,
+                  parent: bytes | None = None) -> bool:
+        """Make a full, computed page shareable (held by `ref` running sequences; `parent`: the
+        hash of the page before it in its chain). False if that content is cached already."""
         if h in self._entries or page in self._page_entry:
             return False
         self._clock += 1
-        blk = _CachedPage(h, tokens, depth, page, ref=ref, last_used=self._clock)
+        blk = _CachedPage(h, tokens, depth, page, ref=ref, last_used=self._clock, parent=parent)
+        up = self._entries.get(parent) if parent is not None else None
+        if up is not None:
+            up.children += 1
         self._entries[h] = blk
         self._page_entry[page] = blk
         if ref == 0:
@@ -593,6 +604,9 @@ class CacheManager:
         self._slots.drop(blk)
         del self._entries[blk.hash]
         del self._page_entry[blk.page]
+        up = self._entries.get(blk.parent) if blk.parent is not None else None
+        if up is not None and up.children > 0:  # (a parent cached anew after blk counts it not)
+            up.children -= 1
         self.stats["evicted_pages"] += 1
 
     def _copy_slot(self, src: int | None, dst: int) -> None:

@@ -499,7 +499,8 @@ class Handoff:
         latents = self._pages_latents([lat for lat, _ in checked])
         for j, (p, (_, snap)) in enumerate(zip(pages, checked)):
             page_latents = {l: t[j * ps:(j + 1) * ps] for l, t in latents.items()}
-            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, page_latents, snap):
+            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, page_latents, snap,
+                                                 parent=hashes[j - 1] if j else None):
                 break
         return self.cached_prefix_tokens(prompt, media)
 

@@ -99,6 +99,57 @@ def test_the_snapshot_where_two_prompts_part_reaches_the_pool(tiny_model):
     assert out.token_ids == LLMEngine(tiny_model, CFG).generate([third], GREEDY)[0].token_ids
 
 
+class _Remote:
+    """A Ray actor method as a prefill replica calls it (`.remote(...)`, awaited), run in place."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def _call(self, *args):
+        return self.fn(*args)
+
+    def remote(self, *args):
+        return self._call(*args)
+
+
+def test_a_prefill_replica_publishes_the_snapshot_where_prompts_part_and_nothing_twice(tiny_model):
+    # `PrefillServer._publish` against a pool as its server receives a publish (packed bytes):
+    # the first prompt's resumable pages (1-6: its last full page's snapshot gave way to its
+    # answer's); the second's page 6 and the snapshot where it leaves the first (page 5, off the
+    # 2-page grid); the second once more: nothing the pool lacks, nothing sent
+    import asyncio
+    import types
+
+    from k3.serve.engine import AsyncEngine
+    from k3.serve.engine.cache_manager import page_hashes
+    from k3.serve.servers import PrefillServer
+
+    pool = PrefixPool(budget_bytes=64 * 2**20)
+    sent: list[int] = []
+
+    def publish(blob):
+        pages = unpack_pages(blob)
+        sent.append(len(pages))
+        return pool.publish(pages, copy=False)
+
+    shared = rand(40, 21)
+    first, second = shared + rand(20, 22), shared + rand(20, 23)
+    eng = LLMEngine(tiny_model, CFG)
+    server = PrefillServer.__new__(PrefillServer)  # no Serve replica: the parts _publish uses
+    server.config = types.SimpleNamespace(engine=CFG)
+    server.pool = types.SimpleNamespace(wanted=_Remote(pool.wanted), publish=_Remote(publish))
+    for prompt in (first, second):
+        eng.generate([prompt], GREEDY)
+        server.engine = AsyncEngine(eng)
+        asyncio.run(server._publish(prompt, []))
+    assert sent == [6, 2]
+    hashes = page_hashes(second, 8)
+    assert pool.lookup(hashes[:6]) == 6 and pool.lookup(hashes[:5]) == 5
+    assert pool.wanted(hashes)[1] == [hashes[0], hashes[2]]  # held without a snapshot, as here
+    asyncio.run(server._publish(second, []))
+    assert sent == [6, 2]
+
+
 def test_the_pages_copied_between_steps_seal_the_same_after_the_cache_moves_on(tiny_model):
     # the step thread takes copies (copy_prefix); the sealing, in another thread in a replica, may
     # run after the engine has dropped and reused those pages: the same pages, bytes and digests

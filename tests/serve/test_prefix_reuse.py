@@ -83,6 +83,29 @@ def test_requests_resume_where_their_prompts_part_not_an_interval_short(tiny_mod
     assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
 
 
+def test_no_snapshot_where_an_earlier_request_has_only_got_so_far(tiny_model):
+    # A is in the middle of its prefill (chunks of 160 tokens: 10 of the 11 pages both prompts
+    # share computed) when B arrives. B matches A's 10 pages, but nothing cached goes on from page
+    # 10 yet: it is not where the prompts part, and B keeps no snapshot there (one would enter as
+    # used and outbid the real part's). C shares exactly those 10 pages, parts there from A and B
+    # and keeps one; D resumes after it. The tokens are a cold run's.
+    eng = LLMEngine(tiny_model, EngineConfig(page_size=PS, snapshot_interval=4, max_num_batched_tokens=160))
+    shared = tokens(11 * PS, seed=50)
+    a, b = shared + tokens(40, seed=51), shared + tokens(40, seed=52)
+    c, d = shared[:10 * PS] + tokens(30, seed=53), shared[:10 * PS] + tokens(30, seed=54)
+    eng.add_request("a", a, greedy(4))
+    eng.step()
+    eng.add_request("b", b, greedy(4))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    outs = [done["a"], done["b"], eng.generate([c], greedy(4))[0], eng.generate([d], greedy(4))[0]]
+    assert [o.cached_tokens for o in outs] == [0, 8 * PS, 8 * PS, 10 * PS]
+    cold = LLMEngine(tiny_model, EngineConfig(page_size=PS, enable_prefix_caching=False)).generate([a, b, c, d],
+                                                                                                  greedy(4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+
+
 def test_a_shared_prefix_outlives_one_off_prompts(tiny_model):
     # 1 running slot, 3 reserved snapshot slots: every one-off prompt (100 tokens) brings two
     # snapshots (64 tokens, and its last full page at 96). By arrival order (LRU) the system
