@@ -188,7 +188,7 @@ class AsyncEngine:
         in a worker thread below normal priority (`BACKGROUND_NICE`): neither the engine's steps
         nor this event loop wait for the hashing."""
         copied = await self.call(lambda: self.engine.copy_prefix(prompt, media, only, bare))
-        if not copied[1]:  # nothing to send: no hop to the sealing thread
+        if not len(copied[1]):  # nothing to send: no hop to the sealing thread
             return []
         return await self.in_background(self.engine.seal_prefix, *copied)
 

@@ -85,6 +85,22 @@ class _CachedPage:
     children: int = 0  # cached pages whose chain goes on from this one: more than one where prompts part
 
 
+@dataclass
+class PrefixCopy:
+    """Copies of a prompt's cached pages (`CacheManager.copy_prefix`): one tensor per MLA layer
+    and KDA part for all of them, so the pages' arrays are made from a few tensors, not one per
+    page and layer."""
+
+    hashes: list[bytes]  # each copied page's chain hash
+    indices: list[int]  # each copied page's index in the prompt (0-based)
+    latents: Latents  # layer -> [pages, page_size, latent]
+    snapshot_rows: list[int | None]  # each copied page's row in `snapshots` (None: no snapshot)
+    snapshots: KDAStates  # layer -> (conv [snapshots, ...], recurrent [snapshots, ...])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 @dataclass(eq=False)
 class SeqCache:
     """One sequence's memory, lent by the CacheManager for the request's whole life (across
@@ -509,29 +525,28 @@ class CacheManager:
         return len(reuse) * self.page_size
 
     def copy_prefix(self, tokens: list[int], hashes: list[bytes], only: set[bytes] | None = None,
-                    bare: Collection[bytes] = ()) -> list[tuple[int, Latents, KDAStates | None]]:
-        """Per page of tokens' resumable prefix here (prefix_depth) whose hash is in `only` (every
+                    bare: Collection[bytes] = ()) -> PrefixCopy:
+        """The pages of tokens' resumable prefix here (prefix_depth) whose hash is in `only` (every
         page when None) and, when it is in `bare` (pages the receiver holds without a snapshot),
-        that keeps a snapshot here: (its index, its latents [page_size, latent] per MLA layer,
-        its snapshot if it has one), as copies taken with one gather per layer and part (a page's
-        tensors are views of those): the cache may change as soon as this returns."""
+        that keep a snapshot here: their latents and snapshots, copied with one gather per layer
+        and part: the cache may change as soon as this returns."""
         walk = list(self._walk(tokens, hashes))[: self.prefix_depth(tokens, hashes)]
         bare = bare if isinstance(bare, (set, frozenset)) else set(bare)
         chosen = [(j, blk) for j, blk in enumerate(walk) if (only is None or hashes[j] in only) and
                   (blk.snapshot_slot is not None or hashes[j] not in bare)]
         if not chosen:
-            return []
+            return PrefixCopy([], [], {}, [], {})
         pages = torch.tensor([blk.page for _, blk in chosen], dtype=torch.long, device=self.device)
         latents = {l: t.index_select(0, pages) for l, t in self._mla.items()}
-        snapped = {k: i for i, k in enumerate(k for k, (_, blk) in enumerate(chosen) if blk.snapshot_slot is not None)}
+        snapped = [blk for _, blk in chosen if blk.snapshot_slot is not None]
+        rows = iter(range(len(snapped)))
         snaps = {}
         if snapped:
-            slots = torch.tensor([chosen[k][1].snapshot_slot for k in snapped], dtype=torch.long, device=self.device)
+            slots = torch.tensor([blk.snapshot_slot for blk in snapped], dtype=torch.long, device=self.device)
             snaps = {l: (p.conv.index_select(0, slots), p.recurrent.index_select(0, slots))
                      for l, p in self._kda.items()}
-        return [(j, {l: t[k] for l, t in latents.items()},
-                 {l: (c[snapped[k]], r[snapped[k]]) for l, (c, r) in snaps.items()} if k in snapped else None)
-                for k, (j, _) in enumerate(chosen)]
+        return PrefixCopy([hashes[j] for j, _ in chosen], [j for j, _ in chosen], latents,
+                          [next(rows) if blk.snapshot_slot is not None else None for _, blk in chosen], snaps)
 
     def import_prefix_page(self, h: bytes, tokens: tuple[int, ...], depth: int, latents: Latents,
                            snapshot: KDAStates | None, parent: bytes | None = None) -> bool:

@@ -45,7 +45,7 @@ import torch
 
 from k3.model import K3ForCausalLM
 
-from .cache_manager import CacheManager, KDAStates, Latents, page_hashes
+from .cache_manager import CacheManager, KDAStates, Latents, PrefixCopy, page_hashes
 from .prompt_media import MediaSpan, SequenceMedia, check_spans
 from .params import SamplingParams
 
@@ -472,19 +472,18 @@ class Handoff:
         cache does meanwhile. Most of an export is the sealing (a keyed MAC over every page's bytes:
         for k3-tiny's 2,240-token prompt, 140 pages and 35 snapshots, 7.2 ms; 10.2 with blake2b)."""
         hashes = page_hashes(prompt, self.cache.page_size, media=media)
-        return prompt, [(hashes[j], j, lat, snap) for j, lat, snap in self.cache.copy_prefix(prompt, hashes, only, bare)]
+        return prompt, self.cache.copy_prefix(prompt, hashes, only, bare)
 
-    def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
-        """Pool pages, sealed, of what `copy_prefix` took (reads nothing of the engine's)."""
+    def seal_prefix(self, prompt: list[int], copied: PrefixCopy) -> list[PoolPage]:
+        """Pool pages, sealed, of what `copy_prefix` took (reads nothing of the engine's). Each
+        layer's copy becomes one array (copy_prefix's, held by nothing else: no copy) and a page's
+        arrays are views of those (a pickled view carries only its own rows)."""
         ps = self.cache.page_size
-
-        def own(t: torch.Tensor) -> np.ndarray:  # copy_prefix's copies, held by nothing else: a view will do
-            return to_numpy(t, copy=False)
-
-        return [PoolPage(h, j + 1, tuple(prompt[j * ps:(j + 1) * ps]), {l: own(t) for l, t in lat.items()},
-                         None if snap is None else {l: (own(c), own(r)) for l, (c, r) in snap.items()}
-                         ).seal(self._secret)
-                for h, j, lat, snap in copied]
+        lat = {l: to_numpy(t, copy=False) for l, t in copied.latents.items()}
+        snaps = {l: (to_numpy(c, copy=False), to_numpy(r, copy=False)) for l, (c, r) in copied.snapshots.items()}
+        return [PoolPage(h, j + 1, tuple(prompt[j * ps:(j + 1) * ps]), {l: a[k] for l, a in lat.items()},
+                         None if s is None else {l: (c[s], r[s]) for l, (c, r) in snaps.items()}).seal(self._secret)
+                for k, (h, j, s) in enumerate(zip(copied.hashes, copied.indices, copied.snapshot_rows))]
 
     def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt into the prefix cache (pages it lacks, and snapshots
