@@ -470,7 +470,8 @@ class Handoff:
         """The step thread's share of `export_prefix`: copies of the pages' latents and snapshots
         (a few gathers), for `seal_prefix` to make pool pages of in any thread, whatever the
         cache does meanwhile. Most of an export is the sealing (a keyed MAC over every page's bytes:
-        for k3-tiny's 2,240-token prompt, 140 pages and 35 snapshots, 7.2 ms; 10.2 with blake2b)."""
+        for k3-tiny's 2,240-token prompt, 140 pages and 35 snapshots, 5.3-5.8 ms, of which
+        BLAKE3's hashing 1.1-1.5; the copy 1.0-1.1, docs/benchmarks.md)."""
         hashes = page_hashes(prompt, self.cache.page_size, media=media)
         return prompt, self.cache.copy_prefix(prompt, hashes, only, bare)
 
