@@ -46,9 +46,9 @@
    engine's public API, so the same section runs on an older tree.
 
 The sections about prefill, TTFT, snapshots and the handoff (ttft, snapshots, handoff, chunk,
-multiturn, shared_prefix) run eager engines (`compile_decode=False`: their numbers are the prefill's, and every
-cache shape would compile decode graphs of its own); throughput, vs_transformers and full take
-the default engine (decode graphs on CPU, compiled when each engine starts, outside the timing).
+multiturn, shared_prefix) run eager engines (`compile_decode=False`: their numbers are the
+prefill's, and every cache shape would compile decode graphs of its own); throughput,
+vs_transformers and full take the default engine (decode graphs on CPU, compiled when each engine starts, outside the timing).
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ from k3.serve.engine.cache_manager import CacheManager, SeqCache
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-p.add_argument("--only", default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn,shared_prefix,full",
-               help="comma-separated sections to run")
+p.add_argument("--only", help="comma-separated sections to run",
+               default="throughput,ttft,snapshots,decode,handoff,chunk,vs_transformers,multiturn,shared_prefix,full")
 p.add_argument("--threads", type=int, default=None,
                help="torch threads (default torch's); on a shared machine 1 avoids threads waiting on a busy core")
 args = p.parse_args()

@@ -36,7 +36,7 @@ import torch
 from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.vision_processor import MediaItem
 
-from .cache_manager import CacheManager, KDAStates, PrefixHit, SeqCache, int64_tensor
+from .cache_manager import CacheManager, KDAStates, PrefixCopy, PrefixHit, SeqCache, int64_tensor
 from .detokenizer import Detokenizer, StopMatcher
 from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage
@@ -507,7 +507,7 @@ class LLMEngine:
         """The step thread's share of `export_prefix`: copies of the pages' bytes (a few gathers)."""
         return self.handoff.copy_prefix(prompt, media, only, bare)
 
-    def seal_prefix(self, prompt: list[int], copied: list) -> list[PoolPage]:
+    def seal_prefix(self, prompt: list[int], copied: PrefixCopy) -> list[PoolPage]:
         """Pool pages of what `copy_prefix` took, sealed; reads no engine state (any thread)."""
         return self.handoff.seal_prefix(prompt, copied)
 

@@ -77,8 +77,8 @@ class EngineConfig(BaseModel):
     page_size: int = Field(16, ge=1, description="Tokens per MLA latent page; also the prefix cache's unit.")
     cache_memory_bytes: int = Field(256 * 2**20, ge=1, description="Memory for KDA slots, snapshots and MLA pages.")
     enable_prefix_caching: bool = Field(True, description="Reuse cached prompt prefixes (MLA pages + KDA snapshots).")
-    snapshot_interval: int = Field(4, ge=1, description="Keep a KDA state snapshot every this many prompt pages (and at "
-                                   "a prompt's last full page, and where it leaves a cached prompt).")
+    snapshot_interval: int = Field(4, ge=1, description="Keep a KDA state snapshot every this many prompt pages "
+                                   "(and at a prompt's last full page, and where it leaves a cached prompt).")
     snapshot_memory_fraction: float = Field(0.25, ge=0.0, lt=1.0,
                                             description="Share of the memory left after running slots for snapshots.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="MLA latent and conv state dtype.")
