@@ -28,6 +28,7 @@ from .bench import (ENGINE_CORE_MODULE, BenchConfig, auth_headers, endpoint_url,
 
 RssSampler = Callable[[], dict[str, int]]
 
+
 def serve_process_rss(replicas: Iterable[tuple[str, int]], stored: dict[int, int] | None = None) -> dict[str, int]:
     """{label: RSS bytes} of each replica process of `replicas` ((actor class, pid) pairs, on this
     machine) and of each one's engine process, where the engine and its cache live when it steps

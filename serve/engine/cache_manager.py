@@ -539,7 +539,7 @@ class CacheManager:
         pages = torch.tensor([blk.page for _, blk in chosen], dtype=torch.long, device=self.device)
         latents = {l: t.index_select(0, pages) for l, t in self._mla.items()}
         snapped = [blk for _, blk in chosen if blk.snapshot_slot is not None]
-        rows = iter(range(len(snapped)))
+        rows = itertools.count()  # each snapshot's row in `snaps`, in order
         snaps = {}
         if snapped:
             slots = torch.tensor([blk.snapshot_slot for blk in snapped], dtype=torch.long, device=self.device)
