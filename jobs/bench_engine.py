@@ -261,8 +261,12 @@ def handoff() -> dict:
 
 def pool_pages(n: int, ec: EngineConfig) -> dict:
     """A prompt's pages as the prefix pool takes them: copied out of the cache (the step thread's
-    share), sealed (a keyed MAC per page and per snapshot), and loaded into a second engine (every
-    page checked first), as the prefill replicas do (serve/servers.py)."""
+    share), sealed (a keyed MAC per page and per snapshot), packed as the run a pool fetch sends, and
+    loaded into a second engine (every page checked first), as the prefill replicas do
+    (serve/servers.py)."""
+    import pickle
+
+    from k3.serve.engine.handoff import PoolRun
     from k3.serve.prefix_pool import pack_pages, unpack_pages
 
     ec = ec.model_copy(update={"enable_prefix_caching": True, "page_size": 16, "snapshot_interval": 4})
@@ -272,11 +276,12 @@ def pool_pages(n: int, ec: EngineConfig) -> dict:
     h = src.handoff
     copied = h.copy_prefix(prompt)
     pages = h.seal_prefix(*copied)
-    blob = pack_pages(pages)  # as a publish travels to the pool
+    held = unpack_pages(pack_pages(pages))  # as a publish travels to the pool
+    sent = pickle.dumps(PoolRun.of(held), protocol=5)  # and a fetch of the whole prefix back
 
     def load() -> int:
         dst.reset_prefix_cache()
-        return dst.handoff.import_prefix(prompt, unpack_pages(blob))
+        return dst.handoff.import_prefix(prompt, pickle.loads(sent))
 
     resumable = load()
     assert resumable > 0, "the pages load"
@@ -284,6 +289,7 @@ def pool_pages(n: int, ec: EngineConfig) -> dict:
             "bytes": sum(p.nbytes for p in pages),
             "copy_ms": round(median_time(lambda: h.copy_prefix(prompt), 15) * 1000, 2),
             "seal_ms": round(median_time(lambda: h.seal_prefix(*copied), 15) * 1000, 2),
+            "run_pack_ms": round(median_time(lambda: PoolRun.of(held), 15) * 1000, 2),
             "import_ms": round(median_time(load, 15) * 1000, 2)}
 
 
@@ -463,10 +469,11 @@ def fill_prefix_cache(eng: LLMEngine) -> int:
     cache, ps, n = eng.cache, eng.cache.page_size, 0
     while n < cache.num_pages:  # a fresh engine: every page free
         tokens = rand(128 * ps)
-        for j, h in enumerate(page_hashes(tokens, ps)[: cache.num_pages - n]):
-            lat = {s.layer_idx: torch.randn(ps, s.latent_dim).to(cache.dtype) for s in cache.mla_specs}
-            assert cache.import_prefix_page(h, tuple(tokens[j * ps:(j + 1) * ps]), j + 1, lat, None)
-            n += 1
+        hashes = page_hashes(tokens, ps)[: cache.num_pages - n]
+        lat = {s.layer_idx: torch.randn(len(hashes) * ps, s.latent_dim).to(cache.dtype) for s in cache.mla_specs}
+        pages = [tuple(tokens[j * ps:(j + 1) * ps]) for j in range(len(hashes))]
+        assert cache.import_prefix_pages(hashes, pages, lat, {}) == len(hashes)
+        n += len(hashes)
     assert cache.usage()["pages_free"] == 0
     return n
 

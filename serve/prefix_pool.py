@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 
-from k3.serve.engine.handoff import PoolPage
+from k3.serve.engine.handoff import PoolPage, PoolRun
 
 
 def pack_pages(pages: list[PoolPage]) -> bytes:
@@ -123,14 +123,14 @@ class PrefixPool:
                    for i, p in enumerate(out)]
         return out
 
-    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list[PoolPage]:
+    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> PoolRun | None:
         """For a replica that holds the first `have_pages` of these pages itself, in one round
         trip: the pages of the deepest resumable prefix (`lookup`) when it is deeper than that, with
-        only the last page's snapshot (`fetch`); else []."""
+        only the last page's snapshot (`fetch`), packed as one run; else None."""
         depth = self.lookup(hashes)
         if depth <= have_pages:
-            return []
-        return self.fetch(hashes[:depth], last_snapshot_only=True)
+            return None
+        return PoolRun.of(self.fetch(hashes[:depth], last_snapshot_only=True))
 
     def stats(self) -> dict:
         return {"pages": len(self.pages), "bytes": self.bytes, "budget_bytes": self.budget, **self.counts}

@@ -40,6 +40,7 @@ from k3.serve.engine.async_engine import background_executor
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.engine.engine_core import ProcessEngine
 from k3.serve.errors import OpenAIError, log_fault
+from k3.serve.engine.handoff import PoolRun
 from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
 from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
 import k3.model
@@ -304,7 +305,7 @@ class PrefixPoolServer:
             return self.pool.publish(unpacked, copy=False)
         return self.pool.publish(pages)
 
-    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> list:
+    def fetch_deeper(self, hashes: list[bytes], have_pages: int) -> PoolRun | None:
         return self.pool.fetch_deeper(hashes, have_pages)
 
     def stats(self) -> dict:
@@ -335,11 +336,11 @@ class PrefillServer(EngineHost):
         stamp(trace, "pool_local")
         if local >= len(hashes) * ps:
             return
-        pages = await self.pool.fetch_deeper.remote(hashes, local // ps)
+        run = await self.pool.fetch_deeper.remote(hashes, local // ps)
         stamp(trace, "pool_fetched")
-        if not pages:
+        if run is None:
             return
-        got = await self.engine.import_prefix(prompt, pages, spans)
+        got = await self.engine.import_prefix(prompt, run, spans)
         if got > local:
             self.pool_hit_tokens += got - local
             self.metrics.inc("k3_serve_prefix_cache_hits", got - local, source="pool")

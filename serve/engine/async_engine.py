@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine import LLMEngine, RequestOutput
-from .handoff import HybridCacheState, PoolPage
+from .handoff import HybridCacheState, PoolPage, PoolRun
 from .prompt_media import MediaSpan
 from .params import SamplingParams
 
@@ -198,7 +198,7 @@ class AsyncEngine:
             self._background = background_executor("k3-pool-seal")
         return await asyncio.get_running_loop().run_in_executor(self._background, fn, *args)
 
-    async def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+    async def import_prefix(self, prompt: list[int], pages: PoolRun | list[PoolPage], media: list[MediaSpan] = ()) -> int:
         return await self.call(lambda: self.engine.import_prefix(prompt, pages, media))
 
     async def reset_prefix_cache(self) -> int:

@@ -548,24 +548,53 @@ class CacheManager:
         return PrefixCopy([hashes[j] for j, _ in chosen], [j for j, _ in chosen], latents,
                           [next(rows) if blk.snapshot_slot is not None else None for _, blk in chosen], snaps)
 
-    def import_prefix_page(self, h: bytes, tokens: tuple[int, ...], depth: int, latents: Latents,
-                           snapshot: KDAStates | None, parent: bytes | None = None) -> bool:
-        """Cache one prompt page computed elsewhere: its latents if this cache lacks the page, its
-        snapshot if the page has none (what is cached here is never replaced). False when no page
-        is free."""
-        blk = self._cached(h, tokens)
-        if blk is None:
-            page = self._alloc_page()
-            if page is None:
-                return False
-            if not self._register(h, tokens, depth, page, ref=0, parent=parent):  # the hash is cached with other tokens
-                self._free_pages.append(page)
-                return False
-            self._write_latents([page], 0, latents)
-            blk = self._entries[h]
-        if snapshot is not None:
-            self._store_snapshot(blk, snapshot)
-        return True
+    def import_prefix_pages(self, hashes: list[bytes], tokens: list[tuple[int, ...]], latents: Latents,
+                            snapshots: dict[int, KDAStates]) -> int:
+        """Cache a prompt's first pages computed elsewhere (page j: hashes[j], tokens[j], rows
+        j * page_size.. of each layer's latents, and snapshots[j] if given): the latents of the
+        pages this cache lacks, in one indexed copy per layer, and a snapshot where a page has none
+        (what is cached here is never replaced). Pages come from the free list or evict idle pages
+        not of this chain; where none is left the chain stops (never evicting its own first pages
+        for its last). The chain is then used as one: later evictions cut it from its end. Returns
+        the pages of the chain now cached."""
+        room = len(self._free_pages) + self._idle.count  # pages a placement may take
+        chain: list[_CachedPage] = []
+        placed: list[int] = []  # the cache pages written, and the run's page each holds
+        rows: list[int] = []
+        for j, (h, tok) in enumerate(zip(hashes, tokens)):
+            blk = self._cached(h, tok)
+            if blk is None:
+                page = self._alloc_page() if room else None
+                if page is None:
+                    break
+                room -= 1
+                if not self._register(h, tok, j + 1, page, ref=0, parent=hashes[j - 1] if j else None):
+                    self._free_pages.append(page)  # the hash is cached with other tokens
+                    break
+                placed.append(page)
+                rows.append(j)
+                blk = self._entries[h]
+            else:  # cached already: used now, so the placements after it evict older pages first
+                self._clock += 1
+                blk.last_used = self._clock
+                if blk.ref == 0:
+                    room -= 1
+                    self._idle.touch(blk)
+            chain.append(blk)
+            if j in snapshots:
+                self._store_snapshot(blk, snapshots[j])
+        self._clock += 1
+        for blk in chain:
+            blk.last_used = self._clock
+            if blk.ref == 0:
+                self._idle.touch(blk)
+        if placed:
+            ps, n = self.page_size, len(hashes)
+            at = torch.tensor(placed, dtype=torch.long, device=self.device)
+            pick = torch.tensor(rows, dtype=torch.long, device=self.device)
+            for l, lat in latents.items():
+                self._mla[l].index_copy_(0, at, lat[: n * ps].view(n, ps, -1).index_select(0, pick))
+        return len(chain)
 
     # -- the tables (private) --------------------------------------------------------------------
     def _cached(self, h: bytes, tokens: tuple[int, ...]) -> _CachedPage | None:

@@ -39,7 +39,7 @@ from k3.model.vision_processor import MediaItem
 from .cache_manager import CacheManager, KDAStates, PrefixCopy, PrefixHit, SeqCache, int64_tensor
 from .detokenizer import Detokenizer, StopMatcher
 from .graphs import DecodeGraph
-from .handoff import Handoff, HybridCacheState, PoolPage
+from .handoff import Handoff, HybridCacheState, PoolPage, PoolRun
 from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
 from .params import EngineConfig, SamplingParams
 from .sampler import SampleRow, sample
@@ -511,7 +511,7 @@ class LLMEngine:
         """Pool pages of what `copy_prefix` took, sealed; reads no engine state (any thread)."""
         return self.handoff.seal_prefix(prompt, copied)
 
-    def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+    def import_prefix(self, prompt: list[int], pages: PoolRun | list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt (the pages and snapshots this cache lacks); returns
         the prompt tokens now resumable here. A page that does not belong to the prompt, is not
         sealed under this engine's handoff_key or does not fit its model: ValueError, nothing loaded."""

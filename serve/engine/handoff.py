@@ -194,6 +194,40 @@ class HybridCacheState:
         return sum(a.nbytes for _, a in self.arrays())
 
 
+def _page_mac(secret: str, h: bytes, depth: int, tokens, latents: dict[int, np.ndarray]) -> bytes:
+    """A pool page's seal: its chain hash, depth and tokens, then its latents layer by layer."""
+    return _mac(secret, b"k3 pool page", (h, depth, tuple(tokens)), [(f"latents[{k}]", latents[k]) for k in sorted(latents)])
+
+
+def _page_macs(secret: str, hashes: list[bytes], depths: list[int], tokens: list, latents: dict[int, np.ndarray],
+               ps: int) -> list[bytes]:
+    """The seals of pages whose latents are consecutive `ps`-row blocks of whole arrays (page k:
+    rows k * ps .. of each layer's, one layer after another): what `_page_mac` makes of each page,
+    its bytes laid side by side once so that each page is one slice (a page of k3-tiny is two 5 KB
+    arrays: per page, `_mac`'s views, joins and header list cost about as much as the hashing)."""
+    if not hashes:
+        return []
+    key = _mac_key(secret, b"k3 pool page")
+    names = sorted(latents)
+    arrays = [np.ascontiguousarray(latents[k]) for k in names]
+    layout = [(f"latents[{k}]", a.dtype.str, (ps, *a.shape[1:])) for k, a in zip(names, arrays)]
+    pages = np.concatenate([a.reshape(len(hashes), -1).view(np.uint8) for a in arrays], axis=1)
+    tail = f", {layout!r})"  # the header is repr((page header, layout)): the layout's part is every page's
+    out = []
+    for h, depth, toks, page in zip(hashes, depths, tokens, pages):
+        m = blake3.blake3(key=key)
+        m.update(f"({(h, depth, tuple(toks))!r}{tail}".encode())
+        m.update(page.data)
+        out.append(m.digest())
+    return out
+
+
+def _snapshot_mac(secret: str, h: bytes, snapshot: dict[int, tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """A pool page's snapshot's seal, apart from the page's (the pool sends a page without it)."""
+    arrays = [(f"{part}[{k}]", snapshot[k][i]) for k in sorted(snapshot) for i, part in enumerate(("conv", "recurrent"))]
+    return _mac(secret, b"k3 pool snapshot", h, arrays)
+
+
 @dataclass
 class PoolPage:
     """One prompt page as the shared prefix pool holds it (serve/prefix_pool.py). The latents and
@@ -207,23 +241,15 @@ class PoolPage:
     digest: bytes = b""  # keyed MAC of hash, depth, tokens and latents
     snapshot_digest: bytes = b""  # keyed MAC of hash and snapshot
 
-    def _page_mac(self, secret: str) -> bytes:
-        return _mac(secret, b"k3 pool page", (self.hash, self.depth, tuple(self.tokens)),
-                    [(f"latents[{k}]", self.latents[k]) for k in sorted(self.latents)])
-
-    def _snapshot_mac(self, secret: str) -> bytes:
-        arrays = [(f"{part}[{k}]", self.snapshot[k][i]) for k in sorted(self.snapshot)
-                  for i, part in enumerate(("conv", "recurrent"))]
-        return _mac(secret, b"k3 pool snapshot", self.hash, arrays)
-
     def seal(self, secret: str) -> PoolPage:
-        self.digest = self._page_mac(secret)
-        self.snapshot_digest = self._snapshot_mac(secret) if self.snapshot is not None else b""
+        self.digest = _page_mac(secret, self.hash, self.depth, self.tokens, self.latents)
+        self.snapshot_digest = b"" if self.snapshot is None else _snapshot_mac(secret, self.hash, self.snapshot)
         return self
 
     def verified(self, secret: str) -> bool:
-        ok = hmac.compare_digest(self.digest, self._page_mac(secret))
-        return ok and (self.snapshot is None or hmac.compare_digest(self.snapshot_digest, self._snapshot_mac(secret)))
+        ok = hmac.compare_digest(self.digest, _page_mac(secret, self.hash, self.depth, self.tokens, self.latents))
+        return ok and (self.snapshot is None or
+                       hmac.compare_digest(self.snapshot_digest, _snapshot_mac(secret, self.hash, self.snapshot)))
 
     def without_snapshot(self) -> PoolPage:
         return dataclasses.replace(self, snapshot=None, snapshot_digest=b"")
@@ -243,6 +269,55 @@ class PoolPage:
         if self.snapshot is not None:
             n += sum(c.nbytes + r.nbytes for c, r in self.snapshot.values())
         return n
+
+
+@dataclass
+class PoolRun:
+    """A prompt's first pages, packed for the wire: the pages' tokens one array, each MLA layer's
+    latents one array, the seals as each page's publisher made them (the pool holds no key: it packs
+    pages, it cannot seal), and the snapshots the run carries. What a pool fetch sends: Ray pickles
+    and unpickles a 2K-token prefix of k3-tiny, 140 pages, as a few arrays rather than 140 objects
+    with ~300 arrays, and the importer checks and loads it a layer at a time (docs/benchmarks.md)."""
+
+    hashes: list[bytes]  # page j's chain hash (covers every token before it)
+    tokens: np.ndarray  # [pages, page_size]: page j's own tokens
+    latents: dict[int, np.ndarray]  # MLA layer -> [pages * page_size, latent]
+    digests: list[bytes]  # page j's seal (`PoolPage.digest`)
+    snapshots: list[tuple[int, dict[int, tuple[np.ndarray, np.ndarray]], bytes]]  # (page j, its snapshot, its seal)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @classmethod
+    def of(cls, pages: list[PoolPage]) -> PoolRun:
+        """Pages 1..n of one prompt as a run (pages[j] must be page j + 1 of its prompt). ValueError,
+        naming the page, for one that is not a pool page of that depth, or whose tokens or latents
+        do not have page 1's layout."""
+        if not isinstance(pages, (list, tuple)) or not pages:
+            raise ValueError(f"expected a non-empty list of pool pages, got {type(pages).__name__}")
+        first = pages[0]
+        for j, p in enumerate(pages):
+            where = f"pool page {j + 1}: "
+            if not isinstance(p, PoolPage) or p.depth != j + 1 or not isinstance(p.tokens, (tuple, list)) or \
+                    not isinstance(first.tokens, (tuple, list)) or len(p.tokens) != len(first.tokens):
+                _refuse("it does not belong to this prompt", where)
+            snap = p.snapshot or {}
+            if not isinstance(p.latents, dict) or not isinstance(snap, dict) or \
+                    any(not isinstance(cr, tuple) or len(cr) != 2 for cr in snap.values()) or \
+                    any(not _numeric(a) for a in [*p.latents.values(), *(a for cr in snap.values() for a in cr)]):
+                _refuse("its latents and snapshot must be numeric numpy arrays", where)
+            if sorted(p.latents) != sorted(first.latents) or \
+                    any(a.ndim != 2 or a.shape[1:] != first.latents[k].shape[1:] or a.dtype != first.latents[k].dtype
+                        for k, a in p.latents.items()):
+                _refuse(f"its latents {({k: (a.shape, str(a.dtype)) for k, a in p.latents.items()})} are not laid "
+                        f"out as page 1's", where)
+        tokens = np.array([p.tokens for p in pages])
+        if tokens.dtype.kind not in "iu":
+            _refuse(f"page tokens must be integers, got {tokens.dtype}", "pool pages: ")
+        return cls([p.hash for p in pages], tokens,
+                   {k: np.concatenate([p.latents[k] for p in pages]) for k in first.latents},
+                   [p.digest for p in pages],
+                   [(j, p.snapshot, p.snapshot_digest) for j, p in enumerate(pages) if p.snapshot is not None])
 
 
 @dataclass
@@ -428,21 +503,6 @@ class Handoff:
                         f"{self._np_dtype}", where)
         return {l: lat[l] for l in want}
 
-    def _pages_latents(self, pages: list[dict[int, np.ndarray]]) -> Latents:
-        """Consecutive pages' latents as one tensor per MLA layer, [pages * page_size, latent],
-        checked finite in one pass per layer (a pool import of a 2K-token prefix is ~140 pages:
-        one check per page and layer cost more than the rest of the import); a refusal names the
-        first page that is not."""
-        ps = self.cache.page_size
-        out = {}
-        for l in self._latent_arrays(pages[0], ps, "pool page 1: "):
-            t = to_torch(np.concatenate([p[l] for p in pages]), self.cache.dtype, self.device)
-            if not all_finite(t):
-                row = int((~torch.isfinite(t).all(dim=1)).nonzero()[0])
-                _refuse(f"MLA layer {l} latents holds non-finite values", f"pool page {row // ps + 1}: ")
-            out[l] = t
-        return out
-
     def _finite(self, a: np.ndarray, dtype: torch.dtype, name: str, where: str) -> torch.Tensor:
         t = to_torch(a, dtype, self.device)
         if not all_finite(t):
@@ -482,51 +542,88 @@ class Handoff:
         ps = self.cache.page_size
         lat = {l: to_numpy(t, copy=False) for l, t in copied.latents.items()}
         snaps = {l: (to_numpy(c, copy=False), to_numpy(r, copy=False)) for l, (c, r) in copied.snapshots.items()}
-        return [PoolPage(h, j + 1, tuple(prompt[j * ps:(j + 1) * ps]), {l: a[k] for l, a in lat.items()},
-                         None if s is None else {l: (c[s], r[s]) for l, (c, r) in snaps.items()}).seal(self._secret)
-                for k, (h, j, s) in enumerate(zip(copied.hashes, copied.indices, copied.snapshot_rows))]
+        tokens = [tuple(prompt[j * ps:(j + 1) * ps]) for j in copied.indices]
+        seals = _page_macs(self._secret, copied.hashes, [j + 1 for j in copied.indices], tokens,
+                           {l: a.reshape(-1, a.shape[-1]) for l, a in lat.items()}, ps)
+        pages = []
+        for k, (h, j, s) in enumerate(zip(copied.hashes, copied.indices, copied.snapshot_rows)):
+            snap = None if s is None else {l: (c[s], r[s]) for l, (c, r) in snaps.items()}
+            pages.append(PoolPage(h, j + 1, tokens[k], {l: a[k] for l, a in lat.items()}, snap, seals[k],
+                                  b"" if snap is None else _snapshot_mac(self._secret, h, snap)))
+        return pages
 
-    def import_prefix(self, prompt: list[int], pages: list[PoolPage], media: list[MediaSpan] = ()) -> int:
+    def import_prefix(self, prompt: list[int], pages: PoolRun | list[PoolPage], media: list[MediaSpan] = ()) -> int:
         """Load pool pages for this prompt into the prefix cache (pages it lacks, and snapshots
-        for pages without one); returns the prompt tokens now resumable here. Every page is
-        checked first: one that does not belong to the prompt, is not sealed under this engine's
-        key, or does not fit this model is refused with a ValueError and nothing is loaded."""
-        ps = self.cache.page_size
-        hashes = page_hashes(prompt, ps, media=media)
-        checked = [self._check_page(j, p, hashes, prompt) for j, p in enumerate(pages)]
-        if not checked:
-            return self.cached_prefix_tokens(prompt, media)
-        latents = self._pages_latents([lat for lat, _ in checked])
-        for j, (p, (_, snap)) in enumerate(zip(pages, checked)):
-            page_latents = {l: t[j * ps:(j + 1) * ps] for l, t in latents.items()}
-            if not self.cache.import_prefix_page(p.hash, tuple(p.tokens), p.depth, page_latents, snap,
-                                                 parent=hashes[j - 1] if j else None):
-                break
+        for pages without one); returns the prompt tokens now resumable here. `pages`: a run of the
+        prompt's first pages (what the pool fetches) or a list of them. Everything is checked first,
+        on a private copy: a page that does not belong to the prompt, is not sealed under this
+        engine's key, or does not fit this model is refused with a ValueError naming it, and nothing
+        is loaded."""
+        if not isinstance(pages, PoolRun):
+            if not pages:
+                return self.cached_prefix_tokens(prompt, media)
+            pages = PoolRun.of(pages)
+        hashes = page_hashes(prompt, self.cache.page_size, media=media)
+        latents, snapshots = self._check_run(pages, hashes, prompt)
+        n = len(pages)
+        self.cache.import_prefix_pages(hashes[:n], [tuple(t) for t in pages.tokens.tolist()], latents, snapshots)
         return self.cached_prefix_tokens(prompt, media)
 
-    def _check_page(self, j: int, p: PoolPage, hashes: list[bytes],
-                    prompt: list[int]) -> tuple[dict[int, np.ndarray], KDAStates | None]:
-        """One pool page, checked on a private copy as a handed-over state is: its latents (shaped
-        and typed; `_pages_latents` checks them finite, all pages at once) and its snapshot's
-        tensors."""
-        ps, where = self.cache.page_size, f"pool page {j + 1}: "
-        if not isinstance(p, PoolPage) or j >= len(hashes) or p.hash != hashes[j] or p.depth != j + 1 or \
-                not isinstance(p.tokens, (tuple, list)) or tuple(p.tokens) != tuple(prompt[j * ps:(j + 1) * ps]):
-            _refuse("it does not belong to this prompt", where)
-        snap = p.snapshot or {}
-        if not isinstance(p.latents, dict) or not isinstance(snap, dict) or \
-                any(not isinstance(cr, tuple) or len(cr) != 2 for cr in snap.values()) or \
-                any(not _numeric(a) for a in [*p.latents.values(), *(a for cr in snap.values() for a in cr)]):
-            _refuse("its latents and snapshot must be numeric numpy arrays", where)
-        p = dataclasses.replace(p, snapshot=None if p.snapshot is None else snap).owned()  # a private copy
-        if not p.verified(self._secret):
-            _refuse("its digest does not verify under this engine's handoff_key (sealed with another key, or "
-                    "changed after sealing)", where)
-        latents = self._latent_arrays(p.latents, ps, where)
-        if p.snapshot is None:
-            return latents, None
-        return latents, self._kda_states({k: c for k, (c, _) in p.snapshot.items()},
-                                         {k: r for k, (_, r) in p.snapshot.items()}, where)
+    def _check_run(self, run: PoolRun, hashes: list[bytes], prompt: list[int]) -> tuple[Latents, dict[int, KDAStates]]:
+        """A pool run, checked as a handed-over state is, on a private copy: the pages are the
+        prompt's first ones (hashes and tokens), every page's seal and every snapshot's verifies
+        under this engine's key, the latents are shaped, typed and finite (one pass per layer) and
+        so are the snapshots' states. Returns the latents and the snapshots by page index."""
+        ps = self.cache.page_size
+        n = len(run.hashes) if isinstance(run.hashes, list) else 0
+        if n == 0 or not isinstance(run.digests, list) or len(run.digests) != n or \
+                any(not isinstance(d, bytes) for d in run.digests):
+            _refuse(f"a run needs one or more page hashes and a digest per page, got {n} hashes", "pool pages: ")
+        for j, h in enumerate(run.hashes):
+            if j >= len(hashes) or h != hashes[j]:
+                _refuse("it does not belong to this prompt", f"pool page {j + 1}: ")
+        want = np.asarray(prompt[:n * ps], dtype=np.int64).reshape(n, ps)
+        if not _numeric(run.tokens) or run.tokens.shape != (n, ps):
+            _refuse(f"tokens {getattr(run.tokens, 'shape', type(run.tokens).__name__)}, expected {(n, ps)}",
+                    "pool pages: ")
+        differ = (run.tokens != want).any(axis=1).nonzero()[0]
+        if len(differ):
+            _refuse("it does not belong to this prompt", f"pool page {int(differ[0]) + 1}: ")
+        if not isinstance(run.latents, dict) or any(not _numeric(a) for a in run.latents.values()):
+            _refuse("latents must be a dict of numeric numpy arrays", "pool pages: ")
+        lat = {l: np.array(a, copy=True) for l, a in self._latent_arrays(run.latents, n * ps, "pool pages: ").items()}
+        seals = _page_macs(self._secret, hashes[:n], range(1, n + 1), [prompt[j * ps:(j + 1) * ps] for j in range(n)],
+                           lat, ps)  # each page's, over the private copy's rows
+        for j, (got, want) in enumerate(zip(run.digests, seals)):
+            if not hmac.compare_digest(got, want):
+                _refuse(_UNVERIFIED, f"pool page {j + 1}: ")
+        snapshots = {}
+        for entry in run.snapshots if isinstance(run.snapshots, list) else [None]:
+            if not isinstance(entry, tuple) or len(entry) != 3 or not isinstance(entry[0], int) or \
+                    not 0 <= entry[0] < n or entry[0] in snapshots or not isinstance(entry[1], dict) or \
+                    not isinstance(entry[2], bytes) or \
+                    any(not isinstance(cr, tuple) or len(cr) != 2 or not all(_numeric(a) for a in cr)
+                        for cr in entry[1].values()):
+                _refuse("snapshots must be (page index in the run, {KDA layer: (conv, recurrent) arrays}, digest)",
+                        "pool pages: ")
+            j, snap, digest = entry
+            where = f"pool page {j + 1}: "
+            snap = {k: (np.array(c, copy=True), np.array(r, copy=True)) for k, (c, r) in snap.items()}
+            if not hmac.compare_digest(digest, _snapshot_mac(self._secret, hashes[j], snap)):
+                _refuse(_UNVERIFIED, where)
+            snapshots[j] = self._kda_states({k: c for k, (c, _) in snap.items()}, {k: r for k, (_, r) in snap.items()},
+                                            where)
+        out = {}
+        for l, a in lat.items():  # finite, one pass per layer; a refusal names the first page that is not
+            t = to_torch(a, self.cache.dtype, self.device)
+            if not all_finite(t):
+                row = int((~torch.isfinite(t).all(dim=1)).nonzero()[0])
+                _refuse(f"MLA layer {l} latents holds non-finite values", f"pool page {row // ps + 1}: ")
+            out[l] = t
+        return out, snapshots
+
+
+_UNVERIFIED = "its digest does not verify under this engine's handoff_key (sealed with another key, or changed after sealing)"
 
 
 def _numeric(a: object) -> bool:

@@ -305,3 +305,22 @@ def test_a_mac_is_its_bytes_in_order_whatever_the_arrays_sizes():
         for _, a in arrays:
             ref.update(a.view(np.uint8).data)
         assert _mac("secret", b"k3 pool page", ("header", trial), arrays) == ref.digest()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])  # uint16: bf16 pages travel as their bit patterns
+def test_pages_sealed_together_seal_as_each_page_alone(dtype):
+    """`_page_macs` (a publish's and an import's pages, from whole layer arrays) makes each page's
+    `_page_mac`: pages sealed by one check under the other, whatever the depths and layer widths."""
+    from k3.serve.engine.handoff import _page_mac, _page_macs
+
+    rng = np.random.default_rng(2)
+    ps, n = 4, 6
+    latents = {7: (rng.random((n * ps, 5)) * 1000).astype(dtype), 3: (rng.random((n * ps, 9)) * 1000).astype(dtype)}
+    hashes = [bytes([k]) * 16 for k in range(n)]
+    depths = [1, 2, 5, 6, 9, 12]  # pages of a prompt need not be consecutive (a publish sends those the pool lacks)
+    tokens = [tuple(int(t) for t in rng.integers(0, 4000, ps)) for _ in range(n)]
+    got = _page_macs("secret", hashes, depths, tokens, latents, ps)
+    for k in range(n):
+        page = {l: a[k * ps:(k + 1) * ps] for l, a in latents.items()}
+        assert got[k] == _page_mac("secret", hashes[k], depths[k], tokens[k], page)
+    assert len(set(got)) == n

@@ -289,8 +289,11 @@ def test_fetch_deeper_brings_the_resumable_prefix_only_when_it_is_deeper(tiny_mo
     pool.publish(pages_of(tiny_model, prompt))  # 4 pages, snapshots at 2 and 4
     hashes = [p.hash for p in pages_of(tiny_model, prompt)]
     got = pool.fetch_deeper(hashes + [b"not held"], have_pages)
-    assert [p.hash for p in got] == hashes[:fetched]
-    assert [p.snapshot is not None for p in got] == [False] * (fetched - 1) + [True] * (fetched > 0)
+    if not fetched:
+        assert got is None
+        return
+    assert got.hashes == hashes[:fetched] and got.tokens.shape == (fetched, 8)
+    assert [j for j, _, _ in got.snapshots] == [fetched - 1]  # only the last page's snapshot travels
 
 
 
@@ -345,3 +348,83 @@ def test_pool_pages_the_engine_cannot_trust_are_refused_and_nothing_is_loaded(ti
         b.import_prefix(prompt, pages[:-1] + [bad])
     assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
     assert b.import_prefix(prompt, pages) == 32  # the good pages still load
+
+
+def run_of(model, prompt):
+    """The prompt's pages as the pool sends a fetch: one run, through pickle as through Ray."""
+    import pickle
+
+    from k3.serve.engine.handoff import PoolRun
+
+    return pickle.loads(pickle.dumps(PoolRun.of(pages_of(model, prompt)), protocol=5))
+
+
+def moved_snapshot(run):
+    j, snap, digest = run.snapshots[-1]
+    return dataclasses.replace(run, snapshots=[(0, snap, digest)])
+
+
+BAD_RUNS = {  # case -> f(a good run of 4 pages) -> (the run to import instead, the error)
+    "tokens of another page": lambda r: (dataclasses.replace(r, tokens=np.where(np.arange(4)[:, None] == 2, 7, r.tokens)),
+                                         "pool page 3: it does not belong"),
+    "tokens cut short": lambda r: (dataclasses.replace(r, tokens=r.tokens[:, :4]), r"tokens \(4, 4\), expected \(4, 8\)"),
+    "a digest missing": lambda r: (dataclasses.replace(r, digests=r.digests[:-1]), "a digest per page"),
+    "pages reordered": lambda r: (dataclasses.replace(r, latents={k: np.roll(a, 8, axis=0) for k, a in r.latents.items()}),
+                                  "pool page 1: its digest does not verify"),
+    "a snapshot moved to another page": lambda r: (moved_snapshot(r), "pool page 1: its digest does not verify"),
+    "a snapshot past the run": lambda r: (dataclasses.replace(r, snapshots=[(4, *r.snapshots[-1][1:])]),
+                                          "snapshots must be"),
+    "a snapshot twice": lambda r: (dataclasses.replace(r, snapshots=r.snapshots + r.snapshots[-1:]), "snapshots must be"),
+    "latents not arrays": lambda r: (dataclasses.replace(r, latents={k: a.tolist() for k, a in r.latents.items()}),
+                                     "latents must be a dict of numeric numpy arrays"),
+    "latents of another width": lambda r: (dataclasses.replace(r, latents={k: a[:, :-1] for k, a in r.latents.items()}),
+                                           "pool pages: MLA layer .* expected"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RUNS))
+def test_a_pool_run_the_engine_cannot_trust_is_refused_and_nothing_is_loaded(tiny_model, case):
+    prompt = rand(32, 6) + [1]
+    good = run_of(tiny_model, prompt)
+    assert len(good) == 4 and [j for j, _, _ in good.snapshots] == [1, 3]
+    bad, error = BAD_RUNS[case](good)
+    b = LLMEngine(tiny_model, CFG)
+    before = b.stats()
+    with pytest.raises(ValueError, match=error):
+        b.import_prefix(prompt, bad)
+    assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
+    assert b.import_prefix(prompt, good) == 32  # the run as sent loads, and resumes as a cold run
+    out = b.generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 32 and out.token_ids == LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0].token_ids
+
+
+def test_pages_that_do_not_make_a_run_are_named(tiny_model):
+    from k3.serve.engine.handoff import PoolRun
+
+    pages = pages_of(tiny_model, rand(32, 6) + [1])
+    with pytest.raises(ValueError, match="pool page 2: it does not belong"):
+        PoolRun.of([pages[0], pages[2]])  # page 3 where page 2 should be
+    with pytest.raises(ValueError, match="pool page 3: it does not belong"):
+        PoolRun.of(pages[:2] + ["not a page"])
+    wide = dataclasses.replace(pages[1], latents={k: np.zeros((8, a.shape[1] + 1), a.dtype) for k, a in pages[1].latents.items()})
+    with pytest.raises(ValueError, match="pool page 2: its latents .* are not laid out as page 1's"):
+        PoolRun.of([pages[0], wide])
+    with pytest.raises(ValueError, match="a non-empty list of pool pages"):
+        PoolRun.of([])
+
+
+def test_a_run_longer_than_the_cache_keeps_its_first_pages_and_resumes_exactly(tiny_model):
+    prompt = rand(160, 8) + [1]  # 20 pages, a snapshot every 2
+    run = run_of(tiny_model, prompt)
+    probe = LLMEngine(tiny_model, CFG).cache
+    rest = 12 * probe.page_bytes + 6 * probe.slot_bytes  # after one running slot: 12 pages, 6 snapshot slots
+    small = CFG.model_copy(update={"max_num_seqs": 1, "cache_memory_bytes": probe.slot_bytes + rest,
+                                   "snapshot_memory_fraction": (6.5 * probe.slot_bytes) / rest})
+    b = LLMEngine(tiny_model, small)
+    assert (b.cache.num_pages, b.cache.num_snapshot_slots) == (12, 6)
+    b.generate([rand(40, 9)], GREEDY)  # idle pages of another prompt: the import evicts those, not its own
+    assert b.import_prefix(prompt, run) == 96  # pages 1-12 (the snapshot at 12), not the run's last pages
+    shorter = prompt[:80] + [5, 5, 5]  # 11 pages: resumes at page 10 and evicts the chain from its end
+    out = b.generate([shorter], GREEDY)[0]
+    assert out.cached_tokens == 80
+    assert out.token_ids == LLMEngine(tiny_model, CFG).generate([shorter], GREEDY)[0].token_ids
