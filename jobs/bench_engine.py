@@ -15,8 +15,8 @@
    numpy arrays vs torch tensors (the latter zero-copy only with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS);
    and the same prompt's pages as the prefix pool takes them: copied, sealed, loaded elsewhere.
 6. chunk: a 512-token prefill chunk over 8K and 32K tokens of cached context (the MLA layers'
-   absorbed form, the old path, vs the expanded form), beside that chunk's share of a one-shot
-   prefill of the whole sequence.
+   absorbed form, which short chunks take, vs the expanded form, which a chunk this long takes),
+   beside that chunk's share of a one-shot prefill of the whole sequence.
 7. snapshots: cold TTFT of a 2K-token prompt with KDA snapshots every 64 tokens (on the KDA
    chunk boundaries), every 48 (off them), and with no snapshots.
 8. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
@@ -294,7 +294,7 @@ def pool_pages(n: int, ec: EngineConfig) -> dict:
 
 
 def chunk() -> dict:
-    """A 512-token chunk over cached context: absorbed (old) vs expanded (new), and the one-shot share."""
+    """A 512-token chunk over cached context: absorbed vs expanded (what it takes), and the one-shot share."""
     from k3.model.mla import GatedMLA
 
     out: dict = {}

@@ -9,9 +9,10 @@ all the cache holds. Two forms:
   over a piece of a stream split over processes (`forward_shard`, context parallelism), the
   latents of every piece are all-gathered and expanded here;
 - absorbed: fold W_uk into the query and W_uv after the softmax, attending over the latents
-  themselves (`k3.kernels.mla_decode`): decode and short chunks over a cache;
+  themselves: decode (`k3.kernels.mla_decode`) and short chunks over a cache (every head's
+  queries against the shared latents, slice by slice);
 - expanded over a cache: a prefill chunk over cached context expands the context's latents
-  per chunk (cheaper than absorbed once the chunk has a few dozen tokens): one SDPA call while
+  per chunk (cheaper than absorbed once the chunk has `absorb_below` tokens): one SDPA call while
   the keys fit one slice, else slice by slice with an online softmax, so a chunk's working
   memory does not grow with the context.
 
@@ -33,8 +34,6 @@ from .mla_span import expand_latents, latent_span_attention, sliced_attention
 from .norm import RMSNorm
 from .shard import SequenceShard
 
-# A chunk of at least this many new tokens over a cached context runs in the expanded form.
-EXPAND_MIN_TOKENS = 16
 # The expanded form over a long context runs in slices of whole pages with an online softmax
 # (model/mla_span.py), so a chunk's working memory stays bounded whatever the context: fp32 scores
 # [H, n, slice] of at most SCORE_BUDGET values, and at most SLICE_MAX_TOKENS context rows expanded
@@ -66,6 +65,14 @@ class GatedMLA(nn.Module):
         if cfg.mla_output_gate:
             self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
+        # A chunk of fewer new tokens than this over a cached context runs in the absorbed form. Per
+        # key it costs n * H * (2L + R) multiply-adds there against L * H * (nope + v) to expand the
+        # key plus n * H * (nope + rope + v) to attend in the expanded form, equal at n = 64 for
+        # k3-tiny and 170 for K3; the absorbed form's unfused softmax over fp32 scores runs at about
+        # half the rate of the expanded form's fused SDPA on a CPU (k3-tiny: equal at 32-63 tokens
+        # by context, docs/benchmarks.md), so half of that.
+        wide = 2 * self.lora + self.rope - (self.nope + self.rope + self.vdim)
+        self.absorb_below = self.lora * (self.nope + self.vdim) // wide // 2 if wide > 0 else 2**31
 
     def reset_parameters(self) -> None:
         for m in self.modules():
@@ -106,9 +113,10 @@ class GatedMLA(nn.Module):
         - no sequence has a context: the naive form over the new tokens (one fused SDPA);
         - a decode batch: the absorbed form over the pages (`mla_decode`, one call);
         - otherwise per sequence: one-token rows in one `mla_decode` call, chunks of at least
-          EXPAND_MIN_TOKENS over a context in the expanded form (the cached latents expanded
+          `absorb_below` tokens over a context in the expanded form (the cached latents expanded
           through kv_b_proj once for the chunk; one SDPA call with lower-right causal masking, or
-          slices with an online softmax over a long context), shorter chunks in the absorbed form.
+          slices with an online softmax over a long context), shorter chunks in the absorbed form
+          (the queries in the latent width against the cached latents themselves, in slices).
         """
         B, T, _ = x.shape
         pages = cache.mla_pages[self.layer_idx]
@@ -146,7 +154,7 @@ class GatedMLA(nn.Module):
             if b - a < 2:
                 continue
             table = cache.page_table[i]
-            if ctx_h[i] == 0 or b - a >= EXPAND_MIN_TOKENS:
+            if ctx_h[i] == 0 or b - a >= self.absorb_below:
                 out[a:b] = self._expanded_chunk(q_nope[a:b], q_rope[a:b], pages, table, ctx_h[i])
             else:
                 q_lat = torch.einsum("nhd,hdl->nhl", q_nope[a:b], W_uk)
@@ -212,11 +220,19 @@ class GatedMLA(nn.Module):
     def _absorbed_chunk(self, q_lat: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
                         table: torch.Tensor, context: int) -> torch.Tensor:
         """A few new tokens of one sequence over its cached latents (context tokens before them),
-        in the absorbed form: each new token is a decode query over its own prefix (`mla_decode`,
-        which reads the pages in slices). Returns [n, H, L]."""
+        in the absorbed form: every head's queries in the latent width (q_nope W_uk, q_rope)
+        against the latents as they are cached, which serve all heads as keys (latent and rope
+        parts) and values (latent part): each score slice and its values one matmul for all heads,
+        slices of whole pages within the score budget, an online softmax across them, causal
+        bottom-right. Returns [n, H, L] in q_lat's dtype."""
         n = q_lat.shape[0]
-        lens = context + 1 + torch.arange(n, device=q_lat.device)
-        return mla_decode(q_lat, q_rope, pages, table[None].expand(n, -1), lens, self.scale)
+        S = context + n
+        L = q_lat.shape[-1]
+        q = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1)  # [H, n, L + R]
+        out, _ = sliced_attention(q, lambda s0, s1: self._gather(pages, table, s0, s1).to(q.dtype),
+                                  lambda rows: (rows, rows[:, :L]), [(0, n, 0, S)], self.scale, L, q_block=n,
+                                  k_slice=self.slice_tokens(n, pages.shape[1]))
+        return out.transpose(0, 1).to(q_lat.dtype)
 
     def _naive(self, x: torch.Tensor, lat: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape

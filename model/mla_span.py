@@ -78,8 +78,8 @@ def block_sizes(heads: int, queries: int, keys: int) -> tuple[int, int]:
 def sliced_attention(q: torch.Tensor, rows: Callable[[int, int], torch.Tensor], expand, spans: list[Span],
                      scale: float, vdim: int, q_block: int, k_slice: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, n, dqk]; rows(s0, s1) -> latents [s1 - s0, L + R]; expand(latents) -> (keys, values)
-    per head. Returns the output [H, n, v] and the log-sum-exp [H, n], both in fp32 (fp64 for fp64
-    q). Every query of a
+    per head ([H, s, *]), or one pair every head shares ([s, *]: one matmul for all heads). Returns
+    the output [H, n, v] and the log-sum-exp [H, n], both in fp32 (fp64 for fp64 q). Every query of a
     span sees at least one key (k1 - k0 >= q1 - q0), rows outside every span stay zero."""
     H, n, _ = q.shape
     f = acc_dtype(q)
@@ -92,7 +92,7 @@ def sliced_attention(q: torch.Tensor, rows: Callable[[int, int], torch.Tensor], 
             if not blocks:
                 continue
             k, v = expand(rows(s0, s1))
-            kt, vf = k.to(f).transpose(1, 2), v.to(f)
+            kt, vf = k.to(f).transpose(-2, -1), v.to(f)
             for a, b, masked in blocks:
                 score = torch.matmul(qf[:, a:b], kt).mul_(scale)  # [H, b - a, s1 - s0]
                 if masked:

@@ -92,10 +92,12 @@ def test_mla_absorbed_equals_naive(q_lora, gate):
         layer.forward_cached(flat(x[:, :5]), mla_batch(layer, [5, 5], [0, 0], pages, table))
         outs = [layer.forward_cached(flat(x[:, t:t + 1]), mla_batch(layer, [1, 1], [t, t], pages, table)).reshape(B, 1, -1)
                 for t in range(5, T)]
-        # multi-token chunks continuing from a context: 12 tokens (expanded form) and 3 (absorbed)
+        # multi-token chunks continuing from a context: 3 tokens (absorbed form), 12 (expanded)
         pages2 = torch.zeros_like(pages)
         layer.forward_cached(flat(x[:, :6]), mla_batch(layer, [6, 6], [0, 0], pages2, table))
+        assert 3 < layer.absorb_below
         short = layer.forward_cached(flat(x[:, 6:9]), mla_batch(layer, [3, 3], [6, 6], pages2, table))
+        layer.absorb_below = 12
         chunk = layer.forward_cached(flat(x[:, 9:]), mla_batch(layer, [12, 12], [9, 9], pages2, table))
         # and a mixed batch: one decode row beside a chunk
         pages3 = torch.zeros_like(pages)
@@ -108,13 +110,16 @@ def test_mla_absorbed_equals_naive(q_lora, gate):
     assert_close("expanded chunk", chunk.reshape(B, 12, -1), naive[:, 9:], 1e-5)
 
 
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
 @pytest.mark.parametrize("slice_tokens,context,n", [(8, 9, 12), (16, 37, 20), (8, 3, 16), (24, 50, 31)])
-def test_mla_sliced_chunk_equals_naive(monkeypatch, slice_tokens, context, n):
-    # a chunk over a context longer than one slice runs slice by slice with an online softmax
+def test_mla_sliced_chunk_equals_naive(monkeypatch, slice_tokens, context, n, form):
+    # a chunk over a context longer than one slice runs slice by slice with an online softmax, in
+    # either form
     import k3.model.mla as mla
 
     cfg = tiny()
     layer = build(GatedMLA, cfg)
+    layer.absorb_below = 0 if form == "expanded" else n + 1
     monkeypatch.setattr(mla, "SCORE_BUDGET", cfg.num_heads * n * slice_tokens)
     x = torch.randn(1, context + n, cfg.hidden_size)
     pages = torch.zeros(16, 8, cfg.mla_latent_dim)
