@@ -196,7 +196,8 @@ class HybridCacheState:
 
 def _page_mac(secret: str, h: bytes, depth: int, tokens, latents: dict[int, np.ndarray]) -> bytes:
     """A pool page's seal: its chain hash, depth and tokens, then its latents layer by layer."""
-    return _mac(secret, b"k3 pool page", (h, depth, tuple(tokens)), [(f"latents[{k}]", latents[k]) for k in sorted(latents)])
+    return _mac(secret, b"k3 pool page", (h, depth, tuple(tokens)),
+                [(f"latents[{k}]", latents[k]) for k in sorted(latents)])
 
 
 def _page_macs(secret: str, hashes: list[bytes], depths: list[int], tokens: list, latents: dict[int, np.ndarray],
@@ -224,7 +225,8 @@ def _page_macs(secret: str, hashes: list[bytes], depths: list[int], tokens: list
 
 def _snapshot_mac(secret: str, h: bytes, snapshot: dict[int, tuple[np.ndarray, np.ndarray]]) -> bytes:
     """A pool page's snapshot's seal, apart from the page's (the pool sends a page without it)."""
-    arrays = [(f"{part}[{k}]", snapshot[k][i]) for k in sorted(snapshot) for i, part in enumerate(("conv", "recurrent"))]
+    arrays = [(f"{part}[{k}]", snapshot[k][i]) for k in sorted(snapshot)
+              for i, part in enumerate(("conv", "recurrent"))]
     return _mac(secret, b"k3 pool snapshot", h, arrays)
 
 
@@ -623,7 +625,8 @@ class Handoff:
         return out, snapshots
 
 
-_UNVERIFIED = "its digest does not verify under this engine's handoff_key (sealed with another key, or changed after sealing)"
+_UNVERIFIED = ("its digest does not verify under this engine's handoff_key (sealed with another key, or changed "
+               "after sealing)")
 
 
 def _numeric(a: object) -> bool:

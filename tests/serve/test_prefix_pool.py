@@ -365,16 +365,20 @@ def moved_snapshot(run):
 
 
 BAD_RUNS = {  # case -> f(a good run of 4 pages) -> (the run to import instead, the error)
-    "tokens of another page": lambda r: (dataclasses.replace(r, tokens=np.where(np.arange(4)[:, None] == 2, 7, r.tokens)),
-                                         "pool page 3: it does not belong"),
-    "tokens cut short": lambda r: (dataclasses.replace(r, tokens=r.tokens[:, :4]), r"tokens \(4, 4\), expected \(4, 8\)"),
+    "tokens of another page": lambda r: (
+        dataclasses.replace(r, tokens=np.where(np.arange(4)[:, None] == 2, 7, r.tokens)),
+        "pool page 3: it does not belong"),
+    "tokens cut short": lambda r: (
+        dataclasses.replace(r, tokens=r.tokens[:, :4]), r"tokens \(4, 4\), expected \(4, 8\)"),
     "a digest missing": lambda r: (dataclasses.replace(r, digests=r.digests[:-1]), "a digest per page"),
-    "pages reordered": lambda r: (dataclasses.replace(r, latents={k: np.roll(a, 8, axis=0) for k, a in r.latents.items()}),
-                                  "pool page 1: its digest does not verify"),
+    "pages reordered": lambda r: (
+        dataclasses.replace(r, latents={k: np.roll(a, 8, axis=0) for k, a in r.latents.items()}),
+        "pool page 1: its digest does not verify"),
     "a snapshot moved to another page": lambda r: (moved_snapshot(r), "pool page 1: its digest does not verify"),
     "a snapshot past the run": lambda r: (dataclasses.replace(r, snapshots=[(4, *r.snapshots[-1][1:])]),
                                           "snapshots must be"),
-    "a snapshot twice": lambda r: (dataclasses.replace(r, snapshots=r.snapshots + r.snapshots[-1:]), "snapshots must be"),
+    "a snapshot twice": lambda r: (
+        dataclasses.replace(r, snapshots=r.snapshots + r.snapshots[-1:]), "snapshots must be"),
     "latents not arrays": lambda r: (dataclasses.replace(r, latents={k: a.tolist() for k, a in r.latents.items()}),
                                      "latents must be a dict of numeric numpy arrays"),
     "latents of another width": lambda r: (dataclasses.replace(r, latents={k: a[:, :-1] for k, a in r.latents.items()}),
@@ -395,7 +399,8 @@ def test_a_pool_run_the_engine_cannot_trust_is_refused_and_nothing_is_loaded(tin
     assert b.stats() == before and b.cached_prefix_tokens(prompt) == 0
     assert b.import_prefix(prompt, good) == 32  # the run as sent loads, and resumes as a cold run
     out = b.generate([prompt], GREEDY)[0]
-    assert out.cached_tokens == 32 and out.token_ids == LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0].token_ids
+    cold = LLMEngine(tiny_model, CFG).generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 32 and out.token_ids == cold.token_ids
 
 
 def test_pages_that_do_not_make_a_run_are_named(tiny_model):
@@ -406,7 +411,8 @@ def test_pages_that_do_not_make_a_run_are_named(tiny_model):
         PoolRun.of([pages[0], pages[2]])  # page 3 where page 2 should be
     with pytest.raises(ValueError, match="pool page 3: it does not belong"):
         PoolRun.of(pages[:2] + ["not a page"])
-    wide = dataclasses.replace(pages[1], latents={k: np.zeros((8, a.shape[1] + 1), a.dtype) for k, a in pages[1].latents.items()})
+    wide = dataclasses.replace(pages[1], latents={k: np.zeros((8, a.shape[1] + 1), a.dtype)
+                                                  for k, a in pages[1].latents.items()})
     with pytest.raises(ValueError, match="pool page 2: its latents .* are not laid out as page 1's"):
         PoolRun.of([pages[0], wide])
     with pytest.raises(ValueError, match="a non-empty list of pool pages"):
