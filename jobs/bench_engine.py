@@ -16,7 +16,8 @@
    and the same prompt's pages as the prefix pool takes them: copied, sealed, loaded elsewhere.
 6. chunk: a 512-token prefill chunk over 8K and 32K tokens of cached context (the MLA layers'
    absorbed form, which short chunks take, vs the expanded form, which a chunk this long takes),
-   beside that chunk's share of a one-shot prefill of the whole sequence.
+   beside that chunk's share of a one-shot prefill of the whole sequence; and both forms for
+   chunks of 2-48 tokens over 2K and 8K, with the one the layer takes.
 7. snapshots: cold TTFT of a 2K-token prompt with KDA snapshots every 64 tokens (on the KDA
    chunk boundaries), every 48 (off them), and with no snapshots.
 8. vs_transformers: on one Kimi-Linear-shaped model built by transformers and imported, engine
@@ -331,6 +332,35 @@ def chunk() -> dict:
                          "chunk_over_share": round(chunk_model / share, 2),
                          "mla_attention_absorbed_s": round(absorbed, 4), "mla_attention_expanded_s": round(expanded, 4),
                          "attention_speedup": round(absorbed / expanded, 1)}
+    out["short"] = short_chunks(layer)
+    return out
+
+
+def short_chunks(layer) -> dict:
+    """The MLA attention of a few new tokens over a cached context, both forms on the same queries
+    and pages (random latents), and the form the layer takes (`absorb_below`), in ms."""
+    out: dict = {"absorb_below": layer.absorb_below}
+    for ctx in ([2048] if args.quick else [2048, 8192]):
+        S = ctx + 64
+        ec = EngineConfig(max_num_seqs=1, page_size=16, enable_prefix_caching=False, compile_decode=False,
+                          cache_memory_bytes=cache_bytes(tiny.cfg, S + 16, torch.float32) + 2**22)
+        cm, seq = LLMEngine(tiny, ec).cache, SeqCache()
+        cm.take_slot(seq)
+        cm.grow(seq, S)
+        view = cm.cache_batch([1], [seq], [ctx])
+        pages, tab = view.mla_pages[layer.layer_idx], view.page_table[0]
+        pages.copy_(torch.randn_like(pages))
+        rows = {}
+        with torch.no_grad():
+            W_uk, _ = layer._w_kv()
+            for n in (2, 8, 16, 31, 48):
+                q_nope, q_rope = layer.query(torch.randn(n, tiny.cfg.hidden_size))
+                q_lat = torch.einsum("nhd,hdl->nhl", q_nope, W_uk)
+                absorbed = median_time(lambda: layer._absorbed_chunk(q_lat, q_rope, pages, tab, ctx), reps=15)
+                expanded = median_time(lambda: layer._expanded_chunk(q_nope, q_rope, pages, tab, ctx), reps=15)
+                rows[str(n)] = {"absorbed_ms": round(absorbed * 1e3, 3), "expanded_ms": round(expanded * 1e3, 3),
+                                "takes": "absorbed" if n < layer.absorb_below else "expanded"}
+        out[str(ctx)] = rows
     return out
 
 
