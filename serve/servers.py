@@ -39,8 +39,8 @@ from k3.serve.engine import AsyncEngine, HybridCacheState, LLMEngine, RequestFai
 from k3.serve.engine.async_engine import background_executor
 from k3.serve.engine.cache_manager import page_hashes
 from k3.serve.engine.engine_core import ProcessEngine
-from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.engine.handoff import PoolRun
+from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
 from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
 import k3.model
