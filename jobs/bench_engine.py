@@ -338,7 +338,7 @@ def chunk() -> dict:
 
 def short_chunks(layer) -> dict:
     """The MLA attention of a few new tokens over a cached context, both forms on the same queries
-    and pages (random latents), and the form the layer takes (`absorb_below`), in ms."""
+    and pages (random latents), and the form the layer takes (`GatedMLA.absorbs`), in ms."""
     out: dict = {"absorb_below": layer.absorb_below}
     for ctx in ([2048] if args.quick else [2048, 8192]):
         S = ctx + 64
@@ -359,7 +359,7 @@ def short_chunks(layer) -> dict:
                 absorbed = median_time(lambda: layer._absorbed_chunk(q_lat, q_rope, pages, tab, ctx), reps=15)
                 expanded = median_time(lambda: layer._expanded_chunk(q_nope, q_rope, pages, tab, ctx), reps=15)
                 rows[str(n)] = {"absorbed_ms": round(absorbed * 1e3, 3), "expanded_ms": round(expanded * 1e3, 3),
-                                "takes": "absorbed" if n < layer.absorb_below else "expanded"}
+                                "takes": "absorbed" if layer.absorbs(n, ctx + n, 16) else "expanded"}
         out[str(ctx)] = rows
     return out
 

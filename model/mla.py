@@ -12,7 +12,7 @@ all the cache holds. Two forms:
   themselves: decode (`k3.kernels.mla_decode`) and short chunks over a cache (every head's
   queries against the shared latents, slice by slice);
 - expanded over a cache: a prefill chunk over cached context expands the context's latents
-  per chunk (cheaper than absorbed once the chunk has `absorb_below` tokens): one SDPA call while
+  per chunk (cheaper than absorbed once the chunk has a few dozen tokens): one SDPA call while
   the keys fit one slice, else slice by slice with an online softmax, so a chunk's working
   memory does not grow with the context.
 
@@ -65,14 +65,11 @@ class GatedMLA(nn.Module):
         if cfg.mla_output_gate:
             self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
-        # A chunk of fewer new tokens than this over a cached context runs in the absorbed form. Per
-        # key it costs n * H * (2L + R) multiply-adds there against L * H * (nope + v) to expand the
-        # key plus n * H * (nope + rope + v) to attend in the expanded form, equal at n = 64 for
-        # k3-tiny and 170 for K3; the absorbed form's unfused softmax over fp32 scores runs at about
-        # half the rate of the expanded form's fused SDPA on a CPU (k3-tiny: equal at 32-63 tokens
-        # by context, docs/benchmarks.md), so half of that.
+        # Where a chunk over a cached context costs the same in both forms: per key, n * H * (2L + R)
+        # multiply-adds in the absorbed form against L * H * (nope + v) to expand the key plus
+        # n * H * (nope + rope + v) to attend in the expanded form (n = 64 for k3-tiny, 170 for K3).
         wide = 2 * self.lora + self.rope - (self.nope + self.rope + self.vdim)
-        self.absorb_below = self.lora * (self.nope + self.vdim) // wide // 2 if wide > 0 else 2**31
+        self.absorb_below = self.lora * (self.nope + self.vdim) // wide if wide > 0 else 2**31
 
     def reset_parameters(self) -> None:
         for m in self.modules():
@@ -112,8 +109,8 @@ class GatedMLA(nn.Module):
         at positions context_len, context_len + 1, ... of each sequence, then attends:
         - no sequence has a context: the naive form over the new tokens (one fused SDPA);
         - a decode batch: the absorbed form over the pages (`mla_decode`, one call);
-        - otherwise per sequence: one-token rows in one `mla_decode` call, chunks of at least
-          `absorb_below` tokens over a context in the expanded form (the cached latents expanded
+        - otherwise per sequence: one-token rows in one `mla_decode` call, chunks of a few dozen
+          tokens or more (`absorbs`) over a context in the expanded form (the cached latents expanded
           through kv_b_proj once for the chunk; one SDPA call with lower-right causal masking, or
           slices with an online softmax over a long context), shorter chunks in the absorbed form
           (the queries in the latent width against the cached latents themselves, in slices).
@@ -154,7 +151,7 @@ class GatedMLA(nn.Module):
             if b - a < 2:
                 continue
             table = cache.page_table[i]
-            if ctx_h[i] == 0 or b - a >= self.absorb_below:
+            if ctx_h[i] == 0 or not self.absorbs(b - a, ctx_h[i] + b - a, pages.shape[1]):
                 out[a:b] = self._expanded_chunk(q_nope[a:b], q_rope[a:b], pages, table, ctx_h[i])
             else:
                 q_lat = torch.einsum("nhd,hdl->nhl", q_nope[a:b], W_uk)
@@ -185,6 +182,13 @@ class GatedMLA(nn.Module):
         # Query i (0-based in the chunk) sees keys 0 .. context + i: causal, aligned bottom-right.
         o = sdpa_bottom_right(q, k, v, self.scale)
         return o[0, :, :, : self.vdim].transpose(0, 1)
+
+    def absorbs(self, n: int, keys: int, page_size: int) -> bool:
+        """Whether a chunk of n new tokens over `keys` keys (its context and itself) runs in the
+        absorbed form: below `absorb_below` tokens where the expanded form would run in slices too,
+        below half that where it would be one fused SDPA call, which computes about twice as fast
+        as the slices' unfused softmax over fp32 scores (k3-tiny on a CPU: docs/benchmarks.md)."""
+        return n < (self.absorb_below if keys > self.slice_tokens(n, page_size) else self.absorb_below // 2)
 
     def slice_tokens(self, n: int, page_size: int) -> int:
         """Keys per slice of the sliced expanded form: whole pages, within the score budget."""

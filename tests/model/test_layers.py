@@ -95,9 +95,10 @@ def test_mla_absorbed_equals_naive(q_lora, gate):
         # multi-token chunks continuing from a context: 3 tokens (absorbed form), 12 (expanded)
         pages2 = torch.zeros_like(pages)
         layer.forward_cached(flat(x[:, :6]), mla_batch(layer, [6, 6], [0, 0], pages2, table))
-        assert 3 < layer.absorb_below
+        assert layer.absorbs(3, 9, 8)
         short = layer.forward_cached(flat(x[:, 6:9]), mla_batch(layer, [3, 3], [6, 6], pages2, table))
-        layer.absorb_below = 12
+        layer.absorb_below = 12  # 21 keys fit one slice: 12 tokens take the expanded form from 6 on
+        assert not layer.absorbs(12, 21, 8)
         chunk = layer.forward_cached(flat(x[:, 9:]), mla_batch(layer, [12, 12], [9, 9], pages2, table))
         # and a mixed batch: one decode row beside a chunk
         pages3 = torch.zeros_like(pages)
@@ -119,7 +120,7 @@ def test_mla_sliced_chunk_equals_naive(monkeypatch, slice_tokens, context, n, fo
 
     cfg = tiny()
     layer = build(GatedMLA, cfg)
-    layer.absorb_below = 0 if form == "expanded" else n + 1
+    layer.absorb_below = 0 if form == "expanded" else n + 1  # the keys span slices: the threshold as it is
     monkeypatch.setattr(mla, "SCORE_BUDGET", cfg.num_heads * n * slice_tokens)
     x = torch.randn(1, context + n, cfg.hidden_size)
     pages = torch.zeros(16, 8, cfg.mla_latent_dim)
@@ -473,3 +474,16 @@ def test_routed_experts_with_and_without_autograd_equal_the_loop(top_k):
         experts.zero_grad()
     for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), *grads):
         assert_close(name, a, b, 1e-5)
+
+
+
+def test_mla_short_chunks_take_the_absorbed_form_where_it_does_less_work():
+    # the forms cost the same per key at 170 new tokens with K3's dims, 64 with k3-tiny's; while
+    # the keys fit one fused SDPA call (one slice) the expanded form is taken from half that
+    with torch.device("meta"):
+        k3, tiny_layer = GatedMLA(get_preset("k3"), 0), GatedMLA(get_preset("k3-tiny"), 3)
+    assert (k3.absorb_below, tiny_layer.absorb_below) == (170, 64)
+    assert k3.absorbs(169, 10**6, 64) and not k3.absorbs(170, 10**6, 64)
+    assert k3.slice_tokens(84, 64) == 512 and k3.absorbs(84, 300, 64) and not k3.absorbs(85, 300, 64)
+    assert tiny_layer.absorbs(31, 2048 + 31, 16) and not tiny_layer.absorbs(32, 2048 + 32, 16)
+    assert tiny_layer.absorbs(48, 8192 + 48, 16) and not tiny_layer.absorbs(64, 8192 + 64, 16)
