@@ -195,24 +195,26 @@ class HybridCacheState:
 
 
 def _page_mac(secret: str, h: bytes, depth: int, tokens, latents: dict[int, np.ndarray]) -> bytes:
-    """A pool page's seal: its chain hash, depth and tokens, then its latents layer by layer."""
-    return _mac(secret, b"k3 pool page", (h, depth, tuple(tokens)),
-                [(f"latents[{k}]", latents[k]) for k in sorted(latents)])
+    """A pool page's seal: keyed BLAKE3 (`_mac`'s stream) over its chain hash, depth and tokens,
+    its latents' names, dtypes and shapes, then their bytes layer by layer."""
+    return _page_macs(secret, [h], [depth], [tokens], latents)[0]
 
 
-def _page_macs(secret: str, hashes: list[bytes], depths: list[int], tokens: list, latents: dict[int, np.ndarray],
-               ps: int) -> list[bytes]:
-    """The seals of pages whose latents are consecutive `ps`-row blocks of whole arrays (page k:
-    rows k * ps .. of each layer's, one layer after another): what `_page_mac` makes of each page,
-    its bytes laid side by side once so that each page is one slice (a page of k3-tiny is two 5 KB
-    arrays: per page, `_mac`'s views, joins and header list cost about as much as the hashing)."""
+def _page_macs(secret: str, hashes: list[bytes], depths: list[int], tokens: list,
+               latents: dict[int, np.ndarray]) -> list[bytes]:
+    """The seals (`_page_mac`) of pages whose latents are consecutive equal blocks of rows of
+    whole arrays (page k: the k-th of len(hashes) blocks of each layer's), the pages' bytes laid
+    side by side once so that each page is one slice (a page of k3-tiny is two 5 KB arrays: per
+    page, a view, a join and a header list cost about as much as the hashing)."""
     if not hashes:
         return []
+    n = len(hashes)
     key = _mac_key(secret, b"k3 pool page")
     names = sorted(latents)
     arrays = [np.ascontiguousarray(latents[k]) for k in names]
-    layout = [(f"latents[{k}]", a.dtype.str, (ps, *a.shape[1:])) for k, a in zip(names, arrays)]
-    pages = np.concatenate([a.reshape(len(hashes), -1).view(np.uint8) for a in arrays], axis=1)
+    layout = [(f"latents[{k}]", a.dtype.str, (a.shape[0] // n, *a.shape[1:]) if a.ndim else a.shape)
+              for k, a in zip(names, arrays)]
+    pages = np.concatenate([a.reshape(n, -1).view(np.uint8) for a in arrays], axis=1)
     tail = f", {layout!r})"  # the header is repr((page header, layout)): the layout's part is every page's
     out = []
     for h, depth, toks, page in zip(hashes, depths, tokens, pages):
@@ -546,7 +548,7 @@ class Handoff:
         snaps = {l: (to_numpy(c, copy=False), to_numpy(r, copy=False)) for l, (c, r) in copied.snapshots.items()}
         tokens = [tuple(prompt[j * ps:(j + 1) * ps]) for j in copied.indices]
         seals = _page_macs(self._secret, copied.hashes, [j + 1 for j in copied.indices], tokens,
-                           {l: a.reshape(-1, a.shape[-1]) for l, a in lat.items()}, ps)
+                           {l: a.reshape(-1, a.shape[-1]) for l, a in lat.items()})
         pages = []
         for k, (h, j, s) in enumerate(zip(copied.hashes, copied.indices, copied.snapshot_rows)):
             snap = None if s is None else {l: (c[s], r[s]) for l, (c, r) in snaps.items()}
@@ -595,7 +597,7 @@ class Handoff:
             _refuse("latents must be a dict of numeric numpy arrays", "pool pages: ")
         lat = {l: np.array(a, copy=True) for l, a in self._latent_arrays(run.latents, n * ps, "pool pages: ").items()}
         seals = _page_macs(self._secret, hashes[:n], range(1, n + 1), [prompt[j * ps:(j + 1) * ps] for j in range(n)],
-                           lat, ps)  # each page's, over the private copy's rows
+                           lat)  # each page's, over the private copy's rows
         for j, (got, want) in enumerate(zip(run.digests, seals)):
             if not hmac.compare_digest(got, want):
                 _refuse(_UNVERIFIED, f"pool page {j + 1}: ")

@@ -319,7 +319,7 @@ def test_pages_sealed_together_seal_as_each_page_alone(dtype):
     hashes = [bytes([k]) * 16 for k in range(n)]
     depths = [1, 2, 5, 6, 9, 12]  # pages of a prompt need not be consecutive (a publish sends those the pool lacks)
     tokens = [tuple(int(t) for t in rng.integers(0, 4000, ps)) for _ in range(n)]
-    got = _page_macs("secret", hashes, depths, tokens, latents, ps)
+    got = _page_macs("secret", hashes, depths, tokens, latents)
     for k in range(n):
         page = {l: a[k * ps:(k + 1) * ps] for l, a in latents.items()}
         assert got[k] == _page_mac("secret", hashes[k], depths[k], tokens[k], page)
