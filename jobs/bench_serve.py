@@ -85,6 +85,10 @@ p.add_argument("--compile-decode", action="store_true",
 p.add_argument("--thread-engine", action="store_true",
                help="engine_process: false in both apps: each decode and LLM replica steps its engine in a thread "
                     "of its own process (the default before the engine core), for a side-by-side")
+p.add_argument("--ray-stream", action="store_true",
+               help="direct_stream: false in both apps: every output back through the Serve calls (one Ray "
+                    "streaming item per output at the server -> ingress hop), for a side-by-side with the token "
+                    "stream (the default)")
 args = p.parse_args()
 RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
 if args.eager and args.compile_decode:
@@ -117,7 +121,7 @@ def app_config(tok: str, disaggregated: bool) -> dict:
                        "snapshot_interval": args.snapshot_interval, "cache_memory_bytes": 256 * 2**20,
                        "compile_decode": not args.eager, "compile_decode_wait": True},
             **({"prefix_pool_bytes": 0} if args.no_pool else {}), "engine_process": not args.thread_engine,
-            "prefill": one, "decode": one, "llm": one, "ingress": one}
+            "direct_stream": not args.ray_stream, "prefill": one, "decode": one, "llm": one, "ingress": one}
 
 
 async def pool_run(base: str, prefill) -> dict:

@@ -121,4 +121,7 @@ class LLMServingConfig(BaseModel):
     engine_process: bool = Field(True, description="Decode and aggregated replicas step their engine in a process "
                                  "of their own (its engine core), so the replica's per-token Python runs beside the "
                                  "steps; False: in a thread of the replica.")
+    direct_stream: bool = Field(True, description="A request's outputs after its first go from the server replica "
+                                "straight to the ingress replica on a TCP connection between the two (one per "
+                                "pair), not one Ray streaming item each; False: every output through Serve.")
     media: MediaConfig = Field(default_factory=MediaConfig, description="Image and video limits (vision models).")

@@ -48,7 +48,13 @@ from k3.serve.protocol import (SSE_DONE, ChatCompletionChoice, ChatCompletionReq
                                CompletionStreamResponse, ModelCard, ModelList, TextChunks, UsageInfo, new_id,
                                sse_error, sse_event)
 from k3.serve.servers import GenerateRequest, stamp
+from k3.serve.token_stream import StreamListener
 import k3.model
+
+
+# once a server's Serve call has ended without error, the seconds its last output may still take
+# to arrive on the token stream (it was written before the call ended)
+STREAM_TAIL_S = 30.0
 
 
 def client_error(e: BaseException) -> OpenAIError:
@@ -104,6 +110,8 @@ class Ingress:
                 raise ValueError(f"api_key_env={self.config.api_key_env!r}, but that environment variable is "
                                  f"not set in the ingress replica (pass it in ray_actor_options.runtime_env)")
         self.metrics = ServeMetrics(self.config.model_id, "ingress")
+        # the servers' outputs after each request's first, straight to this replica (serve/token_stream.py)
+        self.direct = StreamListener(_node_address()) if self.config.direct_stream else None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """This replica's app, its routes bound to this instance (Serve calls it after __init__)."""
@@ -160,21 +168,47 @@ class Ingress:
         each choice is awaited before anything is yielded, so a refused request is still a 4xx.
         Outputs of one choice that arrived while the reader was away come as one (a slow client
         gets one chunk per read, not one per engine step)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        # a choice's outputs from the token stream wait until its first (from the Serve call) is queued
+        early: list[list | None] = [[] for _ in reqs]
+        routes = []
+        if self.direct is not None:
+            await self.direct.start()
+            for i, r in enumerate(reqs):
+                def deliver(item, i=i):
+                    if early[i] is not None:
+                        early[i].append(item)
+                    else:
+                        queue.put_nowait((i, item))
+                r.stream_to, route = self.direct.open(deliver)
+                routes.append(route)
         for r in reqs:
             stamp(r.trace, "ingress_call")
         gens = [self.server.generate.remote(r) for r in reqs]
-        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, gen, first):
+            route = routes[i] if routes else None
             try:
                 await queue.put((i, first))
+                for item in early[i]:
+                    queue.put_nowait((i, item))
+                early[i] = None
                 if not first.finished:
+                    # with a token stream the call carries nothing more (or everything, when the
+                    # replica could not reach this ingress) and ends once the last output is written
                     async for out in gen:
                         await queue.put((i, out))
                         if out.finished:
-                            break
+                            return
+                    if route is not None and not route.finished.is_set():
+                        try:
+                            await asyncio.wait_for(route.finished.wait(), STREAM_TAIL_S)
+                        except asyncio.TimeoutError:
+                            raise RuntimeError(f"the server's call ended, and the answer's last output did not "
+                                               f"arrive on the token stream in {STREAM_TAIL_S} s") from None
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await queue.put((i, e))
+                if route is None or not route.finished.is_set():  # an error after the last output is no one's
+                    await queue.put((i, e))
 
         try:
             firsts = []
@@ -184,20 +218,24 @@ class Ingress:
         except BaseException as e:  # noqa: BLE001
             for g in gens:
                 g.cancel()
+            for r in reqs:
+                if r.stream_to is not None:
+                    self.direct.close(r.stream_to)
             if isinstance(e, asyncio.CancelledError):  # the client left: nothing to answer or log
                 raise
             raise client_error(e) from e
         tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         done = 0
         held: deque = deque()  # taken from the queue, not yet yielded
-        try:
+        started: set[int] = set()  # the choices whose first output went out (a first is never merged:
+        try:                       # its chunk opens the choice, and in pd it is the prefill's output)
             while done < len(reqs):
                 if not held:
                     held.append(await queue.get())
                 while not queue.empty():
                     held.append(queue.get_nowait())
                 i, item = held.popleft()
-                while not isinstance(item, BaseException) and not item.finished:
+                while i in started and not isinstance(item, BaseException) and not item.finished:
                     j = next((k for k, (c, _) in enumerate(held) if c == i), None)
                     if j is None or isinstance(held[j][1], BaseException):
                         break
@@ -207,12 +245,16 @@ class Ingress:
                     raise client_error(item) from item
                 if item.finished:
                     done += 1
+                started.add(i)
                 yield i, item
         finally:
             for t in tasks:
                 t.cancel()
             for g in gens:
                 g.cancel()  # no-op for finished streams; aborts the rest on their replicas
+            for r in reqs:
+                if r.stream_to is not None:
+                    self.direct.close(r.stream_to)
 
     def _observe(self, t0: float, outs: list[RequestOutput], times: list[float]) -> None:
         if not outs:
@@ -352,6 +394,13 @@ class Ingress:
         lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i]) if out.logprobs else None
         return CompletionStreamResponse(id=rid, model=model, created=created, choices=[CompletionChoice(
             index=i, text=out.text_delta, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)])
+
+
+def _node_address() -> str:
+    """The address this replica's node is reached at in its Ray cluster (where the servers connect)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _trace(request: Request) -> dict[str, float] | None:

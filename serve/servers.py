@@ -43,6 +43,7 @@ from k3.serve.engine.handoff import PoolRun
 from k3.serve.errors import OpenAIError, log_fault
 from k3.serve.prefix_pool import PrefixPool, pack_pages, unpack_pages
 from k3.serve.router import DEFAULT_ROUTE_PAGES, prefix_route_key
+from k3.serve.token_stream import StreamLinks, StreamTo, Unreachable
 import k3.model
 
 logger = logging.getLogger("ray.serve")
@@ -64,6 +65,9 @@ class GenerateRequest:
     # {stamp: time.time()} when the client asked for the request's path to be traced: every hop
     # adds its stamps (`stamp`) and the first output carries them back (RequestOutput.trace)
     trace: dict[str, float] | None = None
+    # the ingress's token stream for the outputs after the first (serve/token_stream.py); None:
+    # every output goes back through the Serve call
+    stream_to: StreamTo | None = None
 
 
 def stamp(trace: dict[str, float] | None, name: str) -> None:
@@ -170,6 +174,38 @@ def _counted(method):
     return call
 
 
+def _direct(method):
+    """A server's `generate`, its outputs after the first written on the request's token stream
+    (`GenerateRequest.stream_to`, serve/token_stream.py) instead of yielded through the Serve call,
+    which carries the first and then stays open until the last is written. A request whose
+    ingress cannot be reached sends them through the call (nothing went on the socket); one whose
+    connection breaks mid-answer fails with a 500 (what was on the broken connection may be lost)."""
+    @functools.wraps(method)
+    async def stream(self, req: GenerateRequest):
+        to = req.stream_to
+        writer = None
+        async with contextlib.aclosing(method(self, req)) as inner:
+            first = True
+            async for out in inner:
+                if first or to is None:
+                    first = False
+                    yield out
+                    continue
+                if writer is None:
+                    try:
+                        writer = await self.links.connect(to)
+                    except Unreachable:  # logged by the links, once a while per listener
+                        to = None
+                        yield out
+                        continue
+                try:
+                    await self.links.send(writer, to, out)
+                except ConnectionError as e:
+                    raise OpenAIError(f"the answer's stream to the ingress broke: {e}", status=500,
+                                      type="server_error", code="stream_broken") from None
+    return stream
+
+
 # a Serve replica whose engine died checks this often, and waits at most this long for its
 # requests to end (with the error) before it exits
 ENGINE_WATCH_PERIOD_S = 0.5
@@ -200,6 +236,7 @@ class EngineHost:
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._closing = threading.Event()
         self._requests = 0  # server calls running (`_counted`)
+        self.links = StreamLinks()  # to the ingress replicas' token streams (`_direct`)
         if _in_replica():
             threading.Thread(target=self._watch_engine, name="k3-engine-watch", daemon=True).start()
 
@@ -255,9 +292,14 @@ class EngineHost:
         self.engine.check_health()
 
     async def stats(self) -> dict:
-        # pid: the replica; engine_pid: the process that steps its engine (the same pid without engine_process)
+        # pid: the replica; engine_pid: the process that steps its engine (the same pid without engine_process);
+        # stream_*: the token stream's outputs written, requests that fell back to the Serve call, connections
         return {**await self.engine.stats(), "pid": os.getpid(), "engine_pid": getattr(self.engine, "pid", os.getpid()),
-                "role": self.role}
+                "role": self.role, **self.stream_stats()}
+
+    def stream_stats(self) -> dict:
+        """The token stream's counts (`StreamLinks.stats`)."""
+        return self.links.stats()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._start_reporting()
@@ -278,6 +320,7 @@ class LLMServer(EngineHost):
 
     role = "llm"
 
+    @_direct
     @_counted
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stamp(req.trace, "server_in")
@@ -469,6 +512,7 @@ class DecodeServer(EngineHost):
         raise OpenAIError(f"no prefill replica delivered the prompt's cache state in {self.config.handoff_attempts} "
                           f"attempts; retry the request", status=503, type="server_error", code="handoff_failed")
 
+    @_direct
     @_counted
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stamp(req.trace, "server_in")

@@ -75,7 +75,8 @@ def _widen(sock: socket.socket) -> None:
                      "SO_SNDBUF" if opt == socket.SO_SNDBUF else "SO_RCVBUF", e)
 
 
-def _frame(msg) -> bytes:
+def frame(msg) -> bytes:
+    """One message on a socket: its pickle's length, then the pickle (read back by `Wire`)."""
     data = _dumps(msg)
     return _HEADER.pack(len(data)) + data
 
@@ -107,14 +108,16 @@ def _read_bytes(f) -> bytes:
     return _read_exactly(f, n)
 
 
-class _Wire(asyncio.Protocol):
+class Wire(asyncio.Protocol):
     """The replica's end of the socket on its event loop: bytes in, whole messages out (the
     frames may arrive in any pieces); its buffer outlives a transport, so a socket taken over by
-    another event loop goes on mid-message."""
+    another event loop goes on mid-message. The token stream's listener reads its connections
+    with one too (serve/token_stream.py)."""
 
-    def __init__(self, on_message: Callable, on_lost: Callable) -> None:
+    def __init__(self, on_message: Callable, on_lost: Callable, source: str = "the engine process") -> None:
         self.buf = bytearray()
         self.on_message, self.on_lost = on_message, on_lost
+        self.source = source  # who sends the messages, for the log
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
@@ -131,7 +134,7 @@ class _Wire(asyncio.Protocol):
                 msg = pickle.loads(self.buf[_HEADER.size:end])  # a copy: the buffer is cut below
                 self.on_message(msg)
             except Exception:  # noqa: BLE001 - a fault here must not end the reading of the others
-                log.exception("engine core: a message from the engine process could not be delivered")
+                log.exception("a message from %s could not be delivered", self.source)
             finally:
                 del self.buf[:end]
 
@@ -160,7 +163,7 @@ class _Core:
         self.send_lock = threading.Lock()
 
     def send(self, msg) -> None:
-        data = _frame(msg)
+        data = frame(msg)
         with self.send_lock:
             self.sock.sendall(data)
 
@@ -251,7 +254,7 @@ def _child_main(fd: int) -> None:
         engine = factory()
         engine.cumulative_outputs = False  # running outputs cross the socket as deltas
     except BaseException as e:  # noqa: BLE001 - the parent is told why the engine could not start
-        sock.sendall(_frame(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        sock.sendall(frame(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         raise SystemExit(1) from None
     core = _Core(sock, rfile, engine)
     core.send(("ready", {"pid": os.getpid()}))
@@ -277,7 +280,7 @@ class ProcessEngine(AsyncEngine):
         compiled) or `start_timeout_s` passed. Raises RuntimeError with the child's reason when
         the engine cannot start."""
         super().__init__(None)
-        payload = _frame(factory)  # a factory that cannot be pickled fails here, before any process starts
+        payload = frame(factory)  # a factory that cannot be pickled fails here, before any process starts
         mine, theirs = socket.socketpair()
         for sock in (mine, theirs):
             _widen(sock)
@@ -293,7 +296,7 @@ class ProcessEngine(AsyncEngine):
         self._replies: dict[int, asyncio.Future] = {}
         self._aborting: dict[str, int] = {}  # request id -> aborts not yet confirmed by the child
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wire = _Wire(self._on, self._lost)
+        self._wire = Wire(self._on, self._lost)
         self._connected: asyncio.Task | None = None  # the transport on `_loop`, made or being made
         self._dups: list[socket.socket] = []  # the socket's descriptor each event loop's transport holds
         self._dead: Exception | None = None

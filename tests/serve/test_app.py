@@ -45,17 +45,23 @@ def test_completions_chat_streaming_logprobs_through_the_openai_client(apps):
 def _decode_handoff_stats() -> dict[str, dict]:
     """handoff_stats() of every live DecodeServer replica of the pd app, by replica actor name
     (a replica that autoscaling removed between listing and asking is left out)."""
+    return _replica_stats("pd#DecodeServer", "handoff_stats")
+
+
+def _replica_stats(deployment: str, method: str) -> dict[str, dict]:
+    """The synchronous `method`'s answer from every live replica of `deployment` ("app#Class"), by
+    replica actor name (a replica that autoscaling removed between listing and asking is left out)."""
     import ray
     from ray import serve
 
     def replica_stats(_actor) -> dict:  # runs in the replica (a local function: Ray ships it by value)
         server = serve.get_replica_context().servable_object
         # Serve names the actor before the servable object exists: a replica autoscaling is still
-        # constructing has made no handoff yet
-        return {} if server is None else server.handoff_stats()
+        # constructing has answered nothing yet
+        return {} if server is None else getattr(server, method)()
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::pd#DecodeServer#")]
+             if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{deployment}#")]
     calls = {}
     for n in names:
         try:
@@ -69,6 +75,27 @@ def _decode_handoff_stats() -> dict[str, dict]:
         except ray.exceptions.RayActorError:
             pass
     return stats
+
+
+@pytest.mark.parametrize("app, deployment", [("pd", "pd#DecodeServer"), ("agg", "agg#LLMServer")])
+def test_the_outputs_after_the_first_ride_the_token_stream(apps, app, deployment):
+    """The default config's answer: its first output through the Serve call, the rest written on
+    the token stream straight to the ingress (serve/token_stream.py), none falling back, and the
+    answer whole (streamed and not)."""
+    def totals() -> tuple[int, int]:
+        got = _replica_stats(deployment, "stream_stats").values()
+        return sum(s.get("stream_outputs", 0) for s in got), sum(s.get("stream_fallbacks", 0) for s in got)
+
+    sent, fallbacks = totals()
+    body = {"model": "k3-tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    whole = httpx.post(f"{apps[app]}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+    lines = _sse_lines(f"{apps[app]}/v1/completions", {**body, "stream": True}, {})
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    sent2, fallbacks2 = totals()
+    # 12 tokens each: 11 outputs after the first unless the engine sent some steps as one
+    assert sent2 - sent >= 2 and fallbacks2 == fallbacks, (sent, sent2, fallbacks, fallbacks2)
 
 
 def _sampled_choices(base: str, n: int, seed: int | None, stream: bool) -> list[str]:
