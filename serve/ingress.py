@@ -23,6 +23,7 @@ the request, which aborts it in its engine.
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from k3.serve.servers import GenerateRequest, stamp
 from k3.serve.token_stream import StreamListener
 import k3.model
 
+logger = logging.getLogger("ray.serve")
 
 # once a server's Serve call has ended without error, the seconds its last output may still take
 # to arrive on the token stream (it was written before the call ended)
@@ -173,7 +175,13 @@ class Ingress:
         early: list[list | None] = [[] for _ in reqs]
         routes = []
         if self.direct is not None:
-            await self.direct.start()
+            try:
+                await self.direct.start()
+            except OSError as e:  # no socket for it on this node: every output through the Serve calls
+                logger.warning("the token stream cannot listen on %s (%s): every output goes through the Serve "
+                               "calls", self.direct.host, e)
+                self.direct = None
+        if self.direct is not None:
             for i, r in enumerate(reqs):
                 def deliver(item, i=i):
                     if early[i] is not None:

@@ -166,6 +166,11 @@ class StreamListener:
             self._server = None
 
 
+def _broken(link: asyncio.Future) -> bool:
+    """Whether a connection (being) made is of no more use: its making failed, or it closed."""
+    return link.done() and (link.cancelled() or link.exception() is not None or link.result().is_closing())
+
+
 class StreamLinks:
     """A server replica's connections to the listeners, one per listener, opened on first use and
     opened again when one broke."""
@@ -188,10 +193,10 @@ class StreamLinks:
                 raise Unreachable(*down[1].args)
             del self._unreachable[to.listener]
         fut = self._links.get(to.listener)
-        if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None
-                                               or fut.result().is_closing()):
-            fut = None
-        if fut is None:
+        if fut is None or _broken(fut):
+            for key, old in list(self._links.items()):  # this one and any other that broke (an ingress replaced)
+                if _broken(old):
+                    del self._links[key]
             fut = self._links[to.listener] = asyncio.ensure_future(self._connect(to))
         try:
             return await asyncio.shield(fut)

@@ -277,3 +277,41 @@ def test_ingress_merges_the_stream_behind_each_first_and_ignores_late_errors():
     firsts = [next(o for i, o in got if i == c) for c in (0, 1)]
     assert all(f.new_token_ids == [0] for f in firsts)  # a first output is never merged with later ones
     assert all(c.cancelled for c in made) and not fake.direct.routes
+
+
+def test_an_ingress_that_cannot_listen_answers_through_the_calls(monkeypatch, caplog):
+    async def refuse(self):
+        raise OSError("Cannot assign requested address")
+
+    monkeypatch.setattr(StreamListener, "start", refuse)
+
+    async def main():
+        fake, _ = _ingress([lambda req: _Call([_out(0), _out(1), _out(2, finished=True)])])
+        reqs = [_req()]
+        got = [item async for item in _choices(fake, reqs)]
+        return got, reqs, fake
+
+    got, reqs, fake = _run(main())
+    assert [t for _, o in got for t in o.new_token_ids] == [0, 1, 2]
+    assert reqs[0].stream_to is None and fake.direct is None  # no stream named; not tried again
+    assert "every output goes through the Serve calls" in caplog.text
+
+
+def test_links_drop_connections_that_broke():
+    async def main():
+        lis, other, links = await _listener(), await _listener(), StreamLinks()
+        to, _ = lis.open(lambda item: None)
+        to2, _ = other.open(lambda item: None)
+        w = await links.connect(to)
+        w.close()  # that ingress replica went away
+        await asyncio.sleep(0.05)
+        await links.connect(to2)
+        kept = set(links._links)
+        w2 = await links.connect(to)  # a new connection, not the closed one
+        lis.shutdown()
+        other.shutdown()
+        return kept, to2, w, w2, links.stats()
+
+    kept, to2, w, w2, stats = _run(main())
+    assert kept == {to2.listener}  # the broken one was dropped when the next connection was made
+    assert w2 is not w and not w2.is_closing() and stats["stream_links"] == 2
