@@ -174,21 +174,24 @@ class Ingress:
         # a choice's outputs from the token stream wait until its first (from the Serve call) is queued
         early: list[list | None] = [[] for _ in reqs]
         routes = []
-        if self.direct is not None:
+        direct = self.direct  # this request's listener, whatever a concurrent one finds
+        if direct is not None:
             try:
-                await self.direct.start()
+                await direct.start()
             except OSError as e:  # no socket for it on this node: every output through the Serve calls
-                logger.warning("the token stream cannot listen on %s (%s): every output goes through the Serve "
-                               "calls", self.direct.host, e)
-                self.direct = None
-        if self.direct is not None:
+                if self.direct is direct:
+                    logger.warning("the token stream cannot listen on %s (%s): every output goes through the "
+                                   "Serve calls", direct.host, e)
+                    self.direct = None
+                direct = None
+        if direct is not None:
             for i, r in enumerate(reqs):
                 def deliver(item, i=i):
                     if early[i] is not None:
                         early[i].append(item)
                     else:
                         queue.put_nowait((i, item))
-                r.stream_to, route = self.direct.open(deliver)
+                r.stream_to, route = direct.open(deliver)
                 routes.append(route)
         for r in reqs:
             stamp(r.trace, "ingress_call")
@@ -228,7 +231,7 @@ class Ingress:
                 g.cancel()
             for r in reqs:
                 if r.stream_to is not None:
-                    self.direct.close(r.stream_to)
+                    direct.close(r.stream_to)
             if isinstance(e, asyncio.CancelledError):  # the client left: nothing to answer or log
                 raise
             raise client_error(e) from e
@@ -262,7 +265,7 @@ class Ingress:
                 g.cancel()  # no-op for finished streams; aborts the rest on their replicas
             for r in reqs:
                 if r.stream_to is not None:
-                    self.direct.close(r.stream_to)
+                    direct.close(r.stream_to)
 
     def _observe(self, t0: float, outs: list[RequestOutput], times: list[float]) -> None:
         if not outs:

@@ -281,20 +281,29 @@ def test_ingress_merges_the_stream_behind_each_first_and_ignores_late_errors():
 
 def test_an_ingress_that_cannot_listen_answers_through_the_calls(monkeypatch, caplog):
     async def refuse(self):
+        await asyncio.sleep(0.01)  # both requests wait on the start before either sees it fail
         raise OSError("Cannot assign requested address")
 
     monkeypatch.setattr(StreamListener, "start", refuse)
 
+    def answer(req):
+        return _Call([_out(0), _out(1), _out(2, finished=True)])
+
     async def main():
-        fake, _ = _ingress([lambda req: _Call([_out(0), _out(1), _out(2, finished=True)])])
-        reqs = [_req()]
-        got = [item async for item in _choices(fake, reqs)]
+        fake, _ = _ingress([answer, answer])
+        reqs = [[_req()], [_req()]]
+
+        async def one(r):
+            return [item async for item in _choices(fake, r)]
+
+        got = await asyncio.gather(*(one(r) for r in reqs))  # two at once: both see the failed start
         return got, reqs, fake
 
     got, reqs, fake = _run(main())
-    assert [t for _, o in got for t in o.new_token_ids] == [0, 1, 2]
-    assert reqs[0].stream_to is None and fake.direct is None  # no stream named; not tried again
-    assert "every output goes through the Serve calls" in caplog.text
+    for g in got:
+        assert [t for _, o in g for t in o.new_token_ids] == [0, 1, 2]
+    assert all(r[0].stream_to is None for r in reqs) and fake.direct is None  # no stream named; not tried again
+    assert caplog.text.count("every output goes through the Serve calls") == 1
 
 
 def test_links_drop_connections_that_broke():
