@@ -63,13 +63,15 @@ class Unreachable(ConnectionError):
 
 class _Route:
     """A request's entry at the listener: where its outputs are delivered (an output, or the
-    exception that ends the stream), and whether its last output came."""
+    exception that ends the stream), whether its last output came, and the connection its outputs
+    came on."""
 
-    __slots__ = ("deliver", "finished")
+    __slots__ = ("deliver", "finished", "inbound")
 
     def __init__(self, deliver: Callable[[object], None]) -> None:
         self.deliver = deliver
         self.finished = asyncio.Event()
+        self.inbound: _Inbound | None = None
 
 
 class _Inbound(asyncio.Protocol):
@@ -80,7 +82,7 @@ class _Inbound(asyncio.Protocol):
         self.listener = listener
         self.secret = bytearray()  # the first SECRET_BYTES bytes, until they match
         self.wire: Wire | None = None  # once they did
-        self.keys: set[bytes] = set()  # the requests this connection carried
+        self.keys: set[bytes] = set()  # the open requests this connection carries (closed ones leave it)
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
@@ -109,7 +111,9 @@ class _Inbound(asyncio.Protocol):
         route = self.listener.routes.get(key)
         if route is None:  # the request left (its client went away): its late outputs are dropped
             return
-        self.keys.add(key)
+        if route.inbound is None:
+            route.inbound = self
+            self.keys.add(key)
         route.deliver(out)
         if out.finished:
             route.finished.set()
@@ -158,7 +162,9 @@ class StreamListener:
         return StreamTo(self.host, self.port, self.secret, key), route
 
     def close(self, to: StreamTo) -> None:
-        self.routes.pop(to.key, None)
+        route = self.routes.pop(to.key, None)
+        if route is not None and route.inbound is not None:
+            route.inbound.keys.discard(to.key)
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -59,6 +59,11 @@ def test_outputs_arrive_in_order_at_their_own_request():
             await links.send(w, to_gone, _out(k, rid="gone"))  # the request left: dropped
             await links.send(w, to_b, _out(100 + k, finished=k == 5, rid="b"))
         await asyncio.wait_for(asyncio.gather(route_a.finished.wait(), route_b.finished.wait()), 10)
+        inbound = route_a.inbound
+        carried = set(inbound.keys)
+        lis.close(to_a)
+        lis.close(to_b)
+        assert carried == {to_a.key, to_b.key} and not inbound.keys  # a long-lived connection keeps no closed request
         links.close()
         lis.shutdown()
         return got
