@@ -173,54 +173,16 @@ class Ingress:
         queue: asyncio.Queue = asyncio.Queue()
         # a choice's outputs from the token stream wait until its first (from the Serve call) is queued
         early: list[list | None] = [[] for _ in reqs]
-        routes = []
-        direct = self.direct  # this request's listener, whatever a concurrent one finds
-        if direct is not None:
-            try:
-                await direct.start()
-            except OSError as e:  # no socket for it on this node: every output through the Serve calls
-                if self.direct is direct:
-                    logger.warning("the token stream cannot listen on %s (%s): every output goes through the "
-                                   "Serve calls", direct.host, e)
-                    self.direct = None
-                direct = None
-        if direct is not None:
-            for i, r in enumerate(reqs):
-                def deliver(item, i=i):
-                    if early[i] is not None:
-                        early[i].append(item)
-                    else:
-                        queue.put_nowait((i, item))
-                r.stream_to, route = direct.open(deliver)
-                routes.append(route)
+        direct, routes = await self._open_streams(reqs, queue, early)
+
+        def close_streams() -> None:
+            for r in reqs:
+                if r.stream_to is not None:
+                    direct.close(r.stream_to)
+
         for r in reqs:
             stamp(r.trace, "ingress_call")
         gens = [self.server.generate.remote(r) for r in reqs]
-
-        async def pump(i, gen, first):
-            route = routes[i] if routes else None
-            try:
-                await queue.put((i, first))
-                for item in early[i]:
-                    queue.put_nowait((i, item))
-                early[i] = None
-                if not first.finished:
-                    # with a token stream the call carries nothing more (or everything, when the
-                    # replica could not reach this ingress) and ends once the last output is written
-                    async for out in gen:
-                        await queue.put((i, out))
-                        if out.finished:
-                            return
-                    if route is not None and not route.finished.is_set():
-                        try:
-                            await asyncio.wait_for(route.finished.wait(), STREAM_TAIL_S)
-                        except asyncio.TimeoutError:
-                            raise RuntimeError(f"the server's call ended, and the answer's last output did not "
-                                               f"arrive on the token stream in {STREAM_TAIL_S} s") from None
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                if route is None or not route.finished.is_set():  # an error after the last output is no one's
-                    await queue.put((i, e))
-
         try:
             firsts = []
             for g in gens:
@@ -229,13 +191,12 @@ class Ingress:
         except BaseException as e:  # noqa: BLE001
             for g in gens:
                 g.cancel()
-            for r in reqs:
-                if r.stream_to is not None:
-                    direct.close(r.stream_to)
+            close_streams()
             if isinstance(e, asyncio.CancelledError):  # the client left: nothing to answer or log
                 raise
             raise client_error(e) from e
-        tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+        tasks = [asyncio.create_task(_pump(queue, early, i, g, f, routes[i] if routes else None))
+                 for i, (g, f) in enumerate(zip(gens, firsts))]
         done = 0
         held: deque = deque()  # taken from the queue, not yet yielded
         started: set[int] = set()  # the choices whose first output went out (a first is never merged:
@@ -263,9 +224,33 @@ class Ingress:
                 t.cancel()
             for g in gens:
                 g.cancel()  # no-op for finished streams; aborts the rest on their replicas
-            for r in reqs:
-                if r.stream_to is not None:
-                    direct.close(r.stream_to)
+            close_streams()
+
+    async def _open_streams(self, reqs: list[GenerateRequest], queue: asyncio.Queue, early: list):
+        """(the listener, each request's route) with every request's `stream_to` set, or (None, [])
+        when this ingress has no token stream (off, or it cannot listen: then never tried again).
+        A route's outputs go to `early[i]` until its first is queued, then to `queue`."""
+        direct = self.direct  # this request's listener, whatever a concurrent one finds
+        if direct is None:
+            return None, []
+        try:
+            await direct.start()
+        except OSError as e:  # no socket for it on this node: every output through the Serve calls
+            if self.direct is direct:
+                logger.warning("the token stream cannot listen on %s (%s): every output goes through the "
+                               "Serve calls", direct.host, e)
+                self.direct = None
+            return None, []
+        routes = []
+        for i, r in enumerate(reqs):
+            def deliver(item, i=i):
+                if early[i] is not None:
+                    early[i].append(item)
+                else:
+                    queue.put_nowait((i, item))
+            r.stream_to, route = direct.open(deliver)
+            routes.append(route)
+        return direct, routes
 
     def _observe(self, t0: float, outs: list[RequestOutput], times: list[float]) -> None:
         if not outs:
@@ -405,6 +390,33 @@ class Ingress:
         lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i]) if out.logprobs else None
         return CompletionStreamResponse(id=rid, model=model, created=created, choices=[CompletionChoice(
             index=i, text=out.text_delta, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)])
+
+
+async def _pump(queue: asyncio.Queue, early: list, i: int, gen, first: RequestOutput, route) -> None:
+    """Choice i's outputs onto `queue`: its first, what its token stream delivered before it
+    (`early[i]`), then what its Serve call `gen` carries; errors as items. With a token stream the
+    call carries nothing more (or everything, when the replica could not reach this ingress) and
+    ends once the last output is written, which must then arrive within STREAM_TAIL_S."""
+    try:
+        await queue.put((i, first))
+        for item in early[i]:
+            queue.put_nowait((i, item))
+        early[i] = None
+        if first.finished:
+            return
+        async for out in gen:
+            await queue.put((i, out))
+            if out.finished:
+                return
+        if route is not None and not route.finished.is_set():
+            try:
+                await asyncio.wait_for(route.finished.wait(), STREAM_TAIL_S)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"the server's call ended, and the answer's last output did not "
+                                   f"arrive on the token stream in {STREAM_TAIL_S} s") from None
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        if route is None or not route.finished.is_set():  # an error after the last output is no one's
+            await queue.put((i, e))
 
 
 def _node_address() -> str:

@@ -229,7 +229,9 @@ def _ingress(calls):
         return call
 
     server = types.SimpleNamespace(generate=types.SimpleNamespace(remote=remote))
-    return types.SimpleNamespace(direct=StreamListener("127.0.0.1"), server=server), made
+    fake = types.SimpleNamespace(direct=StreamListener("127.0.0.1"), server=server)
+    fake._open_streams = lambda *a: ingress_mod.Ingress._open_streams(fake, *a)
+    return fake, made
 
 
 def _choices(fake, reqs):
