@@ -50,7 +50,7 @@ from pathlib import Path
 
 import httpx
 
-from k3.platform.ops.local_ray import free_port, init_local_ray, json_stdout
+from k3.platform.ops.local_ray import direct_ingress_env, free_port, init_local_ray, json_stdout
 from k3.serve.bench import (BenchConfig, cpu_ms_per_token, make_prompts, process_cpu_seconds, request_body, run_side_by_side,
                             stream_request, trace_summary)
 from k3.serve.engine.params import EngineConfig
@@ -89,8 +89,18 @@ p.add_argument("--ray-stream", action="store_true",
                help="direct_stream: false in both apps: every output back through the Serve calls (one Ray "
                     "streaming item per output at the server -> ingress hop), for a side-by-side with the token "
                     "stream (the default)")
+p.add_argument("--direct-ingress", action="store_true",
+               help="the private Ray's processes under RAY_SERVE_ENABLE_DIRECT_INGRESS=1: each app's ingress replica "
+                    "serves HTTP itself on a port of its own (Ray Serve's direct ingress) and the requests go there, "
+                    "not through Serve's HTTP proxy")
+p.add_argument("--haproxy", action="store_true",
+               help="the private Ray's processes under RAY_SERVE_ENABLE_HA_PROXY=1: direct ingress with HAProxy (the "
+                    "binary ray[serve] installs on Linux) on Serve's HTTP port in place of the Python proxy, forwarding "
+                    "each request to an ingress replica's own server; the requests go to that port as by default")
 args = p.parse_args()
 RESULT = json_stdout()  # the JSON goes here; anything else printed (Ray's driver messages) to stderr
+if args.direct_ingress and args.haproxy:
+    p.error("--direct-ingress and --haproxy are two ways to reach the ingress replicas: give one")
 if args.eager and args.compile_decode:
     p.error("--eager and --compile-decode contradict each other: give one")
 if args.pool_groups < 0:
@@ -157,6 +167,27 @@ async def pool_run(base: str, prefill) -> dict:
             "trace_ms": {k: trace_summary(v) for k, v in traces.items() if v}}
 
 
+def ingress_urls(proxy: str) -> dict[str, str]:
+    """{app: the base URL of its ingress replica's own HTTP server} under direct ingress (the target
+    groups Serve's REST API lists), waiting until every app's replica has its port."""
+    from ray.serve._private.api import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    controller = _get_global_client()._controller
+    deadline = time.monotonic() + 60
+    while True:
+        import ray
+
+        details = ServeInstanceDetails(**ray.get(controller.get_serve_instance_details.remote()))
+        urls = {g.app_name: f"http://{g.targets[0].ip}:{g.targets[0].port}{g.route_prefix.rstrip('/')}"
+                for g in details.target_groups if g.protocol == "HTTP" and g.targets and g.app_name}
+        if {"pd", "agg"} <= urls.keys() and not any(u.startswith(proxy) for u in urls.values()):
+            return urls
+        if time.monotonic() > deadline:
+            raise SystemExit(f"--direct-ingress: no ingress replica port for every app after 60 s: {details.target_groups}")
+        time.sleep(0.5)
+
+
 def main() -> dict:
     import ray
     from ray import serve
@@ -164,6 +195,8 @@ def main() -> dict:
     from k3.serve.builder import build_app, build_pd_app
 
     metrics_port = free_port()
+    if args.direct_ingress or args.haproxy:  # read by Serve's controller, proxy and replicas: they inherit it
+        os.environ.update(direct_ingress_env(haproxy=args.haproxy, drain_s=0))
     init_local_ray(num_cpus=2, _metrics_export_port=metrics_port, log_to_driver=False)
     try:
         port = free_port()
@@ -174,6 +207,7 @@ def main() -> dict:
             serve.run(build_pd_app(app_config(tok, True)), name="pd", route_prefix="/pd")
             serve.run(build_app(app_config(tok, False)), name="agg", route_prefix="/agg")
         prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
+        urls = ingress_urls(base) if args.direct_ingress else {name: f"{base}/{name}" for name in ("pd", "agg")}
         load_before = os.getloadavg()[0]
         cfg = BenchConfig(base_url=base, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                           input_len=args.prompt_words, output_len=args.output_len, ignore_eos=True,
@@ -183,11 +217,11 @@ def main() -> dict:
         cpu = {}
         for name in ("pd", "agg"):  # one app after the other, each with the CPU its run took, process by process
             before = process_cpu_seconds()
-            side["runs"] |= asyncio.run(run_side_by_side(cfg, {name: f"{base}/{name}"}))["runs"]
+            side["runs"] |= asyncio.run(run_side_by_side(cfg, {name: urls[name]}))["runs"]
             cpu[name] = cpu_ms_per_token(before, process_cpu_seconds(), max(1, side["runs"][name]["total_output_tokens"]))
         out = {"side_by_side": side, "cpu_ms_per_output_token": cpu}
         if args.pool_groups and not args.no_pool:
-            out["pool"] = asyncio.run(pool_run(f"{base}/pd", prefill))
+            out["pool"] = asyncio.run(pool_run(urls["pd"], prefill))
         out["wall_s"] = round(time.perf_counter() - t0, 1)
         out["load_avg_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
         serve.shutdown()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -332,7 +333,8 @@ ENGINE_CORE_MODULE = "k3.serve.engine.engine_core"
 def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> str:
     """A process of a private Ray by its part: the driver, a Serve replica ("<app>:<deployment>"),
     a replica's engine process ("<app>:<deployment> engine"), Serve's proxy and controller, Ray's
-    own processes ("ray system"; idle workers "ray idle workers")."""
+    own processes ("ray system"; idle workers "ray idle workers"); under direct ingress with HAProxy,
+    "haproxy" and the actor that runs it ("HAProxyManager")."""
     if proc.pid == root:
         return "driver (the load generator)"
     cmd = proc.cmdline()
@@ -340,6 +342,8 @@ def _process_label(proc: psutil.Process, labels: dict[int, str], root: int) -> s
     if ENGINE_CORE_MODULE in cmd:
         return f"{parent or 'unknown'} engine"
     title = cmd[0] if cmd else ""
+    if os.path.basename(title) == "haproxy":
+        return "haproxy"
     if not title.startswith("ray::"):
         # a process a replica or an engine started (inductor's compile workers) counts as its parent
         return parent if parent is not None and parent not in ("driver (the load generator)", "ray system") \

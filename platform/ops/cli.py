@@ -98,12 +98,17 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(dump_manifest(render_aws(args.base or "cluster/aws-gpu.yaml", args.region, args.subnet,
                                        args.security_group, args.placement_group, args.ami)), end="")
     elif args.action == "up":
-        st = cluster.up(args.config, args.state, grafana_url=os.environ.get("GRAFANA_URL") or None)
+        from k3.platform.ops.local_ray import direct_ingress_env
+
+        st = cluster.up(args.config, args.state, grafana_url=os.environ.get("GRAFANA_URL") or None,
+                        env=direct_ingress_env() if args.haproxy else None)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
               f"  session dir {st['session_dir']}\n"
               f"  Prometheus port {st['prometheus_port']} reserved: `k3 monitor up` starts it there\n"
               f"  submit jobs with: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={st['token_path']} "
               f"ray job submit --address {st['address']} ...")
+        if args.haproxy:
+            print("  Serve's HTTP port is HAProxy's: each request goes to an ingress replica's own server")
     elif args.action == "env":
         print(cluster.shell_env(args.state), end="")
     elif args.action == "status":
@@ -263,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ami", help="aws: pin this AMI (default: the current DLAMI, resolved when a node launches)")
     sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
                     help="where the running cluster is recorded")
+    sp.add_argument("--haproxy", action="store_true",
+                    help="up: Ray Serve's direct ingress with HAProxy on Serve's HTTP port in place of its Python "
+                         "proxy, each request forwarded to an ingress replica's own HTTP server")
     sp.set_defaults(func=cmd_cluster)
 
     sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")

@@ -85,6 +85,32 @@ def json_stdout():
     return out
 
 
+# Ray Serve's direct ingress: each ingress replica answers HTTP on a port of its own; with HAProxy
+# (the binary `ray[serve]` installs on Linux) on Serve's HTTP port in front of them, in place of
+# the Python proxy. Ports HAProxy mode otherwise binds at fixed numbers on every interface, so a
+# second Ray on the machine with it on would fail to start its HAProxy: each gets free ones here.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+
+
+def direct_ingress_env(haproxy: bool = True, drain_s: float | None = None) -> dict[str, str]:
+    """The environment a Ray's processes need (set before `ray start` / `ray.init`: the controller,
+    proxies and replicas read it when they start) for Serve to answer HTTP from the ingress
+    replicas themselves: `haproxy` puts HAProxy on Serve's HTTP port (clients keep the URL),
+    without it each ingress replica listens on a port of its own (30000 up, listed in Serve's
+    REST API `target_groups`) and Serve's proxy stays on the HTTP port. `drain_s`: how long a
+    stopping ingress replica keeps answering before it closes (Ray's default, 30 s, when None)."""
+    env = {"RAY_SERVE_ENABLE_HA_PROXY" if haproxy else "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    if haproxy:
+        ports = _distinct_free_ports(len(HAPROXY_PORT_ENV))
+        env |= {name: str(port) for name, port in zip(HAPROXY_PORT_ENV, ports)}
+    if drain_s is not None:
+        if not drain_s >= 0:
+            raise ValueError(f"drain_s must be >= 0 seconds, got {drain_s}")
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(drain_s)
+    return env
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -111,15 +137,20 @@ METRICS_PORT_ENV = {"autoscaler-metrics-port": "AUTOSCALER_METRIC_PORT",
 PORT_TAKEN = ("Failed to start the grpc server", "Address already in use")
 
 
-def _pick_ports() -> dict[str, int]:
-    """One distinct free port per name (two calls to free_port may hand out the same port)."""
-    ports: dict[str, int] = {}
-    for name in (*PORT_NAMES, *METRICS_PORT_ENV):
+def _distinct_free_ports(n: int) -> list[int]:
+    """n free ports, all different (two calls to free_port may hand out the same port)."""
+    ports: list[int] = []
+    while len(ports) < n:
         port = free_port()
-        while port in ports.values():
-            port = free_port()
-        ports[name] = port
+        if port not in ports:
+            ports.append(port)
     return ports
+
+
+def _pick_ports() -> dict[str, int]:
+    """One distinct free port per name."""
+    names = (*PORT_NAMES, *METRICS_PORT_ENV)
+    return dict(zip(names, _distinct_free_ports(len(names))))
 
 
 def metrics_session(port: int) -> str | None:

@@ -96,3 +96,23 @@ def test_plan_prints_training_and_serving_for_k3_at_1m(tmp_path):
     plan = json.loads(out)
     assert plan["serving"]["mla_latents_per_sequence"] == 24 * 576 * 2 * 1048576
     assert plan["training"]["fits"] is False
+
+
+@pytest.mark.parametrize("flag", [[], ["--haproxy"]])
+def test_cluster_up_with_haproxy_starts_the_head_with_direct_ingress(monkeypatch, capsys, tmp_path, flag):
+    from k3.platform.ops import cluster
+    from k3.platform.ops.cli import main
+
+    seen = {}
+
+    def up(config, state, grafana_url=None, env=None):
+        seen["env"] = env
+        return {"pid": 1, "gcs_address": "127.0.0.1:1", "address": "http://127.0.0.1:2", "session_dir": "/s",
+                "prometheus_port": 3, "token_path": "/t"}
+
+    monkeypatch.setattr(cluster, "up", up)
+    assert main(["cluster", "up", "--state", str(tmp_path / "state.json"), *flag]) == 0
+    if flag:
+        assert seen["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "HAProxy's" in capsys.readouterr().out
+    else:
+        assert seen["env"] is None and "HAProxy" not in capsys.readouterr().out
