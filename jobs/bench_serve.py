@@ -170,14 +170,13 @@ async def pool_run(base: str, prefill) -> dict:
 def ingress_urls(proxy: str) -> dict[str, str]:
     """{app: the base URL of its ingress replica's own HTTP server} under direct ingress (the target
     groups Serve's REST API lists), waiting until every app's replica has its port."""
+    import ray
     from ray.serve._private.api import _get_global_client
     from ray.serve.schema import ServeInstanceDetails
 
     controller = _get_global_client()._controller
     deadline = time.monotonic() + 60
     while True:
-        import ray
-
         details = ServeInstanceDetails(**ray.get(controller.get_serve_instance_details.remote()))
         urls = {g.app_name: f"http://{g.targets[0].ip}:{g.targets[0].port}{g.route_prefix.rstrip('/')}"
                 for g in details.target_groups if g.protocol == "HTTP" and g.targets and g.app_name}

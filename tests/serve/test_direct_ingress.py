@@ -20,7 +20,7 @@ from k3.platform.ops.local_ray import HAPROXY_PORT_ENV, LocalRayHead, direct_ing
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 DEPLOY = """
-import json, sys
+import sys
 from ray import serve
 from k3.serve.builder import build_app
 port = int(sys.argv[1])
