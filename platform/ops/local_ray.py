@@ -44,6 +44,7 @@ processes import the same k3 as the caller (a venv that layers another venv's pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import socket
@@ -105,8 +106,8 @@ def direct_ingress_env(haproxy: bool = True, drain_s: float | None = None) -> di
         ports = _distinct_free_ports(len(HAPROXY_PORT_ENV))
         env |= {name: str(port) for name, port in zip(HAPROXY_PORT_ENV, ports)}
     if drain_s is not None:
-        if not drain_s >= 0:
-            raise ValueError(f"drain_s must be >= 0 seconds, got {drain_s}")
+        if not 0 <= drain_s < math.inf:  # NaN and infinity too: a replica that never stops draining
+            raise ValueError(f"drain_s must be a finite number of seconds >= 0, got {drain_s}")
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(drain_s)
     return env
 
