@@ -178,16 +178,24 @@ class HybridCacheState:
         self.digest = self.compute_digest(secret)
         return self
 
-    def private_copy(self) -> HybridCacheState:
-        """A deep copy: what the importer checks and loads, out of its caller's reach."""
+    def private_copy(self, keep_writable: bool = False) -> HybridCacheState:
+        """A deep copy: what the importer checks and loads, out of its caller's reach.
+        `keep_writable`: the caller owns this state and its writable arrays (it unpickled them):
+        those are taken as they are, and only read-only ones (views of memory another holds,
+        such as the object store's) are copied."""
+        def arr(a):
+            if keep_writable and isinstance(a, np.ndarray) and a.flags.writeable:
+                return a
+            return np.array(a, copy=True)
+
         return dataclasses.replace(
-            self, prompt_token_ids=np.array(self.prompt_token_ids, copy=True), page_hashes=list(self.page_hashes),
-            kda_recurrent={k: np.array(a, copy=True) for k, a in self.kda_recurrent.items()},
-            kda_conv={k: np.array(a, copy=True) for k, a in self.kda_conv.items()},
-            mla_latents={k: np.array(a, copy=True) for k, a in self.mla_latents.items()},
+            self, prompt_token_ids=arr(self.prompt_token_ids), page_hashes=list(self.page_hashes),
+            kda_recurrent={k: arr(a) for k, a in self.kda_recurrent.items()},
+            kda_conv={k: arr(a) for k, a in self.kda_conv.items()},
+            mla_latents={k: arr(a) for k, a in self.mla_latents.items()},
             first_logprob=copy.deepcopy(self.first_logprob), media_spans=list(self.media_spans),
-            generator_state=None if self.generator_state is None else np.array(self.generator_state, copy=True),
-            media_rows=None if self.media_rows is None else np.array(self.media_rows, copy=True), timings={})
+            generator_state=None if self.generator_state is None else arr(self.generator_state),
+            media_rows=None if self.media_rows is None else arr(self.media_rows), timings={})
 
     @property
     def nbytes(self) -> int:
@@ -385,13 +393,15 @@ class Handoff:
         state.timings["export_s"] = time.perf_counter() - t0
         return state
 
-    def check_state(self, state: HybridCacheState, ids: list[int], params: SamplingParams) -> Imported:
+    def check_state(self, state: HybridCacheState, ids: list[int], params: SamplingParams,
+                    owned: bool = False) -> Imported:
         """Everything about a handed-over state that must hold before it is loaded, checked on a
-        private copy; ValueError ("cache state refused: ...") naming what does not."""
+        private copy (`owned`: its caller unpickled it and holds it alone, so only its read-only
+        arrays are copied); ValueError ("cache state refused: ...") naming what does not."""
         if not isinstance(state, HybridCacheState):
             _refuse(f"expected a HybridCacheState, got {type(state).__name__}")
         _check_containers(state)
-        state = state.private_copy()
+        state = state.private_copy(keep_writable=owned)
         self._check_seal(state)
         media = self._check_prompt(state, ids)
         gen = self._check_generator(state.generator_state, params)

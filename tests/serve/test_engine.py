@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,6 +176,10 @@ def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_mod
     ([], SamplingParams(), "non-empty"),
     ([1, 5000], SamplingParams(), "out of range"),
     ([1, -1], SamplingParams(), "out of range"),
+    ([1, 2.0], SamplingParams(), "must be integers"),
+    ([1, True], SamplingParams(), "must be integers"),
+    ([1, "2"], SamplingParams(), "must be integers"),
+    ([1, np.int64(2)], SamplingParams(), "must be integers"),
     ([1] * 2**20, SamplingParams(), "max_model_len"),  # k3-tiny's max positions
     ([1] * 500_000, SamplingParams(), "cache pages"),  # fits the positions, not the default 256 MiB cache
     ([1, 2], SamplingParams(stop_token_ids=[99999]), "stop_token_ids"),

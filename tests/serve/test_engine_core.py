@@ -11,12 +11,15 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 from k3.serve.engine import AsyncEngine, RequestFailed, SamplingParams
+from k3.serve.engine import engine_core
 from k3.serve.engine.engine_core import EngineProcessDied, ProcessEngine
 from serve_apps import POISON, tiny_engine
 
@@ -113,11 +116,12 @@ def test_ids_held_refused_and_a_reused_id_gets_only_its_own_outputs(core):
     assert stats["running"] == 0 and stats["waiting"] == 0  # every abort reached the engine
 
 
-@pytest.mark.parametrize("buffers", ["widened", "refused"])
-def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffers, monkeypatch):
+@pytest.mark.parametrize("buffers,arrays", [("widened", "read-only"), ("refused", "writable")])
+def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffers, arrays, monkeypatch):
     """The pd path: a state of a long prompt (hundreds of KB, more than a socket takes at once)
     sent to the child from a Serve-like uvloop event loop, whose transport does not block; also
-    where the OS refuses the wider socket buffers (macOS's cap) and the default sizes carry it."""
+    where the OS refuses the wider socket buffers (macOS's cap) and the default sizes carry it.
+    Its arrays read-only as the object store's zero-copy reads give them, or writable."""
     uvloop = pytest.importorskip("uvloop")  # Ray Serve's replicas run on it (ray[serve] installs it)
     if buffers == "widened":
         probe = socket.socket(socket.AF_UNIX)
@@ -146,6 +150,9 @@ def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffer
             first = await _collect(local.generate(prompt, params, prefill_only=True))
             state = first[-1].cache_state
             assert state.nbytes > 256 * 1024
+            if arrays == "read-only":
+                for _, a in state.arrays():
+                    a.flags.writeable = False
             got = await _collect(remote.import_request(prompt, state, params))
             assert state.timings["check_s"] > 0  # measured in the child, told to the caller's copy
             return whole, got
@@ -155,6 +162,35 @@ def test_a_prefilled_state_imported_on_uvloop_decodes_as_one_engine_would(buffer
         assert got[-1].token_ids == whole[-1].token_ids and len(got[-1].token_ids) == 8
     finally:
         remote.close()
+
+
+def test_a_request_frame_carries_its_arrays_out_of_band_and_the_child_owns_them():
+    """`_request_frame` / `_read_request` over a socket: the arrays come back equal, each in a
+    buffer of the reader's own (writable where they were, so they need no copy), read-only
+    where the sender's were (a view of memory another holds: the importer copies those)."""
+    rng = np.random.default_rng(0)
+    rw = rng.standard_normal((300, 160), dtype=np.float32)
+    ro = rng.standard_normal((4, 32, 32), dtype=np.float32)
+    ro.flags.writeable = False
+    msg = ("import", 7, "rid", ([1, 2, 3], {"rw": rw, "ro": ro, "odd": rw[:, ::2]}, None))
+    a, b = socket.socketpair()
+    try:
+        data = engine_core._request_frame(msg)
+        sender = threading.Thread(target=a.sendall, args=(data,))
+        sender.start()
+        with b.makefile("rb") as f:
+            head, body, buffers = engine_core._read_request(f)
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+    assert head == ("import", 7) and len(buffers) == 2  # the strided view goes in band
+    rid, (prompt, got, params) = pickle.loads(body, buffers=buffers)
+    assert rid == "rid" and prompt == [1, 2, 3] and params is None
+    for k, want in (("rw", rw), ("ro", ro), ("odd", rw[:, ::2])):
+        np.testing.assert_array_equal(got[k], want)
+    assert got["rw"].flags.writeable and not np.shares_memory(got["rw"], rw)
+    assert not got["ro"].flags.writeable
 
 
 def test_a_stream_cancelled_before_the_child_answers_aborts_its_request(core):

@@ -259,6 +259,21 @@ def test_arrays_changed_after_the_import_do_not_reach_the_engine(tiny_model, han
     assert toks == whole_run(tiny_model, prompt, GREEDY)[0]
 
 
+def test_an_owned_state_is_copied_only_where_its_arrays_are_read_only(handed):
+    """The engine process's reader owns the state it unpickled: `private_copy(keep_writable=True)`
+    takes its writable arrays as they are and copies the read-only ones (memory another holds)."""
+    _, state = copy.deepcopy(handed)
+    layer = min(state.mla_latents)
+    state.mla_latents[layer].flags.writeable = False
+    own = state.private_copy(keep_writable=True)
+    assert own.mla_latents[layer] is not state.mla_latents[layer] and own.mla_latents[layer].flags.writeable
+    np.testing.assert_array_equal(own.mla_latents[layer], state.mla_latents[layer])
+    assert all(own.kda_recurrent[k] is a for k, a in state.kda_recurrent.items())
+    assert own.prompt_token_ids is state.prompt_token_ids
+    whole = state.private_copy()
+    assert not any(np.shares_memory(a, b) for (_, a), (_, b) in zip(whole.arrays(), state.arrays()))
+
+
 def test_state_is_plain_numpy_and_its_size_is_the_cache_it_holds(tiny_model, handed):
     prompt, state = handed
     assert isinstance(state, HybridCacheState)
