@@ -44,10 +44,12 @@ def efa_interfaces(cards: int, subnet: str, security_group: str) -> list[dict]:
 
 
 def render_aws(base: str | os.PathLike, region: str, subnet: str, security_group: str,
-               placement_group: str = "k3-p5", ami: str | None = None) -> dict:
+               placement_group: str = "k3-p5", ami: str | None = None, haproxy: bool = False) -> dict:
     """cluster/aws-gpu.yaml for one region, subnet and security group, checked the way `ray up`
-    checks it (k3.platform.ops.cluster.check_cloud_config)."""
+    checks it (k3.platform.ops.cluster.check_cloud_config). `haproxy`: every node's `ray start`
+    with Serve's direct ingress with HAProxy (one Ray per node: Ray's HAProxy ports stay)."""
     from .cluster import check_cloud_config, read_yaml
+    from .local_ray import HAPROXY_FLAG
 
     for name, value in (("region", region), ("subnet", subnet), ("security_group", security_group),
                         ("placement_group", placement_group)):
@@ -66,5 +68,11 @@ def render_aws(base: str | os.PathLike, region: str, subnet: str, security_group
             continue
         nc["NetworkInterfaces"] = efa_interfaces(cards, subnet, security_group)
         nc["Placement"] = {"GroupName": placement_group}
+    if haproxy:
+        for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+            commands = cfg.get(key) or []
+            if not any("ray start" in c for c in commands):
+                raise ValueError(f"{base}: {key} has no `ray start` command to run with {HAPROXY_FLAG}=1")
+            cfg[key] = [f"{HAPROXY_FLAG}=1 {c}" if "ray start" in c else c for c in commands]
     check_cloud_config(cfg, f"cluster/aws-gpu.yaml for {region}")
     return cfg

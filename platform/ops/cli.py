@@ -90,13 +90,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
 
         print(dump_manifest(rayservice_manifest(args.base or "cluster/kuberay/rayservice.yaml", args.serve_config,
-                                                args.model_path)), end="")
+                                                args.model_path, haproxy=args.haproxy)), end="")
     elif args.action == "aws":
         from k3.platform.ops.aws import render_aws
         from k3.platform.ops.kuberay import dump_manifest
 
         print(dump_manifest(render_aws(args.base or "cluster/aws-gpu.yaml", args.region, args.subnet,
-                                       args.security_group, args.placement_group, args.ami)), end="")
+                                       args.security_group, args.placement_group, args.ami,
+                                       haproxy=args.haproxy)), end="")
     elif args.action == "up":
         from k3.platform.ops.local_ray import direct_ingress_env
 
@@ -269,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
                     help="where the running cluster is recorded")
     sp.add_argument("--haproxy", action="store_true",
-                    help="up: Ray Serve's direct ingress with HAProxy on Serve's HTTP port in place of its Python "
-                         "proxy, each request forwarded to an ingress replica's own HTTP server")
+                    help="up, rayservice, aws: Ray Serve's direct ingress with HAProxy on Serve's HTTP port in "
+                         "place of its Python proxy, each request forwarded to an ingress replica's own HTTP "
+                         "server (rayservice / aws: its variable on every pod / node)")
     sp.set_defaults(func=cmd_cluster)
 
     sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")

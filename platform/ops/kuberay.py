@@ -108,15 +108,36 @@ def serve_config_v2(serve_config: str | os.PathLike, cluster_spec: dict, model_p
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-def rayservice_manifest(base: str | os.PathLike, serve_config: str | os.PathLike, model_path: str) -> dict:
+def with_env(cluster_spec: dict, env: dict[str, str]) -> dict:
+    """A RayCluster spec whose every container (head and each worker group) has `env` set,
+    replacing entries of the same names; the rest as it was."""
+    def pod(group: dict) -> dict:
+        spec = group["template"]["spec"]
+        containers = [{**c, "env": [e for e in c.get("env") or [] if e.get("name") not in env]
+                       + [{"name": k, "value": v} for k, v in env.items()]} for c in spec["containers"]]
+        return {**group, "template": {**group["template"], "spec": {**spec, "containers": containers}}}
+
+    return {**cluster_spec, "headGroupSpec": pod(cluster_spec["headGroupSpec"]),
+            "workerGroupSpecs": [pod(g) for g in cluster_spec.get("workerGroupSpecs") or []]}
+
+
+def rayservice_manifest(base: str | os.PathLike, serve_config: str | os.PathLike, model_path: str,
+                        haproxy: bool = False) -> dict:
     """The RayService of `base` (metadata and `rayClusterConfig`) serving `serve_config` from
-    the model directory `model_path` (a path inside the pods, e.g. on the shared volume)."""
+    the model directory `model_path` (a path inside the pods, e.g. on the shared volume).
+    `haproxy`: Serve's direct ingress with HAProxy on every pod (its variable in every
+    container's environment; each pod is a machine of its own, so Ray's HAProxy ports stay)."""
+    from k3.platform.ops.local_ray import HAPROXY_FLAG
+
     if not model_path or not model_path.startswith("/"):
         raise ValueError(f"--model-path must be an absolute path inside the pods (e.g. /mnt/k3/models/k3-small), "
                          f"got {model_path!r}")
     doc = load_manifest(base, "RayService")
-    v2 = serve_config_v2(serve_config, doc["spec"]["rayClusterConfig"], model_path)
-    return {**doc, "spec": {**doc["spec"], "serveConfigV2": v2}}
+    cluster = doc["spec"]["rayClusterConfig"]
+    if haproxy:
+        cluster = with_env(cluster, {HAPROXY_FLAG: "1"})
+    v2 = serve_config_v2(serve_config, cluster, model_path)
+    return {**doc, "spec": {**doc["spec"], "rayClusterConfig": cluster, "serveConfigV2": v2}}
 
 
 class _Literal(yaml.SafeDumper):

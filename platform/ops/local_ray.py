@@ -94,6 +94,11 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_P
                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 
 
+# The variable that puts HAProxy on Serve's HTTP port (Ray 2.60's direct ingress), read by every
+# Ray process of a node when it starts
+HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
 def direct_ingress_env(haproxy: bool = True, drain_s: float | None = None) -> dict[str, str]:
     """The environment a Ray's processes need (set before `ray start` / `ray.init`: the controller,
     proxies and replicas read it when they start) for Serve to answer HTTP from the ingress
@@ -101,7 +106,7 @@ def direct_ingress_env(haproxy: bool = True, drain_s: float | None = None) -> di
     without it each ingress replica listens on a port of its own (30000 up, listed in Serve's
     REST API `target_groups`) and Serve's proxy stays on the HTTP port. `drain_s`: how long a
     stopping ingress replica keeps answering before it closes (Ray's default, 30 s, when None)."""
-    env = {"RAY_SERVE_ENABLE_HA_PROXY" if haproxy else "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    env = {HAPROXY_FLAG if haproxy else "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
     if haproxy:
         ports = _distinct_free_ports(len(HAPROXY_PORT_ENV))
         env |= {name: str(port) for name, port in zip(HAPROXY_PORT_ENV, ports)}

@@ -86,7 +86,8 @@ _hit = "sum by (source) (rate(ray_k3_serve_prefix_cache_hits_total[{r}])) / " \
        "sum by (source) (rate(ray_k3_serve_prefix_cache_queries_total[{r}]))"
 _http = 'ray_serve_num_http_requests_total{{route!~"/-/.*"{sel}}}'  # /-/healthz and /-/routes are probes
 SERVING_PANELS: tuple[PanelSpec, ...] = (
-    PanelSpec("HTTP requests by status code", "requests per second through the Serve proxy, by HTTP status",
+    PanelSpec("HTTP requests by status code",
+              "requests per second on Serve's HTTP port (its proxy, or HAProxy with direct ingress), by HTTP status",
               "reqps", (Query(f"sum by (status_code) (rate({_http.format(sel='')}[{RATE}]))", "{{status_code}}"),)),
     PanelSpec("HTTP error ratio", "share of requests answered 5xx (server) and 4xx (client); 0 while every "
               "request succeeds", "percentunit",

@@ -187,6 +187,25 @@ def test_rayservice_cli_prints_an_applicable_manifest(capsys):
     assert args["model"] == {"path": "/mnt/k3/models/k3-small"}
 
 
+def test_rayservice_with_haproxy_sets_the_flag_in_every_container(tmp_path, capsys):
+    plain = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG, str(tmp_path))
+    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG, str(tmp_path), haproxy=True)
+    cluster = doc["spec"]["rayClusterConfig"]
+    check_cluster_spec(cluster, "rayservice.yaml")
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    assert len(pods) >= 2  # the head and the GPU worker groups
+    for got, was in zip(pods, [plain["spec"]["rayClusterConfig"]["headGroupSpec"]]
+                        + plain["spec"]["rayClusterConfig"]["workerGroupSpecs"]):
+        for c, c0 in zip(got["template"]["spec"]["containers"], was["template"]["spec"]["containers"]):
+            assert c["env"] == (c0.get("env") or []) + [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}]
+            assert {k: v for k, v in c.items() if k != "env"} == {k: v for k, v in c0.items() if k != "env"}
+    assert doc["spec"]["serveConfigV2"] == plain["spec"]["serveConfigV2"]
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in yaml.safe_dump(plain)
+    rc = main(["cluster", "rayservice", "--serve-config", str(SERVE_CONFIG), "--base", str(KUBERAY / "rayservice.yaml"),
+               "--model-path", str(tmp_path), "--haproxy"])
+    assert rc == 0 and yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(yaml.safe_dump(doc))
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"applications": [{"name": "k3"}]}, "not a Serve config.*import_path"),
     ({"applications": [{"name": "k3", "import_path": "k3.serve.builder:app_builder",

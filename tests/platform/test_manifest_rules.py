@@ -137,8 +137,9 @@ def check_aws_rules(cfg: dict, rendered: bool) -> None:
         assert nc["Placement"]["GroupName"] and "SubnetIds" not in nc  # Ray takes subnets from the interfaces
     setup = "\n".join(cfg["setup_commands"])
     assert "python3.11 -m venv ~/k3-venv" in setup and "source ~/k3-venv/bin/activate" in setup
-    assert all(c.startswith("~/k3-venv/bin/ray ") for c in cfg["head_start_ray_commands"]
-               + cfg["worker_start_ray_commands"])
+    # each node's Ray from its venv (an environment assignment may lead the command)
+    assert all(re.sub(r"^([A-Z_]+=\S* )*", "", c).startswith("~/k3-venv/bin/ray ")
+               for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
 
 
 def test_aws_yaml_and_its_rendering_would_come_up():
@@ -149,6 +150,22 @@ def test_aws_yaml_and_its_rendering_would_come_up():
     assert {t["node_config"]["ImageId"] for t in cfg["available_node_types"].values()} == {DLAMI}
     pinned = render_aws(REPO / "cluster" / "aws-gpu.yaml", "us-west-2", SUBNET, SG, ami="ami-0123456789abcdef0")
     assert {t["node_config"]["ImageId"] for t in pinned["available_node_types"].values()} == {"ami-0123456789abcdef0"}
+
+
+def test_aws_with_haproxy_starts_every_nodes_ray_with_direct_ingress(tmp_path):
+    plain = render_aws(REPO / "cluster" / "aws-gpu.yaml", "us-west-2", SUBNET, SG)
+    cfg = render_aws(REPO / "cluster" / "aws-gpu.yaml", "us-west-2", SUBNET, SG, haproxy=True)
+    check_aws_rules(cfg, rendered=True)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert [c.removeprefix("RAY_SERVE_ENABLE_HA_PROXY=1 ") for c in cfg[key]] == plain[key]
+        assert [c.startswith("RAY_SERVE_ENABLE_HA_PROXY=1 ") for c in cfg[key]] == ["ray start" in c for c in cfg[key]]
+    assert {k: v for k, v in cfg.items() if not k.endswith("start_ray_commands")} == \
+        {k: v for k, v in plain.items() if not k.endswith("start_ray_commands")}
+    base = yaml.safe_load((REPO / "cluster" / "aws-gpu.yaml").read_text())
+    base["worker_start_ray_commands"] = ["echo no ray here"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
+    with pytest.raises(ValueError, match="worker_start_ray_commands has no `ray start` command"):
+        render_aws(tmp_path / "c.yaml", "us-west-2", SUBNET, SG, haproxy=True)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -96,6 +96,8 @@ def test_haproxy_forwards_to_the_ingress_replica_streams_refuses_and_aborts(tmp_
             # Serve's HTTP port is HAProxy's, not the Python proxy's
             listener = _listener(port)
             assert listener is not None and listener.name() == "haproxy", listener
+            health = client.get("/-/healthz")  # what KubeRay's probes and load balancers ask Serve's port
+            assert health.status_code == 200, health.text
 
             body = {"model": "k3", "prompt": "def main():", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             whole = client.post("/v1/completions", json=body)
