@@ -172,7 +172,8 @@ def test_a_request_frame_carries_its_arrays_out_of_band_and_the_child_owns_them(
     rw = rng.standard_normal((300, 160), dtype=np.float32)
     ro = rng.standard_normal((4, 32, 32), dtype=np.float32)
     ro.flags.writeable = False
-    msg = ("import", 7, "rid", ([1, 2, 3], {"rw": rw, "ro": ro, "odd": rw[:, ::2]}, None))
+    arrays = {"rw": rw, "ro": ro, "odd": rw[:, ::2], "fortran": np.asfortranarray(rw[:7]), "empty": rw[:0]}
+    msg = ("import", 7, "rid", ([1, 2, 3], arrays, None))
     a, b = socket.socketpair()
     try:
         data = engine_core._request_frame(msg)
@@ -184,11 +185,12 @@ def test_a_request_frame_carries_its_arrays_out_of_band_and_the_child_owns_them(
     finally:
         a.close()
         b.close()
-    assert head == ("import", 7) and len(buffers) == 2  # the strided view goes in band
+    assert head == ("import", 7) and len(buffers) == 4  # the strided view goes in band
     rid, (prompt, got, params) = pickle.loads(body, buffers=buffers)
     assert rid == "rid" and prompt == [1, 2, 3] and params is None
-    for k, want in (("rw", rw), ("ro", ro), ("odd", rw[:, ::2])):
+    for k, want in arrays.items():
         np.testing.assert_array_equal(got[k], want)
+        assert got[k].dtype == want.dtype and got[k].shape == want.shape
     assert got["rw"].flags.writeable and not np.shares_memory(got["rw"], rw)
     assert not got["ro"].flags.writeable
 
