@@ -73,6 +73,7 @@ def render_aws(base: str | os.PathLike, region: str, subnet: str, security_group
             commands = cfg.get(key) or []
             if not any("ray start" in c for c in commands):
                 raise ValueError(f"{base}: {key} has no `ray start` command to run with {HAPROXY_FLAG}=1")
-            cfg[key] = [f"{HAPROXY_FLAG}=1 {c}" if "ray start" in c else c for c in commands]
+            # exported for the whole line: every command of it (`ray stop; ray start ...` too)
+            cfg[key] = [f"export {HAPROXY_FLAG}=1; {c}" if "ray start" in c else c for c in commands]
     check_cloud_config(cfg, f"cluster/aws-gpu.yaml for {region}")
     return cfg

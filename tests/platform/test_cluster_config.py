@@ -193,10 +193,12 @@ def test_rayservice_with_haproxy_sets_the_flag_in_every_container(tmp_path, caps
     cluster = doc["spec"]["rayClusterConfig"]
     check_cluster_spec(cluster, "rayservice.yaml")
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
-    assert len(pods) >= 2  # the head and the GPU worker groups
-    for got, was in zip(pods, [plain["spec"]["rayClusterConfig"]["headGroupSpec"]]
-                        + plain["spec"]["rayClusterConfig"]["workerGroupSpecs"]):
-        for c, c0 in zip(got["template"]["spec"]["containers"], was["template"]["spec"]["containers"]):
+    before = [plain["spec"]["rayClusterConfig"]["headGroupSpec"]] + plain["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert len(pods) == len(before) >= 2  # the head and the GPU worker groups, none lost
+    for got, was in zip(pods, before):
+        containers, containers0 = got["template"]["spec"]["containers"], was["template"]["spec"]["containers"]
+        assert len(containers) == len(containers0) >= 1
+        for c, c0 in zip(containers, containers0):
             assert c["env"] == (c0.get("env") or []) + [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}]
             assert {k: v for k, v in c.items() if k != "env"} == {k: v for k, v in c0.items() if k != "env"}
     assert doc["spec"]["serveConfigV2"] == plain["spec"]["serveConfigV2"]

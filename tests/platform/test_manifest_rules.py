@@ -4,6 +4,7 @@ EFA). Offline: Ray's own schema and KubeRay's field names; nothing here runs on 
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -137,8 +138,8 @@ def check_aws_rules(cfg: dict, rendered: bool) -> None:
         assert nc["Placement"]["GroupName"] and "SubnetIds" not in nc  # Ray takes subnets from the interfaces
     setup = "\n".join(cfg["setup_commands"])
     assert "python3.11 -m venv ~/k3-venv" in setup and "source ~/k3-venv/bin/activate" in setup
-    # each node's Ray from its venv (an environment assignment may lead the command)
-    assert all(re.sub(r"^([A-Z_]+=\S* )*", "", c).startswith("~/k3-venv/bin/ray ")
+    # each node's Ray from its venv (an exported variable may lead the line)
+    assert all(re.sub(r"^(export [A-Z_]+=\S*; )*", "", c).startswith("~/k3-venv/bin/ray ")
                for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
 
 
@@ -157,8 +158,13 @@ def test_aws_with_haproxy_starts_every_nodes_ray_with_direct_ingress(tmp_path):
     cfg = render_aws(REPO / "cluster" / "aws-gpu.yaml", "us-west-2", SUBNET, SG, haproxy=True)
     check_aws_rules(cfg, rendered=True)
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        assert [c.removeprefix("RAY_SERVE_ENABLE_HA_PROXY=1 ") for c in cfg[key]] == plain[key]
-        assert [c.startswith("RAY_SERVE_ENABLE_HA_PROXY=1 ") for c in cfg[key]] == ["ray start" in c for c in cfg[key]]
+        prefix = "export RAY_SERVE_ENABLE_HA_PROXY=1; "
+        assert [c.removeprefix(prefix) for c in cfg[key]] == plain[key]
+        assert [c.startswith(prefix) for c in cfg[key]] == ["ray start" in c for c in cfg[key]]
+        for c in cfg[key]:  # what each node's shell runs: the variable set for the command after it
+            if c.startswith(prefix):
+                line = c.replace("~/k3-venv/bin/ray", "printenv RAY_SERVE_ENABLE_HA_PROXY; : ray", 1)
+                assert subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout == "1\n", line
     assert {k: v for k, v in cfg.items() if not k.endswith("start_ray_commands")} == \
         {k: v for k, v in plain.items() if not k.endswith("start_ray_commands")}
     base = yaml.safe_load((REPO / "cluster" / "aws-gpu.yaml").read_text())

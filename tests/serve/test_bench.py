@@ -339,12 +339,15 @@ def test_soak_measures_each_replica_and_its_engine_process():
     import subprocess
     import sys
 
-    sleep = "import sys, time; time.sleep(60)"
-    engine = subprocess.Popen([sys.executable, "-c", sleep, "-m", "k3.serve.engine.engine_core", "5"])
-    other = subprocess.Popen([sys.executable, "-c", sleep])
+    # each child says when it has started: a Python still starting grows between two readings
+    sleep = "import sys, time; print('up', flush=True); time.sleep(60)"
+    engine = subprocess.Popen([sys.executable, "-c", sleep, "-m", "k3.serve.engine.engine_core", "5"],
+                              stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", sleep], stdout=subprocess.PIPE, text=True)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
+        assert engine.stdout.readline() == other.stdout.readline() == "up\n"
         me = os.getpid()
         got = serve_process_rss([("ServeReplica:app:LLMServer", me), ("ServeReplica:app:Ingress", gone.pid)])
         assert sorted(got) == [f"ServeReplica:app:LLMServer {me}", f"ServeReplica:app:LLMServer {me} engine {engine.pid}"]
@@ -358,6 +361,7 @@ def test_soak_measures_each_replica_and_its_engine_process():
         for proc in (engine, other):
             proc.kill()
             proc.wait()
+            proc.stdout.close()
 
 
 def curves(**spec):
