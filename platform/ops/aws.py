@@ -22,6 +22,8 @@ import copy
 import os
 import re
 
+from .local_ray import HAPROXY_FLAG
+
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 DLAMI = f"resolve:ssm:{DLAMI_PARAMETER}"
 # network cards per instance type: one EFA interface on each
@@ -49,7 +51,6 @@ def render_aws(base: str | os.PathLike, region: str, subnet: str, security_group
     checks it (k3.platform.ops.cluster.check_cloud_config). `haproxy`: every node's `ray start`
     with Serve's direct ingress with HAProxy (one Ray per node: Ray's HAProxy ports stay)."""
     from .cluster import check_cloud_config, read_yaml
-    from .local_ray import HAPROXY_FLAG
 
     for name, value in (("region", region), ("subnet", subnet), ("security_group", security_group),
                         ("placement_group", placement_group)):

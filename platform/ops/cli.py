@@ -239,21 +239,7 @@ def _add_plan(sub) -> None:
     sp.set_defaults(func=cmd_plan)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3", description="k3: train and serve Kimi K3-architecture models on Ray")
-    sub = p.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("params", help="total and active parameter counts of a preset")
-    sp.add_argument("--preset", required=True, choices=sorted(PRESETS), help="preset name")
-    sp.add_argument("--json", action="store_true", help="print JSON")
-    sp.add_argument("--release-layout", action="store_true",
-                    help="also count the release checkpoint's tensors (config.json names, MXFP4 experts)")
-    sp.set_defaults(func=cmd_params)
-    sp = sub.add_parser("presets", help="list presets")
-    sp.set_defaults(func=cmd_presets)
-    sp = sub.add_parser("config", help="print a preset's config as JSON")
-    sp.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    sp.set_defaults(func=cmd_config)
-
+def _add_cluster(sub) -> None:
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
     sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice", "aws"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
@@ -275,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "server (rayservice / aws: its variable on every pod / node)")
     sp.set_defaults(func=cmd_cluster)
 
+
+def _add_monitor(sub) -> None:
     sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")
     sp.add_argument("action", choices=["up", "down", "dashboards", "push"])
     sp.add_argument("--cluster-state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
@@ -292,6 +280,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rules", help="up: alerting rules for Prometheus to evaluate (default: this checkout's "
                                     "cluster/prometheus/k3-alerts.yaml when there is one)")
     sp.set_defaults(func=cmd_monitor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3", description="k3: train and serve Kimi K3-architecture models on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("params", help="total and active parameter counts of a preset")
+    sp.add_argument("--preset", required=True, choices=sorted(PRESETS), help="preset name")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.add_argument("--release-layout", action="store_true",
+                    help="also count the release checkpoint's tensors (config.json names, MXFP4 experts)")
+    sp.set_defaults(func=cmd_params)
+    sp = sub.add_parser("presets", help="list presets")
+    sp.set_defaults(func=cmd_presets)
+    sp = sub.add_parser("config", help="print a preset's config as JSON")
+    sp.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    sp.set_defaults(func=cmd_config)
+
+    _add_cluster(sub)
+    _add_monitor(sub)
 
     sp = sub.add_parser("report", help="HTML page with PNG plots of a pretraining run")
     sp.add_argument("run_dir", help="the run's directory (storage path / run name)")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from .local_ray import HAPROXY_FLAG
+
 API_VERSION = "ray.io/v1"
 SERVE_PORT = 8000  # KubeRay's Serve Service and its readiness probe use this port
 KINDS = ("RayCluster", "RayJob", "RayService")
@@ -127,8 +129,6 @@ def rayservice_manifest(base: str | os.PathLike, serve_config: str | os.PathLike
     the model directory `model_path` (a path inside the pods, e.g. on the shared volume).
     `haproxy`: Serve's direct ingress with HAProxy on every pod (its variable in every
     container's environment; each pod is a machine of its own, so Ray's HAProxy ports stay)."""
-    from k3.platform.ops.local_ray import HAPROXY_FLAG
-
     if not model_path or not model_path.startswith("/"):
         raise ValueError(f"--model-path must be an absolute path inside the pods (e.g. /mnt/k3/models/k3-small), "
                          f"got {model_path!r}")
