@@ -41,8 +41,8 @@ from .detokenizer import Detokenizer, StopMatcher
 from .graphs import DecodeGraph
 from .handoff import Handoff, HybridCacheState, PoolPage, PoolRun
 from .prompt_media import MediaRowCache, MediaSpan, SequenceMedia, check_item, media_spans
-from .params import EngineConfig, SamplingParams
-from .sampler import SampleRow, sample
+from .params import EngineConfig, SamplingParams, own_copy
+from .sampler import Draw, SampleRow, sample
 from .scheduler import Scheduled, Scheduler, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class RequestOutput:
     text: str = ""
     finished: bool = False
     # "stop" | "length" | "error"; None while running, and for a prefill-only request that ends
-    # by handing its state over (cache_state set). An aborted request gets no more outputs.
+    # by handing its state over (cache_state set). An aborted request gets no more outputs (but
+    # `generate`'s final one, "abort").
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top": {id: lp}}
     prompt_tokens: int = 0
@@ -137,6 +138,9 @@ class LLMEngine:
             bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if params.min_tokens and len(set(self._banned_early(params))) >= self.cfg.vocab_size:
+            raise ValueError(f"stop_token_ids (with EOS) are every token of the vocabulary, and min_tokens="
+                             f"{params.min_tokens} bans them until then: no token could be sampled")
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_len} (prompt + at least 1 new)")
         if params.stop and self.detok is None:
@@ -188,7 +192,7 @@ class LLMEngine:
         """Queue a request; returns its id. With prefill_only the request ends after its first
         token with `cache_state` set (or finished normally, if that token already ends it).
         `media`: the prompt's images / video chunks (k3.model.vision_processor), in placeholder order."""
-        params = params or SamplingParams()
+        params = own_copy(params)
         ids = self.validate(prompt_token_ids, params)
         positions, spans = self.media_spans(ids, media)
         seq = self._new_sequence(request_id, ids, params)
@@ -204,7 +208,7 @@ class LLMEngine:
         completely (handoff.py) before anything is allocated: a mismatch raises ValueError and
         changes nothing. `owned`: the caller gives the state up (the engine process's reader,
         which unpickled it), so only its read-only arrays are copied before they are checked."""
-        params = params or SamplingParams()
+        params = own_copy(params)
         ids = self.validate(prompt_token_ids, params)
         t0 = time.perf_counter()
         imported = self.handoff.check_state(state, ids, params, owned=owned)
@@ -305,7 +309,12 @@ class LLMEngine:
             self.scheduler.after_step(s, snaps.get(i, {}))
         seqs = [sched[i].seq for i in sample_idx]
         rows = [SampleRow(s.params, s.generator, self._banned(s), s.output) for s in seqs]
-        draws = sample(logits, rows, self.generator) if seqs else []
+        try:
+            draws = sample(logits, rows, self.generator) if seqs else []
+        except Exception as e:  # noqa: BLE001 - the sampler checks each row; this is its last line of defence
+            # the chunks are computed (after_step above): these sequences cannot be stepped again
+            # without a token, so they fail; the engine and every other request go on
+            draws = [Draw(None, None, f"sampling failed: {type(e).__name__}: {e}")] * len(seqs)
         for seq, d in zip(seqs, draws):
             if d.error is not None:
                 self._fail(seq, d.error)
@@ -442,10 +451,15 @@ class LLMEngine:
         return True
 
     def _banned(self, seq: Sequence) -> list[int]:
-        p, eos = seq.params, self.cfg.eos_token_id
+        if len(seq.output) >= seq.params.min_tokens:
+            return [self.cfg.media_placeholder_token_id] if self.multimodal else []
+        return self._banned_early(seq.params)
+
+    def _banned_early(self, p: SamplingParams) -> list[int]:
+        """Tokens a request may not produce before its min_tokens: the media placeholder (always),
+        its stop ids and EOS."""
+        eos = self.cfg.eos_token_id
         always = [self.cfg.media_placeholder_token_id] if self.multimodal else []
-        if len(seq.output) >= p.min_tokens:
-            return always
         return always + list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
 
     def _accept(self, seq: Sequence, tok: int, lp: dict | None) -> None:
@@ -528,7 +542,10 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  media: list[list[MediaItem] | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); the final output of each, in order.
-        Every prompt is validated before any is queued. `media[i]`: prompt i's items."""
+        Every prompt is validated before any is queued. `media[i]`: prompt i's items. A request
+        aborted meanwhile (`abort_request` from another thread) ends with finish_reason "abort"
+        and what it had generated. It steps the engine itself: outputs of requests queued by other
+        callers are consumed and dropped (use `step` for those)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
@@ -544,12 +561,20 @@ class LLMEngine:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         rids = [self.add_request(None, p, sp, media=m) for p, sp, m in zip(prompts, plist, mlist)]
+        with self._lock:
+            seqs = dict(zip(rids, (self._live.get(r) for r in rids)))  # None: aborted already
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(rids):
+        while True:
+            for (r, seq), p in zip(seqs.items(), prompts):
+                if r not in final and (seq is None or seq.aborted):  # no output of it will come
+                    final[r] = RequestOutput(r, [], list(seq.output) if seq else [], "", seq.text if seq else "",
+                                             True, "abort", [], len(p), seq.num_cached_tokens if seq else 0)
+            if len(final) == len(rids):
+                return [final[r] for r in rids]
             for o in self.step():
-                if o.finished:
+                if o.finished and o.request_id in seqs:
                     final[o.request_id] = o
-        return [final[r] for r in rids]
+
 
     def stats(self) -> dict:
         u, g = self.cache.usage(), self.decode_graph

@@ -412,7 +412,7 @@ class Handoff:
 
     def _check_seal(self, state: HybridCacheState) -> None:
         if state.version != STATE_VERSION:
-            _refuse(f"version {state.version}, this engine reads version {STATE_VERSION}")
+            _refuse(f"version {state.version!r}, this engine reads version {STATE_VERSION}")
         if state.model_fingerprint != self.fingerprint:
             _refuse(f"model fingerprint {state.model_fingerprint} != this engine's {self.fingerprint} "
                     f"(another config, other weights or another cache dtype)")
@@ -473,6 +473,12 @@ class Handoff:
         vocab = self.cfg.vocab_size
         if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
             _refuse(f"first_token {tok!r} is not a token id in [0, {vocab})")
+        eos = self.cfg.eos_token_id
+        if params.min_tokens > 0 and (tok in params.stop_token_ids or (tok == eos and not params.ignore_eos)):
+            _refuse(f"first_token {tok} ends the request, which min_tokens={params.min_tokens} forbids: the "
+                    f"prefill engine sampled it under other params")
+        if self.multimodal and tok == self.cfg.media_placeholder_token_id:
+            _refuse(f"first_token {tok} is the media placeholder, which no engine samples")
         if (params.logprobs is None) != (lp is None):
             _refuse(f"first_logprob is {'missing' if lp is None else 'given'} for a request with "
                     f"logprobs={params.logprobs}")

@@ -66,6 +66,17 @@ class SamplingParams(BaseModel):
         return self.temperature < GREEDY_BELOW
 
 
+def own_copy(params: SamplingParams | None) -> SamplingParams:
+    """A checked copy of a request's params for the engine to keep: pydantic checks a model when it
+    is built, not when a field is set afterwards (`params.temperature = float("nan")`) or a list
+    or dict field is changed in place, and a caller may reuse its object for the next request."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    return SamplingParams.model_validate(params.model_dump())
+
+
 class EngineConfig(BaseModel):
     """Scheduling and memory of one engine."""
 

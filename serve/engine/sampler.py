@@ -7,10 +7,12 @@ tokens set to -inf; a row that asks for none of it is not touched, so its draw i
 what it was before these existed. Logprobs are those of the adjusted logits (before temperature).
 
 Greedy rows (temperature below GREEDY_BELOW) take the argmax; sampled rows are divided by their
-own temperature, cut to their own top-k and top-p in one sort, and drawn: rows without a seed
-in one `multinomial` call on the engine's generator, seeded rows each from their own generator
-(so a seeded request draws the same numbers alone or in any batch). A row whose logits hold NaN
-or +inf gets an error instead of a token; the other rows are unaffected.
+own temperature, cut to their own top-k and top-p in one sort (the most likely token always
+kept), and drawn: rows without a seed in one `multinomial` call on the engine's generator,
+seeded rows each from their own generator (so a seeded request draws the same numbers alone or
+in any batch). A row whose logits hold NaN or +inf, that has no token left, or whose
+probabilities are not a distribution gets an error instead of a token; the other rows are
+unaffected.
 """
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from .params import SamplingParams
+
+
+NON_FINITE = "the model produced non-finite logits for this request"
+NOTHING_LEFT = "no token is left to choose: every token is banned (stop_token_ids and EOS before min_tokens) or -inf"
+NO_DISTRIBUTION = "this request's temperature, top_k and top_p left no token with a positive, finite probability"
 
 
 @dataclass
@@ -76,7 +83,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
     # One pass gives every row's max and its first index: the greedy rows' tokens (argmax's
     # choice on ties) come with the check.
     top_value, top_index = logits.max(-1)
-    bad = [not math.isfinite(m) for m in top_value.tolist()]
+    errors: list[str | None] = [None if math.isfinite(m) else NOTHING_LEFT if m == -math.inf else NON_FINITE
+                                for m in top_value.tolist()]
+    bad = [e is not None for e in errors]
     tokens = [None] * M
     greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
     if greedy:
@@ -86,6 +95,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
     sampled = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
     if sampled:
         probs = _probs(logits[sampled], [params[i] for i in sampled])
+        # A row whose probabilities are not a distribution fails alone rather than the batch's
+        # multinomial (which raises for every row); _probs keeps each row's top token, so this is
+        # a last line of defence, not a path any valid parameters take.
+        drawable = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()
+        if not all(drawable):
+            for j in [j for j, ok in enumerate(drawable) if not ok]:
+                errors[sampled[j]], bad[sampled[j]] = NO_DISTRIBUTION, True
+            keep = [j for j, ok in enumerate(drawable) if ok]
+            sampled, probs = [sampled[j] for j in keep], probs[keep]
         unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
         if unseeded:
             drawn = torch.multinomial(probs[unseeded], 1, generator=shared)[:, 0].tolist()
@@ -106,8 +124,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
             if k:
                 entry["top"] = {int(t): float(v) for v, t in zip(top.values[j, :k], top.indices[j, :k])}
             lps[i] = entry
-    return [Draw(tokens[i], lps.get(i), "the model produced non-finite logits for this request" if bad[i] else None)
-            for i in range(M)]
+    return [Draw(tokens[i], lps.get(i), errors[i]) for i in range(M)]
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -125,7 +142,9 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         # Rows with top_p = 1 keep everything: cumsum can round to 1 before the tail, and a row's
         # result must not depend on the other rows in its batch.
-        drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+        # The first token stays whatever top_p is: a top_p below float32's smallest number (1e-300
+        # passes the (0, 1] check) is 0 here, and dropping every token left NaN to draw from.
+        drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None] & (rank > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return out.softmax(-1)

@@ -81,13 +81,112 @@ def test_unusable_sampling_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_every_token_banned_fails_the_request_alone(tiny_model):
-    # min_tokens bans the stop ids; a request that bans the whole vocabulary cannot sample
+def test_every_token_banned_is_refused_up_front_and_at_the_draw_fails_alone(tiny_model):
+    # min_tokens bans the stop ids: a request that bans the whole vocabulary could never sample,
+    # which is the request's own mistake (a 400 at the API), said before it runs
     eng = LLMEngine(tiny_model)
-    vocab = list(range(tiny_model.cfg.vocab_size))
-    outs = run_all(eng, [([1, 2, 3], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=vocab)),
-                         ([4, 5, 6], SamplingParams(max_tokens=3, temperature=0))])
-    assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length"
+    V = tiny_model.cfg.vocab_size
+    with pytest.raises(ValueError, match="stop_token_ids.*min_tokens=2"):
+        eng.add_request(None, [1, 2, 3], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=list(range(V))))
+    eng.add_request(None, [1, 2, 3], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[0] * V))  # not all
+    # a row with nothing left at the draw (the sampler's own check) fails alone, saying why
+    from k3.serve.engine.sampler import SampleRow, sample
+    logits = torch.randn(2, V)
+    logits[0] = float("-inf")
+    draws = sample(logits, [SampleRow(SamplingParams(), None, [], []), SampleRow(GREEDY, None, [], [])],
+                   torch.Generator())
+    assert draws[0].token is None and "no token is left" in draws[0].error
+    assert draws[1].token == int(logits[1].argmax()) and draws[1].error is None
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token_and_fails_no_one(tiny_model):
+    # 1e-300 passes top_p's (0, 1] check and is 0 in float32: every token was dropped, the batch's
+    # draw raised out of step() for every request, step after step
+    good, tiny = prompts(3, seed=4), SamplingParams(max_tokens=6, top_p=1e-300)
+    eng = LLMEngine(tiny_model)
+    outs = run_all(eng, [(good[0], GREEDY), (good[1], tiny), (good[2], SamplingParams(max_tokens=6, top_p=1e-300,
+                                                                                         seed=5))])
+    want = LLMEngine(tiny_model).generate(good, SamplingParams(max_tokens=6, temperature=0))
+    same_output(outs[0], LLMEngine(tiny_model).generate([good[0]], GREEDY)[0])
+    assert [o.token_ids for o in outs[1:]] == [w.token_ids for w in want[1:]]  # the nucleus is the top token
+
+
+def test_a_sampler_that_raises_fails_that_steps_rows_and_nothing_else(tiny_model, monkeypatch):
+    """The engine's last line of defence: a draw that raises (a sampler bug) fails the requests it
+    was drawing for; the engine, the chunks of longer prompts in the same step and later requests
+    go on, and no request takes a token computed for another (the chunk was counted before the
+    draw: stepping on without one sampled from the wrong row)."""
+    import k3.serve.engine.engine as engine_module
+
+    def sample(logits, rows, shared):
+        if any(r.params.top_k == 7 for r in rows):
+            raise RuntimeError("a sampler bug")
+        return real(logits, rows, shared)
+
+    real = engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", sample)
+    short, marked, long_ = [5, 6, 7, 8], [1, 2, 3, 4], list(range(100, 200))
+    cfg = EngineConfig(max_num_batched_tokens=16)
+    ref = LLMEngine(tiny_model, cfg).generate([short, long_], GREEDY)
+    eng = LLMEngine(tiny_model, cfg)
+    before = eng.stats()
+    outs = run_all(eng, [(short, GREEDY), (marked, SamplingParams(max_tokens=6, top_k=7)), (long_, GREEDY)])
+    assert [o.finish_reason for o in outs[:2]] == ["error", "error"] and "a sampler bug" in outs[1].error
+    same_output(outs[2], ref[1])  # its chunk rode in the failed step
+    assert eng.stats()["pages_in_use"] == 0 and eng.stats()["running_slots_free"] == before["running_slots_free"]
+    same_output(run_all(eng, [(short, GREEDY)])[0], ref[0])
+
+
+def test_params_changed_after_they_were_given_change_nothing(tiny_model):
+    """pydantic checks SamplingParams when built, not when a field is set later: the engine keeps a
+    checked copy, so a caller's later change neither reaches a running request nor gets past the
+    checks."""
+    eng = LLMEngine(tiny_model)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    eng.add_request("a", [1, 2, 3], sp)
+    eng.step()
+    sp.max_tokens, sp.stop_token_ids = 8, [5]
+    sp.stop_token_ids.append(10**9)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.add_request("b", [1, 2, 3], sp)
+    sp.stop_token_ids.pop()
+    sp.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add_request("b", [1, 2, 3], sp)
+    rest = []
+    while eng.has_unfinished():  # nothing queued but "a"
+        rest += eng.step()
+    assert {o.request_id for o in rest} == {"a"} and rest[-1].finished and len(rest[-1].token_ids) == 3
+
+
+class AbortsGenerated(nn.Module):
+    """The tiny model; at its forward number `at`, another thread aborts req-0 (generate's first)."""
+
+    def __init__(self, model, at):
+        super().__init__()
+        self.inner, self.cfg, self.at, self.calls = model, model.cfg, at, 0
+        self.engine: LLMEngine | None = None
+
+    def forward(self, *args, **kw):
+        self.calls += 1
+        if self.calls == self.at:
+            t = threading.Thread(target=self.engine.abort_request, args=("req-0",))
+            t.start()
+            t.join()
+        return self.inner(*args, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_generate_returns_when_another_thread_aborts_one_of_its_requests(tiny_model):
+    # it waited for every request's final output, and an aborted request has none: it stepped forever
+    model = AbortsGenerated(tiny_model, at=4)
+    eng = model.engine = LLMEngine(model, EngineConfig(compile_decode=False))
+    p = prompts(2, seed=6)
+    outs = eng.generate(p, SamplingParams(max_tokens=30, temperature=0))
+    alone = LLMEngine(tiny_model).generate(p, SamplingParams(max_tokens=30, temperature=0))
+    assert outs[0].finish_reason == "abort" and outs[0].finished and outs[0].prompt_tokens == len(p[0])
+    assert 0 < len(outs[0].token_ids) < 30 and outs[0].token_ids == alone[0].token_ids[:len(outs[0].token_ids)]
+    assert outs[1].token_ids == alone[1].token_ids and not eng.has_unfinished()
 
 
 def test_empty_request_id_and_bad_generate_batches_change_nothing(tiny_model):

@@ -179,6 +179,10 @@ BAD_STATES = {  # case -> f(model, good state, its prompt) -> (state, prompt, pa
     "page_size": lambda m, s, p: (tampered(s, page_size=16), p, GREEDY),
     "cache_dtype": lambda m, s, p: (tampered(s, cache_dtype="bfloat16"), p, GREEDY),
     "version": lambda m, s, p: (tampered(s, version=99), p, GREEDY),
+    "version as text": lambda m, s, p: (tampered(s, version=str(s.version)), p, GREEDY),
+    # the prefill engine bans stop ids before min_tokens: this first token was sampled under other params
+    "a first token min_tokens forbids": lambda m, s, p: (
+        s, p, SamplingParams(**{**GREEDY.model_dump(), "min_tokens": 2, "stop_token_ids": [s.first_token]})),
     "first_logprob": lambda m, s, p: (tampered(s, first_logprob={**s.first_logprob, "token": s.first_token + 1}),
                                       p, GREEDY),
     "no generator state": lambda m, s, p: (s, p, SEEDED),  # a seeded request needs one; this state has none
@@ -204,6 +208,15 @@ def test_a_mismatched_state_is_refused_and_changes_nothing(tiny_model, handed, c
     assert b.stats() == before and not b.has_unfinished()
     toks, _ = joined(decode(b, prompt, state, GREEDY))  # the good state still goes in
     assert len(toks) == GREEDY.max_tokens
+
+
+def test_refusals_name_the_value(tiny_model, handed):
+    prompt, state = handed
+    for case, says in [("version as text", f"version '{state.version}'"), ("a first token min_tokens forbids",
+                                                                           "min_tokens=2 forbids")]:
+        bad, p, params = BAD_STATES[case](tiny_model, state, prompt)
+        with pytest.raises(ValueError, match=says):
+            LLMEngine(tiny_model, CFG).import_request(None, p, bad, params)
 
 
 @pytest.mark.parametrize("case", ["another key", "resealed without the key"])
