@@ -3,7 +3,7 @@ names), the form a trained model is served and shared in. Tokenizer files beside
 (`tokenizer.json`, `tokenizer_config.json`) belong to whoever wrote the directory.
 
 Training checkpoints (DeepSpeed state, expert shards, optimizer) are a different thing, read by
-k3.platform; `k3 export` turns one into this directory.
+k3.platform; `k3.platform.train.export.export_model` turns one into this directory.
 """
 from __future__ import annotations
 
