@@ -45,7 +45,8 @@ def moe_schedule(num_layers: int, first_k_dense: int) -> list[str]:
 _FIELD_KINDS = {
     "bool": ("a bool (true or false)", lambda v: isinstance(v, bool)),
     "int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "float": ("a finite number",
+              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
 }
