@@ -58,7 +58,15 @@ p.add_argument("--summary-json", help="also write the summary here (with the sam
 args = p.parse_args()
 
 # 1. Config, validated before anything starts.
-fields = json.loads(Path(args.config).read_text()) if args.config else {}
+fields = {}
+if args.config:
+    try:
+        fields = json.loads(Path(args.config).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        sys.exit(f"pretrain: --config {args.config}: cannot read it as JSON ({e})")
+    if not isinstance(fields, dict):
+        sys.exit(f"pretrain: --config {args.config}: must be a JSON object of TrainConfig fields, "
+                 f"got {type(fields).__name__}")
 for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"),
                   ("ep_size", "ep_size"), ("context_parallel", "context_parallel"),
                   ("zero_stage", "zero_stage"), ("micro_batch", "micro_batch"), ("steps", "steps"), ("lr", "lr"),
@@ -70,13 +78,13 @@ for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "da
                   ("text_every", "text_every")]:
     if getattr(args, flag) is not None:
         fields[key] = getattr(args, flag)
-if args.balance:
+if args.balance and isinstance(fields.get("balance", {}), dict):  # else TrainConfig names the bad balance
     fields["balance"] = {**fields.get("balance", {}), "method": args.balance}
 try:
     cfg = TrainConfig(**fields)
     data_info = cfg.check()
 except ValueError as e:
-    sys.exit(f"pretrain: invalid configuration: {e}")
+    sys.exit(f"pretrain: invalid configuration{f' (--config {args.config})' if args.config else ''}: {e}")
 sequences = cfg.micro_batch * cfg.num_workers // cfg.context_parallel
 print(f"pretrain: {cfg.init_from or cfg.preset}, {cfg.num_workers} workers, ep_size {cfg.ep_size}, "
       f"context_parallel {cfg.context_parallel}, ZeRO-{cfg.zero_stage}, "

@@ -60,10 +60,7 @@ class CheckpointReader:
         except Exception as e:  # safetensors' own error type says neither file nor tensor
             raise ValueError(f"{self.where(name)}: cannot read the tensor ({e})") from e
         self.reads[name] += 1
-        if t.is_floating_point() and t.numel():
-            lo, hi = torch.aminmax(t.reshape(-1))  # NaN propagates into both, inf shows in one
-            if not (torch.isfinite(lo) and torch.isfinite(hi)):
-                raise ValueError(f"{self.where(name)}: non-finite values (NaN or inf); k3 loads exact weights only")
+        require_finite(t, self.where(name))
         return t
 
     def _open(self, file: str):
@@ -71,3 +68,12 @@ class CheckpointReader:
             return safe_open(self.path / file, "pt")
         except Exception as e:  # a truncated shard fails here, in safetensors' words only
             raise ValueError(f"{file}: cannot read {self.path / file} as safetensors ({e})") from e
+
+
+def require_finite(t: torch.Tensor, where: str) -> None:
+    """A ValueError naming `where` ('FILE: TENSOR') when a floating tensor holds NaN or inf; every
+    k3 loader checks each tensor it reads with this."""
+    if t.is_floating_point() and t.numel():
+        lo, hi = torch.aminmax(t.reshape(-1))  # NaN propagates into both, inf shows in one
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            raise ValueError(f"{where}: non-finite values (NaN or inf); k3 loads exact weights only")

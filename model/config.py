@@ -41,6 +41,23 @@ def moe_schedule(num_layers: int, first_k_dense: int) -> list[str]:
     return ["dense"] * first_k_dense + ["moe"] * (num_layers - first_k_dense)
 
 
+# A field's annotation -> (what the error says it must be, the test of a non-None value).
+_FIELD_KINDS = {
+    "bool": ("a bool (true or false)", lambda v: isinstance(v, bool)),
+    "int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a finite number",
+              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+}
+
+
+def _annotation(ann: str) -> tuple[str, bool]:
+    """('int', True) for 'int | None': a field's type name and whether None is allowed."""
+    kind = ann.removesuffix(" | None")
+    return kind, kind != ann
+
+
 @dataclass
 class K3Config:
     """Every architectural choice of a K3-family model. Field docs say what each switch does."""
@@ -112,6 +129,10 @@ class K3Config:
             if not ok:
                 raise ValueError(f"K3Config.{fld}: {msg}")
 
+        self._check_types()
+        for fld in ("rms_norm_eps", "mla_norm_eps", "initializer_range", "routed_scaling", "situ_b1", "situ_b2"):
+            v = getattr(self, fld)
+            need(v > 0, fld, f"must be positive, got {v!r}")
         for fld in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "kda_num_heads",
                     "kda_head_dim", "kda_conv_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
                     "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
@@ -143,11 +164,10 @@ class K3Config:
         if "moe" in self.mlp_types:
             need(self.num_experts_per_token < self.num_experts, "num_experts_per_token",
                  f"must be smaller than num_experts={self.num_experts}, got {self.num_experts_per_token}")
-            need(self.num_shared_experts >= 0, "num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
         need(self.attn_res_block_size is None or (isinstance(self.attn_res_block_size, int)
                                                    and self.attn_res_block_size >= 1),
              "attn_res_block_size", f"must be None (standard residuals) or >= 1, got {self.attn_res_block_size!r}")
-        need(self.situ_b1 > 0 and self.situ_b2 > 0, "situ_b1", "SiTU-GLU bounds must be positive")
+        need(self.num_shared_experts >= 0, "num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
         if self.vision_config is not None:
             need(isinstance(self.vision_config, K3VisionConfig), "vision_config",
                  f"must be a K3VisionConfig or None, got {type(self.vision_config).__name__}")
@@ -158,6 +178,18 @@ class K3Config:
         for fld in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             v = getattr(self, fld)
             need(v is None or 0 <= v < self.vocab_size, fld, f"must be in [0, vocab_size={self.vocab_size}), got {v}")
+
+    def _check_types(self) -> None:
+        """Each field against its annotation: a JSON "false" is not a bool, true is not an int, and
+        a float is finite. Read from the annotations so a new field is checked without a new line."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            kind, optional = _annotation(f.type)
+            if kind == "K3VisionConfig":  # checked in validate
+                continue
+            if not (optional and v is None or v is not None and _FIELD_KINDS[kind][1](v)):
+                raise ValueError(f"K3Config.{f.name}: must be {_FIELD_KINDS[kind][0]}{' or null' if optional else ''}, "
+                                 f"got {v!r}")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -196,12 +228,24 @@ class K3Config:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "K3Config":
-        p = Path(path_or_text)
-        text = p.read_text() if (not str(path_or_text).lstrip().startswith("{") and p.exists()) else str(path_or_text)
+        """A K3Config from a JSON file, or from JSON text (a string starting with "{")."""
+        where = text = str(path_or_text)
+        where = where or "''"
+        is_file = isinstance(path_or_text, Path) or (not text.lstrip().startswith("{") and Path(text).exists())
+        if is_file:
+            try:
+                text = Path(path_or_text).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where}: cannot read a K3Config JSON file ({e})") from None
+        else:
+            where = "K3Config" if text.lstrip().startswith("{") else f"K3Config {text[:80]!r}"
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"K3Config: not valid JSON ({e})") from None
+            what = "not valid JSON" if is_file or where == "K3Config" else "no such file, and not JSON text"
+            raise ValueError(f"{where}: {what} ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a K3Config must be a JSON object, got {type(d).__name__}")
         return cls.from_dict(d)
 
     def replace(self, **changes: Any) -> "K3Config":

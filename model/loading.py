@@ -61,6 +61,20 @@ def build(cfg: K3Config, ep_rank: int = 0, ep_size: int = 1, seed: int = 0, devi
     return model
 
 
+def require_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """A ValueError naming `where` unless `state` holds exactly the tensors of `model`, each with its
+    shape (before load_state_dict, whose RuntimeError names neither file nor config)."""
+    want = model.state_dict()
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
+    for k, v in want.items():
+        if not torch.is_tensor(state[k]):
+            raise ValueError(f"{where}: {k} is a {type(state[k]).__name__}, not a tensor")
+        if state[k].shape != v.shape:
+            raise ValueError(f"{where}: {k} has shape {tuple(state[k].shape)}, the config makes {tuple(v.shape)}")
+
+
 def checkpoint_format(path: str | Path) -> str:
     """'training', 'k3', 'k3-release' or 'kimi-linear'; a ValueError for anything else."""
     root = Path(path)

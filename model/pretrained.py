@@ -3,18 +3,19 @@ names), the form a trained model is served and shared in. Tokenizer files beside
 (`tokenizer.json`, `tokenizer_config.json`) belong to whoever wrote the directory.
 
 Training checkpoints (DeepSpeed state, expert shards, optimizer) are a different thing, read by
-k3.platform; `k3 export` turns one into this directory.
+k3.platform; `k3.platform.train.export.export_model` turns one into this directory.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from .checkpoint_reader import CheckpointReader
 from .config import K3Config
 from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
-from .loading import model_class
+from .loading import model_class, require_state
 from .model import K3ForCausalLM, load_dtype
 from .moe import require_all_experts
 from .multimodal import K3ForConditionalGeneration
@@ -54,19 +55,12 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
             raise ValueError(f"{root}: not a k3 model directory (no {name})")
     cfg = K3Config.from_json(root / CONFIG)
     cls = model_class(cfg, vision)
-    state = load_file(str(root / WEIGHTS), device=str(device))
-    if cfg.vision_config is not None and cls is K3ForCausalLM:  # the language model alone
-        state = {k[len("language_model."):]: v for k, v in state.items() if k.startswith("language_model.")}
+    reader = CheckpointReader(root)  # names the file and tensor of an unreadable or non-finite tensor
+    prefix = "language_model." if cfg.vision_config is not None and cls is K3ForCausalLM else ""  # the LM alone
+    state = {k[len(prefix):]: reader.get(k).to(device) for k in reader.keys() if k.startswith(prefix)}
     with torch.device("meta"):
         model = cls(cfg)
-    want = set(model.state_dict())
-    missing, extra = sorted(want - set(state)), sorted(set(state) - want)
-    if missing or extra:
-        raise ValueError(f"{root / WEIGHTS}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
-    for k, v in model.state_dict().items():
-        if state[k].shape != v.shape:
-            raise ValueError(f"{root / WEIGHTS}: {k} has shape {tuple(state[k].shape)}, the config makes "
-                             f"{tuple(v.shape)}")
+    require_state(model, state, str(root / WEIGHTS))
     state = {k: v.to(load_dtype(k, v.dtype, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.source = Source(root, "k3")

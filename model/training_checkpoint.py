@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint_reader import require_finite
 from .config import K3Config
 from .directory import Source
 from .model import K3ForCausalLM, load_dtype
@@ -69,8 +70,19 @@ def read_experts(path: str | Path, map_location: str | torch.device = "cpu"
     if len(parts) != n or any(p.name != expert_file(r, n) for r, p in enumerate(parts)):
         raise ValueError(f"{d}: expected the {n} files {expert_file(0, n)} .. {expert_file(n - 1, n)}, found "
                          f"{[p.name for p in parts]}")
-    shards = [torch.load(p, map_location=map_location, weights_only=False) for p in parts]
-    weights = {key: torch.cat([s["weights"][key] for s in shards], dim=0) for key in shards[0]["weights"]}
+    shards = [_read(p, map_location, weights_only=False) for p in parts]
+    for p, s in zip(parts, shards):
+        if not (isinstance(s, dict) and isinstance(s.get("weights"), dict) and isinstance(s.get("optimizer"), dict)):
+            raise ValueError(f"{p}: not a k3 expert file (a dict of 'weights' and 'optimizer')")
+        if set(s["weights"]) != set(shards[0]["weights"]):
+            raise ValueError(f"{p}: holds other expert tensors than {parts[0].name} "
+                             f"({sorted(set(s['weights']) ^ set(shards[0]['weights']))[:5]})")
+        for key, t in s["weights"].items():
+            require_finite(t, f"{p}: {key}")
+    try:
+        weights = {key: torch.cat([s["weights"][key] for s in shards], dim=0) for key in shards[0]["weights"]}
+    except RuntimeError as e:  # shapes that do not merge along the expert axis
+        raise ValueError(f"{d}: expert files do not merge along the expert axis ({e})") from e
     opt: dict[str, dict] = {}
     for key, st0 in shards[0]["optimizer"].items():
         opt[key] = {k: (torch.cat([s["optimizer"][key][k] for s in shards], dim=0)
@@ -78,17 +90,29 @@ def read_experts(path: str | Path, map_location: str | torch.device = "cpu"
     return weights, opt
 
 
+def _read(path: Path, map_location, weights_only: bool = True) -> Any:
+    """torch.load, with an unreadable file (truncated, empty, not torch's) a ValueError naming it."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... naming no file
+        raise ValueError(f"{path}: cannot read it as a torch file ({type(e).__name__}: {e})") from e
+
+
 def load_training_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                              vision: bool | None = None):
     """A training checkpoint as one single-process model holding every expert (k3.model.load
     calls this; use that)."""
-    from .loading import model_class
+    from .loading import model_class, require_state
 
     d = model_dir(path)
     cfg = read_config(path)
     if not (d / SHARED).is_file():
         raise ValueError(f"{d}: no {SHARED} (an incomplete checkpoint?)")
-    state = torch.load(d / SHARED, map_location=device)
+    state = _read(d / SHARED, device)
+    if not (isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())):
+        raise ValueError(f"{d / SHARED}: not a k3 {SHARED} (a dict of tensors by parameter name)")
+    for key, t in state.items():
+        require_finite(t, f"{d / SHARED}: {key}")
     state.update(read_experts(d, map_location=device)[0])
     cls = model_class(cfg, vision)
     if cfg.vision_config is not None and cls is K3ForCausalLM:  # the language model alone
@@ -97,6 +121,7 @@ def load_training_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         state = {k: v.to(load_dtype(k, v.dtype, dtype)) for k, v in state.items()}
     with torch.device("meta"):
         model = cls(cfg)
+    require_state(model, state, f"{d} ({SHARED} and the expert files, against {CONFIG})")
     model.load_state_dict(state, strict=True, assign=True)
     model.source = Source(Path(path), "training")
     return model

@@ -11,7 +11,7 @@ METHODS = ("quantile", "quantile_hist", "loss_free", "aux_loss", "none")
 class BalanceConfig(BaseModel):
     """How a model balances its routed experts. Loadable from YAML/JSON (`BalanceConfig(**d)`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     method: Literal[METHODS] = Field(
         "quantile_hist",

@@ -151,7 +151,10 @@ def recorded_head(state_path: str | os.PathLike = DEFAULT_STATE):
     p = Path(state_path)
     if not p.exists():
         raise ValueError(f"no k3 cluster recorded in {p}: start one with `k3 cluster up`")
-    return LocalRayHead.from_state(json.loads(p.read_text()))
+    try:
+        return LocalRayHead.from_state(json.loads(p.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{p}: not a k3 cluster state file ({type(e).__name__}: {e})") from None
 
 
 def shell_env(state_path: str | os.PathLike = DEFAULT_STATE) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from .cluster import read_yaml
 from .local_ray import HAPROXY_FLAG
 
 API_VERSION = "ray.io/v1"
@@ -36,10 +37,10 @@ def load_manifest(path: str | os.PathLike, kind: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such manifest")
-    doc = yaml.safe_load(p.read_text())
-    if not isinstance(doc, dict) or doc.get("apiVersion") != API_VERSION or doc.get("kind") != kind:
-        got = (doc.get("apiVersion"), doc.get("kind")) if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{p}: expected apiVersion {API_VERSION} kind {kind}, got {got}")
+    doc = read_yaml(p)
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != kind:
+        raise ValueError(f"{p}: expected apiVersion {API_VERSION} kind {kind}, "
+                         f"got {(doc.get('apiVersion'), doc.get('kind'))}")
     return doc
 
 
@@ -50,7 +51,7 @@ def load_serve_config(serve_config: str | os.PathLike) -> dict:
     p = Path(serve_config)
     if not p.is_file():
         raise ValueError(f"{p}: no such Serve config")
-    cfg = yaml.safe_load(p.read_text())
+    cfg = read_yaml(p)
     try:
         ServeDeploySchema.model_validate(cfg)
     except Exception as e:  # pydantic's ValidationError, as Ray Serve raises it

@@ -18,9 +18,10 @@ absolute and refuses a relative one inside a Ray job, where the working director
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from k3.model import K3Config, get_preset, load_config
 from k3.model.config import PRESETS
@@ -35,7 +36,8 @@ from .vision_data import read_vision_info
 class TrainConfig(BaseModel):
     """Everything a pretraining run needs; validated on the driver before any worker starts."""
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: an lr, clip or decay of inf (or NaN) is refused here, naming the field
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
                         "kimi-linear-48b-a3b).")
@@ -86,6 +88,23 @@ class TrainConfig(BaseModel):
                                    "media step (from <data>/media, jobs/prepare_data.py --vision).")
     text_every: int = Field(4, ge=1, description="Multimodal presets: every text_every-th step is a text batch, the "
                             "others image/video batches (1: text only). Text batches still run the vision tower.")
+
+    @field_validator("model_overrides")
+    @classmethod
+    def _known_model_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - {f.name for f in dataclasses.fields(K3Config)})
+        if unknown:
+            raise ValueError(f"model_overrides: {unknown} are not K3Config fields")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _one_directory_name(cls, v: str) -> str:
+        # k3 and Ray Train both find the run at <storage_path>/<name>: an empty name would make
+        # storage_path itself the run, and a path (a/b, ../x, /x) would put it somewhere else.
+        if v in ("", ".", "..") or any(c in v for c in "/\\\0"):
+            raise ValueError(f"name (--name) must be one plain directory name under storage_path, got {v!r}")
+        return v
 
     def model_cfg(self) -> K3Config:
         if self.init_from:

@@ -151,3 +151,54 @@ def test_incomplete_training_checkpoint_is_named(tmp_path):
     (path / "k3" / "shared.pt").unlink()
     with pytest.raises(ValueError, match="no shared.pt"):
         k3.model.load(path)
+
+
+def truncate(p):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def put_nan(p):
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file, save_file
+        st = load_file(str(p))
+        st["lm_head.weight"][0, 0] = float("nan")
+        save_file(st, str(p))
+    else:
+        st = torch.load(p)
+        weights = st.get("weights", st)  # an expert file keeps them beside its optimizer state
+        weights[next(iter(weights))][0, 0] = float("nan")
+        torch.save(st, p)
+
+
+def drop_first_key(p):
+    st = torch.load(p)
+    st.pop(next(iter(st)))
+    torch.save(st, p)
+
+
+@pytest.mark.parametrize("layout,file,damage,match", [
+    ("k3", "model.safetensors", truncate, "model.safetensors as safetensors"),
+    ("k3", "model.safetensors", lambda p: p.write_bytes(b""), "model.safetensors as safetensors"),
+    ("k3", "model.safetensors", lambda p: p.write_bytes(b"\0" * 1000), "model.safetensors as safetensors"),
+    ("k3", "model.safetensors", put_nan, "model.safetensors: lm_head.weight: non-finite"),
+    ("training", "k3/shared.pt", truncate, "shared.pt: cannot read"),
+    ("training", "k3/shared.pt", lambda p: p.write_bytes(b""), "shared.pt: cannot read"),
+    ("training", "k3/experts-ep1-of-2.pt", truncate, "experts-ep1-of-2.pt: cannot read"),
+    ("training", "k3/shared.pt", put_nan, r"shared.pt: model.embed_tokens.weight: non-finite"),
+    ("training", "k3/experts-ep0-of-2.pt", put_nan, r"experts-ep0-of-2.pt: model.layers.1.mlp.experts.\w+: non-finite"),
+    ("training", "k3/shared.pt", drop_first_key, r"missing tensors \['model.embed_tokens.weight'\]"),
+])
+def test_damaged_checkpoint_is_a_value_error_naming_the_file(layout, file, damage, match, tmp_path):
+    path = write(layout, k3.model.build(tiny(), seed=1), tmp_path / layout)
+    damage(path / file)
+    with pytest.raises(ValueError, match=match):
+        k3.model.load(path)
+
+
+@pytest.mark.parametrize("layout", ["k3", "training"])
+def test_config_that_does_not_match_the_weights_is_named(layout, tmp_path):
+    path = write(layout, k3.model.build(tiny(), seed=1), tmp_path / layout)
+    cfg = path / ("k3/config.json" if layout == "training" else "config.json")
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"num_experts": 8, "num_experts_per_token": 2}))
+    with pytest.raises(ValueError, match=r"mlp.gate.weight has shape \(16, 128\), the config makes \(8, 128\)"):
+        k3.model.load(path)

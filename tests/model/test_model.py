@@ -163,6 +163,38 @@ def test_inconsistent_configs_name_the_field(change, field):
         get_preset("k3-tiny", **change)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("mla_output_gate", "false"), ("tie_word_embeddings", "no"), ("moe_renormalize", 0),
+    ("hidden_size", True), ("hidden_size", 128.0), ("num_shared_experts", 1.5), ("num_shared_experts", "2"),
+    ("num_shared_experts", None), ("eos_token_id", 2.5), ("eos_token_id", "2"), ("layer_types", None),
+    ("layer_types", "kda"), ("rms_norm_eps", float("nan")), ("rms_norm_eps", -1.0), ("rms_norm_eps", "1e-5"),
+    ("mla_norm_eps", 0), ("routed_scaling", float("nan")), ("routed_scaling", float("-inf")),
+    ("initializer_range", float("nan")), ("situ_b1", "4"), ("situ_b2", float("inf")),
+    ("kda_gate_lower_bound", "-5"), ("activation", None),
+])
+def test_config_fields_of_the_wrong_type_or_range_name_the_field(field, value):
+    d = get_preset("k3-tiny").to_dict() | {field: value}
+    with pytest.raises(ValueError, match=f"K3Config.{field}: must be"):
+        K3Config.from_dict(d)
+
+
+@pytest.mark.parametrize("what,match", [
+    ("null", "must be a JSON object"), ("3", "must be a JSON object"), ("[1]", "must be a JSON object"),
+    ("", "cannot read"), ("DIR", "cannot read"), ("BINARY", "cannot read"), ("MISSING", "no such file"),
+    ("BROKEN", "not valid JSON"),
+])
+def test_config_json_that_is_not_a_config_names_the_file(tmp_path, what, match):
+    files = {"DIR": tmp_path, "BINARY": tmp_path / "bin.json", "MISSING": tmp_path / "none.json",
+             "BROKEN": tmp_path / "broken.json"}
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "broken.json").write_text("{")
+    arg = str(files.get(what, what))
+    with pytest.raises(ValueError, match=match) as e:
+        K3Config.from_json(arg)
+    if what in files:
+        assert str(files[what]) in str(e.value)
+
+
 def test_config_json_roundtrip(tmp_path):
     for name in ("k3", "k3-tiny", "kimi-linear-48b-a3b", "k3-small"):
         c = get_preset(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,21 @@ def test_bad_input_is_refused_without_torch(tmp_path, args, rc, message):
     if rc == 1:  # the operational commands' errors are one line
         assert len(err.splitlines()) == 1, err
     assert not imported.intersection(HEAVY), sorted(imported.intersection(HEAVY))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cluster", "rayservice", "--base", "bad.yaml"], "k3: error: bad.yaml: not YAML: "),
+    (["cluster", "rayservice", "--serve-config", "bad.yaml", "--base",
+      str(Path(__file__).resolve().parents[2] / "cluster" / "kuberay" / "rayservice.yaml")],
+     "k3: error: bad.yaml: not YAML: "),
+    (["cluster", "env", "--state", "bad.yaml"], "k3: error: bad.yaml: not a k3 cluster state file (JSONDecodeError"),
+    (["cluster", "status", "--state", "list.json"], "k3: error: list.json: not a k3 cluster state file (TypeError"),
+])
+def test_unreadable_files_are_named_in_one_line(tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    (tmp_path / "list.json").write_text("[1]")
+    code, out, err, imported = run_k3(tmp_path, *args)
+    assert code == 1 and out == "" and len(err.splitlines()) == 1 and err.startswith(message), err
 
 
 def test_params_imports_torch_where_it_counts(tmp_path):

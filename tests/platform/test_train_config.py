@@ -1,0 +1,65 @@
+"""TrainConfig and jobs/pretrain.py refuse what cannot run, naming the field or file, before Ray
+is imported (the checks that need prepared data are in test_pretrain.py)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3.platform.train.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pretrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "jobs/pretrain.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(lr=float("inf")), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(grad_clip=float("inf")), "grad_clip"),
+    (dict(weight_decay=float("inf")), "weight_decay"),
+    (dict(balance={"loss_free_step": float("inf")}), "loss_free_step"),
+    (dict(model_overrides={"foo": 1}), "model_overrides"),
+    (dict(name=""), r"name \(--name\)"),
+    (dict(name="../../x"), r"name \(--name\)"),
+    (dict(name="/tmp/x"), r"name \(--name\)"),
+    (dict(name="a/b"), r"name \(--name\)"),
+    (dict(name=".."), r"name \(--name\)"),
+])
+def test_train_config_refuses_and_names_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**change)
+
+
+def test_a_plain_run_name_is_kept():
+    assert TrainConfig(name="run-1.b").name == "run-1.b"
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "cannot read it as JSON"),
+    ("{", "cannot read it as JSON"),
+    ("[1, 2]", "must be a JSON object of TrainConfig fields, got list"),
+    ('{"model_overrides": {"foo": 1}}', r"model_overrides: \['foo'\] are not K3Config fields"),
+    ('{"lr": 1e999}', "lr"),
+])
+def test_pretrain_config_file_errors_name_the_file(tmp_path, content, match):
+    path = tmp_path / "train.json"
+    if content is not None:
+        path.write_text(content)
+    out = pretrain("--config", str(path))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert str(path) in out.stderr and out.stderr.startswith("pretrain: ")
+    assert re.search(match, out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("name", ["", "../../x", "/tmp/x"])
+def test_pretrain_refuses_a_name_that_is_not_one_directory(name):
+    out = pretrain("--name", name)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "name (--name) must be one plain directory name" in out.stderr
