@@ -1,8 +1,8 @@
 """Token data: a corpus in, fixed-length token shards (Parquet) and a manifest out.
 
 Input: a directory of text files (*.txt, *.py, *.md, ...), a JSONL file or directory of them
-(field `text`), a Parquet file or directory (column `text`), or "bundled" (the Python
-standard library's source). Output directory:
+(field `text`), a Parquet file or directory (column `text` of strings; null rows are skipped),
+or "bundled" (the Python standard library's source). Output directory:
 
     tokenizer.json
     shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
@@ -105,7 +105,16 @@ def iter_texts(kind: str, files: list[Path]) -> Iterator[str]:
                 table = pq.read_table(f, columns=["text"])
             except Exception as e:  # pyarrow raises several types for corrupt files
                 raise ValueError(f"{f}: cannot read a 'text' column from Parquet ({e})") from None
-            yield from (t for t in table.column("text").to_pylist() if t)
+            column = table.column("text")
+            if not _is_strings(column.type):
+                raise ValueError(f"{f}: column 'text' holds {column.type}, not strings")
+            yield from (t for t in column.to_pylist() if t)  # null (and empty) rows are skipped
+
+
+def _is_strings(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):  # a categorical column written by pandas
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 def fingerprint(kind: str, files: list[Path]) -> str:
