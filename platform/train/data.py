@@ -2,7 +2,8 @@
 
 Input: a directory of text files (*.txt, *.py, *.md, ...), a JSONL file or directory of them
 (field `text`), a Parquet file or directory (column `text` of strings; null rows are skipped),
-or "bundled" (the Python standard library's source). Output directory:
+or "bundled" (the Python standard library's source). A directory holds one of these kinds (one
+that mixes them is refused) and not the output directory. Output directory:
 
     tokenizer.json
     shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
@@ -65,7 +66,9 @@ def _files(root: Path, suffixes: set[str]) -> list[Path]:
 
 
 def resolve_input(source: str) -> tuple[str, list[Path]]:
-    """(kind, files) for a corpus path; ValueError naming the problem otherwise."""
+    """(kind, files) for a corpus path; ValueError naming the problem otherwise. A directory holds
+    one kind of file: one that mixes them is refused, naming the kinds, rather than one kind read
+    and the others dropped without a word."""
     if source == "bundled":
         return "bundled", stdlib_corpus().files
     p = Path(source)
@@ -74,14 +77,27 @@ def resolve_input(source: str) -> tuple[str, list[Path]]:
     if p.is_file():
         kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(p.suffix, "text")
         return kind, [p]
-    for kind, suf in (("jsonl", {".jsonl"}), ("parquet", {".parquet"})):
-        files = _files(p, suf)
-        if files:
-            return kind, files
-    files = _files(p, TEXT_SUFFIXES)
-    if not files:
+    found = {kind: files for kind, suf in (("jsonl", {".jsonl"}), ("parquet", {".parquet"}), ("text", TEXT_SUFFIXES))
+             if (files := _files(p, suf))}
+    if not found:
         raise ValueError(f"input directory {source!r} holds no text, .jsonl or .parquet files")
-    return "text", files
+    if len(found) > 1:
+        kinds = ", ".join(f"{len(fs)} {kind} (e.g. {fs[0].relative_to(p)})" for kind, fs in found.items())
+        raise ValueError(f"input directory {source!r} mixes kinds of files: {kinds}; pass a directory (or file) "
+                         f"of one kind")
+    [(kind, files)] = found.items()
+    return kind, files
+
+
+def _check_out(source: str, out: Path) -> None:
+    """Refuse an output directory inside the input directory: a rerun would read its shards (and
+    a killed writer's stage beside it) as input."""
+    if source == "bundled" or not Path(source).is_dir():
+        return
+    src, dest = Path(source).resolve(), out.resolve()
+    if dest == src or src in dest.parents:
+        raise ValueError(f"output directory {str(out)!r} is inside input directory {source!r}: a rerun would "
+                         f"read its shards as input; pass an output directory outside the input")
 
 
 def iter_texts(kind: str, files: list[Path]) -> Iterator[str]:
@@ -237,6 +253,7 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out = Path(out_dir)
+    _check_out(source, out)
     kind, files = resolve_input(source)
     fp = fingerprint(kind, files)
     # The special tokens are a setting: data made before a new one (the media tokens) is rebuilt.

@@ -1,7 +1,8 @@
 """Prepared token data (jobs/prepare_data.py, k3.platform.train.data.prepare): a rerun with the same
 input is a no-op, a prepare killed midway leaves the previous version whole (and no half-written
 manifest to trust), the rerun after the kill redoes the work, and bad input (a Parquet `text`
-column of other types) is refused in one line naming it."""
+column of other types, a directory of mixed kinds, an output inside the input) is refused in one
+line naming it."""
 from __future__ import annotations
 
 import re
@@ -35,9 +36,26 @@ def parquet(path: Path, column: pa.Array) -> Path:
     return path
 
 
+def records(path: Path) -> Path:
+    path.write_text('{"text": "a record"}\n' * 100)
+    return path
+
+
 def ints_parquet(root: Path) -> tuple[Path, Path]:
     """(input, out) of a Parquet file whose `text` column holds integers."""
     return parquet(root / "ints.parquet", pa.array([1, 2, 3])), root / "data"
+
+
+def mixed_dir(root: Path) -> tuple[Path, Path]:
+    """(input, out) of a directory of text files and a JSONL file."""
+    src = corpus(root)
+    records(src / "meta.jsonl")
+    return src, root / "data"
+
+
+def out_inside(root: Path) -> tuple[Path, Path]:
+    src = corpus(root)
+    return src, src / "prepared"
 
 
 def assert_usable(data: Path):
@@ -129,7 +147,28 @@ def test_a_parquet_text_column_is_read_without_its_null_rows(tmp_path, column):
     assert (m.num_tokens, m.tokenizer_hash) == (plain.num_tokens, plain.tokenizer_hash)
 
 
-@pytest.mark.parametrize("bad_input", [ints_parquet])
+@pytest.mark.parametrize("name, kind, write", [("meta.jsonl", "jsonl", records),
+                                               ("rows.parquet", "parquet", lambda p: parquet(p, pa.array(TEXTS)))])
+def test_a_directory_of_mixed_kinds_is_refused_naming_them(tmp_path, name, kind, write):
+    src = corpus(tmp_path)
+    write(src / name)
+    found = f"1 {kind} (e.g. {name}), 2 text (e.g. a.txt)"
+    with pytest.raises(ValueError, match=re.escape(f"mixes kinds of files: {found}")):
+        prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("out", ["prepared", "nested/prepared", "."])
+def test_an_output_directory_inside_the_input_is_refused_naming_both(tmp_path, out):
+    src = corpus(tmp_path)
+    before = tree_bytes(tmp_path)
+    with pytest.raises(ValueError, match="is inside input directory") as e:
+        prepare(str(src), src / out, seq_len=16, **SETTINGS)
+    assert str(src / out) in str(e.value) and repr(str(src)) in str(e.value)
+    assert tree_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("bad_input", [ints_parquet, mixed_dir, out_inside])
 def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, bad_input):
     src, out = bad_input(tmp_path)
     run = subprocess.run([sys.executable, str(REPO / "jobs" / "prepare_data.py"), "--input", str(src),
