@@ -1,10 +1,11 @@
 """Prepared token data (jobs/prepare_data.py, k3.platform.train.data.prepare): a rerun with the same
-input is a no-op, a prepare killed midway leaves the previous version whole (and no half-written
-manifest to trust), the rerun after the kill redoes the work, and bad input (a Parquet `text`
-column of other types, a directory of mixed kinds, an output inside the input) is refused in one
-line naming it."""
+input is a no-op and a changed one (even at the same size and mtime) is not, a prepare killed midway
+leaves the previous version whole (and no half-written manifest to trust), the rerun after the kill
+redoes the work, and bad input (a Parquet `text` column of other types, a directory of mixed kinds,
+an output inside the input) is refused in one line naming it."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -166,6 +167,18 @@ def test_an_output_directory_inside_the_input_is_refused_naming_both(tmp_path, o
         prepare(str(src), src / out, seq_len=16, **SETTINGS)
     assert str(src / out) in str(e.value) and repr(str(src)) in str(e.value)
     assert tree_bytes(tmp_path) == before
+
+
+def test_a_file_rewritten_at_the_same_size_and_mtime_is_prepared_again(tmp_path):
+    src = corpus(tmp_path)
+    old, _ = prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    a = src / "a.txt"
+    st = a.stat()
+    a.write_text(a.read_text().replace("fox", "cat"))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p and tar restore it
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    new, wrote = prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert wrote and new.input_fingerprint != old.input_fingerprint and assert_usable(tmp_path / "data") == new
 
 
 @pytest.mark.parametrize("bad_input", [ints_parquet, mixed_dir, out_inside])
