@@ -1,10 +1,17 @@
 """Prepared token data (jobs/prepare_data.py, k3.platform.train.data.prepare): a rerun with the same
-input is a no-op, a prepare killed midway leaves the previous version whole (and no half-written
-manifest to trust), and the rerun after the kill redoes the work."""
+input is a no-op and a changed one (even at the same size and mtime) is not, a prepare killed midway
+leaves the previous version whole (and no half-written manifest to trust), the rerun after the kill
+redoes the work, and bad input (a Parquet `text` column of other types, a directory of mixed kinds,
+an output inside the input) is refused in one line naming it."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -13,14 +20,43 @@ from k3.model.tokenizer import load_tokenizer, tokenizer_hash
 from k3.platform.train.data import prepare, read_manifest
 
 SETTINGS = dict(vocab_size=300, rows_per_shard=16, progress=False)
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["the quick brown fox jumps over the lazy dog. " * 200, "pack my box with five dozen liquor jugs. " * 150]
 
 
 def corpus(root: Path) -> Path:
     d = root / "corpus"
     d.mkdir()
-    (d / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    (d / "b.md").write_text("pack my box with five dozen liquor jugs. " * 150)
+    (d / "a.txt").write_text(TEXTS[0])
+    (d / "b.md").write_text(TEXTS[1])
     return d
+
+
+def parquet(path: Path, column: pa.Array) -> Path:
+    pq.write_table(pa.table({"text": column}), path)
+    return path
+
+
+def records(path: Path) -> Path:
+    path.write_text('{"text": "a record"}\n' * 100)
+    return path
+
+
+def ints_parquet(root: Path) -> tuple[Path, Path]:
+    """(input, out) of a Parquet file whose `text` column holds integers."""
+    return parquet(root / "ints.parquet", pa.array([1, 2, 3])), root / "data"
+
+
+def mixed_dir(root: Path) -> tuple[Path, Path]:
+    """(input, out) of a directory of text files and a JSONL file."""
+    src = corpus(root)
+    records(src / "meta.jsonl")
+    return src, root / "data"
+
+
+def out_inside(root: Path) -> tuple[Path, Path]:
+    src = corpus(root)
+    return src, src / "prepared"
 
 
 def assert_usable(data: Path):
@@ -90,3 +126,65 @@ def test_doc_starts_mark_the_first_token_of_every_document(tmp_path, seq_len):
     # asked-for only: data prepared without it has no such column and stays up to date
     plain, _ = prepare(str(src), tmp_path / "plain", seq_len=seq_len, **SETTINGS)
     assert pq.read_table(plain.shard_paths(tmp_path / "plain")[0]).column_names == ["tokens"]
+
+
+@pytest.mark.parametrize("column, type_name", [(pa.array([1, 2, 3]), "int64"), (pa.array([b"bytes"]), "binary"),
+                                               (pa.array([["a", "b"]]), "list<")])
+def test_a_parquet_text_column_of_another_type_is_refused_naming_the_file_and_the_type(tmp_path, column, type_name):
+    src = parquet(tmp_path / "rows.parquet", column)
+    with pytest.raises(ValueError, match=re.escape(f"rows.parquet: column 'text' holds {type_name}")):
+        prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("column", [pa.array([TEXTS[0], None, TEXTS[1], None]),
+                                    pa.array([None, TEXTS[0], TEXTS[1]], type=pa.large_string()),
+                                    pa.array([TEXTS[0], TEXTS[1], None]).dictionary_encode()],
+                         ids=["string", "large_string", "dictionary"])
+def test_a_parquet_text_column_is_read_without_its_null_rows(tmp_path, column):
+    plain, _ = prepare(str(parquet(tmp_path / "plain.parquet", pa.array(TEXTS))), tmp_path / "plain", seq_len=16,
+                       **SETTINGS)
+    m, _ = prepare(str(parquet(tmp_path / "nulls.parquet", column)), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert (m.num_tokens, m.tokenizer_hash) == (plain.num_tokens, plain.tokenizer_hash)
+
+
+@pytest.mark.parametrize("name, kind, write", [("meta.jsonl", "jsonl", records),
+                                               ("rows.parquet", "parquet", lambda p: parquet(p, pa.array(TEXTS)))])
+def test_a_directory_of_mixed_kinds_is_refused_naming_them(tmp_path, name, kind, write):
+    src = corpus(tmp_path)
+    write(src / name)
+    found = f"1 {kind} (e.g. {name}), 2 text (e.g. a.txt)"
+    with pytest.raises(ValueError, match=re.escape(f"mixes kinds of files: {found}")):
+        prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("out", ["prepared", "nested/prepared", "."])
+def test_an_output_directory_inside_the_input_is_refused_naming_both(tmp_path, out):
+    src = corpus(tmp_path)
+    before = tree_bytes(tmp_path)
+    with pytest.raises(ValueError, match="is inside input directory") as e:
+        prepare(str(src), src / out, seq_len=16, **SETTINGS)
+    assert str(src / out) in str(e.value) and repr(str(src)) in str(e.value)
+    assert tree_bytes(tmp_path) == before
+
+
+def test_a_file_rewritten_at_the_same_size_and_mtime_is_prepared_again(tmp_path):
+    src = corpus(tmp_path)
+    old, _ = prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    a = src / "a.txt"
+    st = a.stat()
+    a.write_text(a.read_text().replace("fox", "cat"))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p and tar restore it
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    new, wrote = prepare(str(src), tmp_path / "data", seq_len=16, **SETTINGS)
+    assert wrote and new.input_fingerprint != old.input_fingerprint and assert_usable(tmp_path / "data") == new
+
+
+@pytest.mark.parametrize("bad_input", [ints_parquet, mixed_dir, out_inside])
+def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, bad_input):
+    src, out = bad_input(tmp_path)
+    run = subprocess.run([sys.executable, str(REPO / "jobs" / "prepare_data.py"), "--input", str(src),
+                          "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.startswith("prepare_data: ") and run.stderr.count("\n") == 1 \
+        and str(src) in run.stderr and not run.stdout, run.stderr[-2000:]
