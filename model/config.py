@@ -238,7 +238,8 @@ class K3Config:
             except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"{where}: cannot read a K3Config JSON file ({e})") from None
         else:
-            where = "K3Config" if text.lstrip().startswith("{") else f"K3Config {text[:80]!r}"
+            shown = text if len(text) <= 400 else text[:400] + "..."  # a path in full, not a long text
+            where = "K3Config" if text.lstrip().startswith("{") else f"K3Config {shown!r}"
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
