@@ -100,7 +100,7 @@ class Ingress:
         self.tokenizer = self.config.model.tokenizer()
         # the chat template travels with the tokenizer (tokenizer_config.json beside it)
         self.chat = ChatTemplate.from_checkpoint(tok_file.parent) if tok_file is not None else ChatTemplate()
-        self.token_bytes = Detokenizer(self.tokenizer).table.__getitem__ if self.tokenizer is not None else None
+        self.token_bytes = Detokenizer(self.tokenizer).token_bytes if self.tokenizer is not None else None
         model_cfg = self._model_config()
         self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size

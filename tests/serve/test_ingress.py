@@ -1,0 +1,116 @@
+"""The real Ingress in front of an in-process LLMServer, without Ray (a handle that calls the
+server's generator directly): hostile input is a 4xx naming the field, a fault mid-stream ends
+the stream with an error event and [DONE], streamed logprobs match the whole answer's, token
+ids past the tokenizer's table have empty text, and a long prompt does not hold the event loop."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import time
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from k3.model.tokenizer import train_bpe
+from k3.serve import ingress as ingress_mod
+from k3.serve.servers import LLMServer
+
+CONFIG = {"model_id": "k3", "model": {"preset": "k3-tiny", "seed": 0},
+          "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "page_size": 8,
+                     "cache_memory_bytes": 32 * 2**20, "compile_decode": False, "max_model_len": 2048},
+          "engine_process": False, "direct_stream": False, "torch_threads": 1}
+
+
+class _Call:
+    """A Serve streaming call as the ingress sees it, over the server's async generator."""
+
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.get_running_loop().create_task(self.agen.aclose())
+
+
+class _Handle:
+    """What the ingress uses of a deployment handle, calling `server` in this process (each call
+    gets its own copy of the request, as a Serve call would)."""
+
+    def __init__(self, server: LLMServer) -> None:
+        self.generate = self
+        self.server = server
+
+    def options(self, **_):
+        return self
+
+    def remote(self, req):
+        return _Call(self.server.generate(copy.deepcopy(req)))
+
+
+def _app(config: dict):
+    # @serve.ingress subclasses the class it decorates; the class itself builds without Ray
+    cls = next(c for c in ingress_mod.Ingress.__mro__ if "__serve_build_asgi_app__" in c.__dict__)
+    return cls(config, _Handle(LLMServer(config))).__serve_build_asgi_app__()
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(_app(CONFIG), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _events(r) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+
+
+def _post(client, body: dict, path="/v1/completions"):
+    # json.dumps writes a lone surrogate as "\ud800", which the server's JSON parser gives back
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages[0].content"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 4301: 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"0": 1, "00": -1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt[0]"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(5000))}, "stop_token_ids"),
+])
+def test_hostile_input_is_a_400_naming_the_field(client, path, body, param):
+    r = _post(client, {"model": "k3", "max_tokens": 2, **body}, path)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer_client(tmp_path_factory):
+    """The app with a 300-token tokenizer in front of a 4096-token model (the config allows it)."""
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(["hello world, the quick brown fox"] * 50, vocab_size=300).save(str(path))
+    config = copy.deepcopy(CONFIG)
+    config["model"]["tokenizer_path"] = str(path)
+    with TestClient(_app(config), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_ids_past_the_tokenizer_are_empty_text(small_tokenizer_client, stream):
+    body = {"model": "k3", "prompt": "hello", "max_tokens": 3, "logprobs": 0, "logit_bias": {"4000": 100},
+            "stream": stream}
+    r = _post(small_tokenizer_client, body)
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.endswith("data: [DONE]\n\n")
+        tokens = [t for ev in _events(r) for ch in ev["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    else:
+        tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens == ["", "", ""]  # token 4000, pushed up by its bias, has no text in this tokenizer
