@@ -371,8 +371,8 @@ class Ingress:
             if traced:
                 # an SSE comment: OpenAI clients skip it; the benchmark reads the path's stamps from it
                 yield f": k3-trace {json.dumps([v[0].trace for v in per.values() if v])}\n\n"
-        except OpenAIError as e:
-            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - the 200 went out: the error is the stream's last event
+            yield sse_error(e if isinstance(e, OpenAIError) else log_fault(e, "a stream"))
         finally:
             await stream.aclose()  # a disconnected client lands here: cancels what still runs
             for i in per:

@@ -114,3 +114,16 @@ def test_logprobs_of_ids_past_the_tokenizer_are_empty_text(small_tokenizer_clien
     else:
         tokens = r.json()["choices"][0]["logprobs"]["tokens"]
     assert tokens == ["", "", ""]  # token 4000, pushed up by its bias, has no text in this tokenizer
+
+
+def test_a_fault_mid_stream_ends_it_with_an_error_event_and_done(client, monkeypatch, caplog):
+    def broken(*a, **kw):
+        raise RuntimeError("a bug while shaping logprobs")
+
+    monkeypatch.setattr(ingress_mod, "completion_logprobs", broken)
+    r = _post(client, {"model": "k3", "prompt": "hello", "max_tokens": 3, "logprobs": 1, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    err = _events(r)[-1]["error"]
+    assert err["type"] == "server_error" and "bug" not in err["message"]
+    request_id = err["message"].split("request id ")[1].split(")")[0]
+    assert any(request_id in rec.getMessage() for rec in caplog.records)
