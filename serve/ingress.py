@@ -358,8 +358,6 @@ class Ingress:
                     yield sse_event(self._chunk(rid, model, created, chat, i, out, started, offsets))
                     if started:  # resumed once the first chunk was handed to the connection
                         stamp(out.trace, "sse_first")
-                if not chat:
-                    offsets[i] += len(out.text_delta)
                 try:
                     item = await stream.__anext__()
                 except StopAsyncIteration:
@@ -387,7 +385,12 @@ class Ingress:
             return ChatCompletionStreamResponse(id=rid, model=model, created=created, choices=[
                 ChatCompletionStreamChoice(index=i, delta=delta, logprobs=lp,
                                            finish_reason=out.finish_reason if out.finished else None)])
-        lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i]) if out.logprobs else None
+        lp = None
+        if out.logprobs:
+            # offsets count the tokens' text, as the whole answer's do: text_delta lags while stop
+            # strings hold text back
+            lp = completion_logprobs(out.logprobs, self._bytes(), offsets[i])
+            offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
         return CompletionStreamResponse(id=rid, model=model, created=created, choices=[CompletionChoice(
             index=i, text=out.text_delta, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)])
 

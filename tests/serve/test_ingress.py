@@ -127,3 +127,13 @@ def test_a_fault_mid_stream_ends_it_with_an_error_event_and_done(client, monkeyp
     assert err["type"] == "server_error" and "bug" not in err["message"]
     request_id = err["message"].split("request id ")[1].split(")")[0]
     assert any(request_id in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("stop", [None, ["qqqqqqqqqqqqqqqqqqqq"]])  # a stop string holds text back
+def test_streamed_text_offsets_are_the_whole_answers(client, stop):
+    body = {"model": "k3", "prompt": "hello", "max_tokens": 12, "seed": 7, "logprobs": 1, "stop": stop}
+    whole = _post(client, body).json()["choices"][0]["logprobs"]
+    events = _events(_post(client, {**body, "stream": True}))
+    lps = [ch["logprobs"] for ev in events for ch in ev["choices"] if ch["logprobs"]]
+    assert [t for lp in lps for t in lp["tokens"]] == whole["tokens"]
+    assert [o for lp in lps for o in lp["text_offset"]] == whole["text_offset"]
