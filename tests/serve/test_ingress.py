@@ -137,3 +137,32 @@ def test_streamed_text_offsets_are_the_whole_answers(client, stop):
     lps = [ch["logprobs"] for ev in events for ch in ev["choices"] if ch["logprobs"]]
     assert [t for lp in lps for t in lp["tokens"]] == whole["tokens"]
     assert [o for lp in lps for o in lp["text_offset"]] == whole["text_offset"]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop():
+    app = _app(CONFIG)
+    rng = random.Random(0)
+    text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "x1", "yy"]) for _ in range(200_000))
+
+    async def main():
+        ticks = [time.perf_counter()]  # when the event loop last ran another task
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.01)
+                ticks.append(time.perf_counter())
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k3") as c:
+            tick = asyncio.create_task(ticker())
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            r = await c.post("/v1/completions", json={"model": "k3", "prompt": text, "max_tokens": 1})
+            took = time.perf_counter() - t0
+            ticks.append(time.perf_counter())
+            tick.cancel()
+        return r, took, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    r, took, stall = asyncio.run(main())
+    # too long for the context: tokenized (about a second here), then refused
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert stall < max(0.25, took / 3), (stall, took)
