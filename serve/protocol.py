@@ -20,7 +20,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from .engine.params import Bias, Penalty
 from .errors import OpenAIError
@@ -31,6 +32,8 @@ MAX_SEED = 2**63 - 1  # torch's generator takes a 64-bit seed; the engine keeps 
 MAX_CHOICES = 128  # n, and n times the prompts of a batch: the choices one request may ask for
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; k3 matches each one every step)
 MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries per request
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key's digits: any vocabulary's ids, and int() stays cheap
+MAX_STOP_TOKEN_IDS = 4096  # stop_token_ids per request
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
 
 
@@ -41,6 +44,26 @@ def new_id(prefix: str) -> str:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _no_bool(v: Any) -> Any:
+    # pydantic takes true as 1 for an int; a boolean where a count or a token id goes is a mistake
+    if isinstance(v, bool):
+        raise ValueError(f"must be an integer, got {str(v).lower()}")
+    return v
+
+
+def _unicode(v: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"); they are not text, and the tokenizer cannot take them
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"must be valid Unicode: a lone surrogate at position {e.start}") from None
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,20 +88,20 @@ class _SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
                                description="Softmax temperature in [0, 2]; 0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
-    top_k: int = Field(0, ge=-1, description="Extension (vLLM): keep the k most likely tokens; 0 or -1 keeps all.")
-    min_tokens: int = Field(0, ge=0, description="Extension (vLLM): suppress stop tokens and EOS until "
+    top_k: Int = Field(0, ge=-1, description="Extension (vLLM): keep the k most likely tokens; 0 or -1 keeps all.")
+    min_tokens: Int = Field(0, ge=0, description="Extension (vLLM): suppress stop tokens and EOS until "
                                                  "this many tokens exist.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+    seed: Int | None = Field(None, ge=0, le=MAX_SEED,
                              description="Sampling seed in [0, 2**63 - 1]: the same seed and request give the "
                                          "same tokens.")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"A string or up to {MAX_STOP} strings that end generation; the stop string is not "
                           f"returned.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
-                                                              description="Extension (vLLM): token ids that end "
-                                                                          "generation.")
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
+        description=f"Extension (vLLM): up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = Field(False, description="Extension (vLLM): keep generating past EOS (benchmarks).")
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="How many choices to generate for each prompt.")
+    n: Int = Field(1, ge=1, le=MAX_CHOICES, description="How many choices to generate for each prompt.")
     stream: bool = Field(False, description="Send the answer as server-sent events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream=true.")
     presence_penalty: Penalty = Field(0.0, description="In [-2, 2]: subtracted once from the logit of every token "
@@ -86,9 +109,10 @@ class _SamplingFields(_Request):
     frequency_penalty: Penalty = Field(0.0, description="In [-2, 2]: subtracted from a token's logit once per time "
                                                         "it was generated so far.")
     logit_bias: dict[str, Bias] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS_ENTRIES, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}},
-        description=f"Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling; "
-                    f"at most {MAX_LOGIT_BIAS_ENTRIES} entries.")
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES,
+        json_schema_extra={"propertyNames": {"pattern": f"^(0|[1-9][0-9]{{0,{MAX_TOKEN_ID_DIGITS - 1}}})$"}},
+        description=f"Token id (a decimal string without leading zeros) -> bias in [-100, 100] added to its "
+                    f"logit before sampling; at most {MAX_LOGIT_BIAS_ENTRIES} entries.")
     user: str | None = Field(None, description="An end-user id; accepted and not used.")
 
     @field_validator("stop")
@@ -101,9 +125,12 @@ class _SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [k for k in (v or {}) if not (k.isascii() and k.isdecimal())]
+        # one spelling per id: "0" and "00" would be two entries for one token, the later silently winning
+        bad = [k for k in (v or {}) if not (k.isascii() and k.isdecimal() and len(k) <= MAX_TOKEN_ID_DIGITS
+                                            and (k == "0" or k[0] != "0"))]
         if bad:
-            raise ValueError(f"keys must be token ids written as decimal strings (\"50256\"), got {bad[:3]}")
+            raise ValueError(f"keys must be token ids written as decimal strings without leading zeros "
+                             f"(\"50256\", at most {MAX_TOKEN_ID_DIGITS} digits), got {[k[:20] for k in bad[:3]]}")
         return v
 
     @model_validator(mode="after")
@@ -130,12 +157,12 @@ def _batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
         description=f"The prompt: text or token ids, or a batch of either (each gets n choices; at most "
                     f"{MAX_CHOICES} choices in all). Choice j of prompt i has index i * n + j.")
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
+    max_tokens: Int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
                                    description="Most tokens to generate; null: up to the context length.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Return each chosen token's logprob and this many alternatives.")
     echo: bool = Field(False, description="Only false: echoing the prompt is not supported.")
 
@@ -147,6 +174,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("a prompt must not be empty")
         if any(isinstance(p, list) and min(p) < 0 for p in batch):
             raise ValueError("token ids must be >= 0")
+        for i, p in enumerate(batch):  # here, not in the union: a bad text is not reported as a bad token id
+            if isinstance(p, str):
+                try:
+                    _unicode(p)
+                except ValueError as e:
+                    raise ValueError(f"the prompt at index {i} {e}" if len(batch) > 1 else str(e)) from None
         n = info.data.get("n", 1)
         if len(batch) * n > MAX_CHOICES:
             raise ValueError(f"{len(batch)} prompts with n={n} ask for {len(batch) * n} choices; at most "
@@ -169,7 +202,7 @@ class TextPart(_Request):
     """A text part of a message's content."""
 
     type: Literal["text"] = Field(description="Always 'text'.")
-    text: str = Field(description="The text.")
+    text: Text = Field(description="The text.")
 
 
 class MediaURL(_Request):
@@ -202,7 +235,7 @@ class ChatMessage(_Request):
 
     role: Literal["system", "developer", "user", "assistant"] = Field(
         description="Who speaks; 'developer' (OpenAI's newer name for system instructions) is read as 'system'.")
-    content: str | list[ContentPart] = Field(description="Text, or a list of text / image_url / video_url parts.")
+    content: Text | list[ContentPart] = Field(description="Text, or a list of text / image_url / video_url parts.")
     name: str | None = Field(None, description="The speaker's name; accepted and not used.")
 
     @field_validator("role")
@@ -234,11 +267,11 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate; wins over "
+    max_completion_tokens: Int | None = Field(None, ge=1, description="Most tokens to generate; wins over "
                                                                       "max_tokens; null: up to the context.")
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
     logprobs: bool = Field(False, description="Return each chosen token's logprob.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="How many alternatives per token; needs logprobs=true.")
     response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}: JSON modes are not "
                                                                      "supported.")

@@ -43,6 +43,14 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.table = _byte_level_table(tokenizer)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's exact bytes; b"" for an id the tokenizer lacks (a model's vocabulary may be
+        larger than its tokenizer's)."""
+        if self.table is not None:
+            return self.table[token_id] if 0 <= token_id < len(self.table) else b""
+        text = self.tokenizer.decode([token_id]) if self.tokenizer.id_to_token(token_id) is not None else ""
+        return text.encode()
+
     def stream(self) -> "DetokStream":
         return DetokStream(self)
 
@@ -58,8 +66,7 @@ class DetokStream:
     def push(self, token_id: int) -> str:
         """The text that token_id completes (possibly empty)."""
         if self.decoder is not None:
-            b = self.d.table[token_id] if 0 <= token_id < len(self.d.table) else b""
-            return self.decoder.decode(b)
+            return self.decoder.decode(self.d.token_bytes(token_id))
         self.ids.append(token_id)
         tok = self.d.tokenizer
         prefix = tok.decode(self.ids[self.prefix_offset:self.read_offset])

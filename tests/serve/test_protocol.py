@@ -67,6 +67,7 @@ def error_param(model, body) -> str | None:
                min_tokens=2, stop_token_ids=[7], presence_penalty=0, frequency_penalty=0.0, echo=False),
     completion(prompt=["a", "b"], logit_bias={"5": 10, "7": -100}, presence_penalty=-2, frequency_penalty=2),
     completion(prompt=[[1, 2], [3]], stop=[str(i) for i in range(16)], logit_bias={}),
+    completion(logit_bias={"0": 1, "10": -1, "9999999999": 2}, stop_token_ids=list(range(4096))),
 ])
 def test_completion_request_accepts(body):
     req = CompletionRequest.model_validate(body)
@@ -153,6 +154,21 @@ def test_chat_message_text_and_media_keep_the_parts():
     (completion(seed=-1), "seed"),
     (completion(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
     (completion(stream_options={"include_usage": True}), None),  # needs stream=true: a model-level rule
+    (completion(prompt="\ud800"), "prompt"),  # a lone surrogate, as json.loads gives "\\ud800"
+    (completion(prompt=["ok", "a\udfffb"]), "prompt"),
+    (completion(logit_bias={"1" * 5000: 1}), "logit_bias"),  # past int()'s digit limit
+    (completion(logit_bias={"0": 1, "00": -1}), "logit_bias"),  # two spellings of one id
+    (completion(logit_bias={"12345678901": 1}), "logit_bias"),
+    (completion(max_tokens=True), "max_tokens"),
+    (completion(n=True), "n"),
+    (completion(seed=False), "seed"),
+    (completion(logprobs=True), "logprobs"),
+    (completion(top_k=True), "top_k"),
+    (completion(min_tokens=True), "min_tokens"),
+    (completion(prompt=[True, False]), "prompt[0]"),
+    (completion(prompt=[[1], [2, True]]), "prompt[1][1]"),
+    (completion(stop_token_ids=[3, True]), "stop_token_ids[1]"),
+    (completion(stop_token_ids=list(range(4097))), "stop_token_ids"),
 ])
 def test_completion_request_refuses(body, param):
     assert error_param(CompletionRequest, body) == param
@@ -182,6 +198,11 @@ def test_completion_request_refuses(body, param):
     (chat(tool_choice="auto"), "tool_choice"),
     (chat(parallel_tool_calls=True, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(logit_bias={"1": -100.5}), "logit_bias"),
+    (chat("a\udfffb"), "messages[0].content"),
+    (chat([{"type": "text", "text": "ok"}, {"type": "text", "text": "\ud800"}]), "messages[0].content[1].text"),
+    (chat(max_tokens=True), "max_tokens"),
+    (chat(max_completion_tokens=True), "max_completion_tokens"),
+    (chat(logprobs=True, top_logprobs=True), "top_logprobs"),
 ])
 def test_chat_request_refuses(body, param):
     assert error_param(ChatCompletionRequest, body) == param
@@ -192,6 +213,9 @@ def test_chat_request_refuses(body, param):
     (ChatCompletionRequest, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "not supported"),
     (CompletionRequest, completion(stop=["s"] * 17), "at most 16"),
     (CompletionRequest, completion(logit_bias={"x": 1}), "token id"),
+    (CompletionRequest, completion(logit_bias={"00": 1}), "without leading zeros"),
+    (CompletionRequest, completion(max_tokens=True), "must be an integer, got true"),
+    (CompletionRequest, completion(prompt="\ud800"), "lone surrogate"),
 ])
 def test_deliberate_refusals_say_why(model, body, needle):
     with pytest.raises(ValidationError) as e:
