@@ -97,7 +97,7 @@ class ChatMedia:
             if n < len(order):
                 seq.extend(per_part[order[n]])
         try:
-            ids, items = encode_interleaved(seq, lambda t: tokenizer.encode(t).ids, tokenizer.token_to_id)
+            ids, items = encode_interleaved(seq, lambda t: tokenizer.encode_batch([t])[0].ids, tokenizer.token_to_id)
         except ValueError as e:
             raise OpenAIError(f"this deployment cannot write media into prompts: {e}", status=500,
                               type="server_error") from None

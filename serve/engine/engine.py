@@ -483,6 +483,8 @@ class LLMEngine:
             if seq.detok is not None and not stop_hit:  # release held-back text
                 tail, hit = seq.stopper.feed(seq.detok.flush())
                 delta += tail if hit else tail + seq.stopper.finish()
+                if hit:  # the held-back text completed a stop string: the answer stopped on it
+                    seq.finish_reason = "stop"
         elif seq.prefill_only:
             state, finished = self.handoff.export_state(seq, tok, lp), True
         if finished:

@@ -121,8 +121,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], shared: torch.Generator)
         for j, i in enumerate(want):
             entry = {"token": tokens[i], "logprob": float(logp[j, tokens[i]])}
             k = params[i].logprobs
-            if k:
-                entry["top"] = {int(t): float(v) for v, t in zip(top.values[j, :k], top.indices[j, :k])}
+            if k:  # a banned token (-inf) is no alternative: fewer than k when fewer are allowed
+                entry["top"] = {int(t): float(v) for v, t in zip(top.values[j, :k], top.indices[j, :k])
+                                if v != -math.inf}
             lps[i] = entry
     return [Draw(tokens[i], lps.get(i), errors[i]) for i in range(M)]
 

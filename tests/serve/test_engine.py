@@ -252,6 +252,19 @@ def test_streaming_never_splits_a_utf8_character(tokenizer):
     assert any(p == "" for p in pieces[:-1])
 
 
+def test_a_stop_string_completed_by_the_last_flush_is_a_stop(tiny_model, tokenizer):
+    """A lone UTF-8 lead byte as the last token is held back, and the final flush makes it U+FFFD:
+    a stop string matched there ends the answer as "stop" (it said "length")."""
+    from k3.serve.engine.detokenizer import Detokenizer
+    lead = Detokenizer(tokenizer).table.index(b"\xc3")
+    sp = SamplingParams(max_tokens=1, temperature=0, logit_bias={lead: 100.0})
+    eng = LLMEngine(tiny_model, tokenizer=tokenizer)
+    plain = eng.generate([[1, 2, 3]], sp)[0]
+    assert plain.token_ids == [lead] and plain.text == "\ufffd" and plain.finish_reason == "length"
+    stopped = eng.generate([[1, 2, 3]], SamplingParams(**{**sp.model_dump(), "stop": ["\ufffd"]}))[0]
+    assert stopped.token_ids == [lead] and stopped.text == "" and stopped.finish_reason == "stop"
+
+
 def test_async_engine_streams_and_aborts(tiny_model):
     aeng = AsyncEngine(LLMEngine(tiny_model))
 

@@ -118,6 +118,16 @@ def test_rows_with_nan_inf_or_nothing_left_fail_alone():
     assert 0 <= got[5].token < V
 
 
+def test_banned_tokens_are_no_alternatives_in_logprobs():
+    # only two tokens allowed: -inf alternatives are no tokens (and no JSON number either)
+    x = logits(2)
+    got = draw(x, [row(banned=range(2, V)), SampleRow(SamplingParams(temperature=0.7, seed=1, logprobs=5), None,
+                                                      list(range(2, V)), [])])
+    for d in got:
+        assert d.token in (0, 1) and set(d.logprob["top"]) == {0, 1}
+        assert all(v > float("-inf") for v in d.logprob["top"].values())
+
+
 @pytest.mark.parametrize("rows", [
     [row(), row()],  # nothing to adjust: the logits are read as they are
     [row(banned=[3, 4]), row(output=[1, 1, 2], presence_penalty=1.0), row(logit_bias={5: 9.0})],
