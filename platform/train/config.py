@@ -76,7 +76,9 @@ class TrainConfig(BaseModel):
     name: str = Field("k3-pretrain", description="Run name (a directory under storage_path).")
     resume: bool = Field(False, description="Continue from the run's latest checkpoint.")
     max_failures: int = Field(2, ge=0, description="Worker-group restarts after failures.")
-    seed: int = Field(0, description="Seed of the model init, data order and sampling.")
+    # bounded: a negative seed or one past 64 bits failed only inside the workers, naming nothing
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the model init, data order and sampling, in "
+                      "[0, 2**32 - 1].")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL, bf16).")
     coordinator_name: str = Field("k3-balance", description="Name of the BalanceCoordinator actor.")
     fail_at_step: int | None = Field(None, description="Testing: the fault drill; rank 1 dies once at this step "

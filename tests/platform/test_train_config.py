@@ -31,6 +31,8 @@ def pretrain(*args: str) -> subprocess.CompletedProcess:
     (dict(name="/tmp/x"), r"name \(--name\)"),
     (dict(name="a/b"), r"name \(--name\)"),
     (dict(name=".."), r"name \(--name\)"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**70), "seed"),
 ])
 def test_train_config_refuses_and_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
