@@ -159,27 +159,10 @@ def test_params_changed_after_they_were_given_change_nothing(tiny_model):
     assert {o.request_id for o in rest} == {"a"} and rest[-1].finished and len(rest[-1].token_ids) == 3
 
 
-class AbortsGenerated(nn.Module):
-    """The tiny model; at its forward number `at`, another thread aborts req-0 (generate's first)."""
-
-    def __init__(self, model, at):
-        super().__init__()
-        self.inner, self.cfg, self.at, self.calls = model, model.cfg, at, 0
-        self.engine: LLMEngine | None = None
-
-    def forward(self, *args, **kw):
-        self.calls += 1
-        if self.calls == self.at:
-            t = threading.Thread(target=self.engine.abort_request, args=("req-0",))
-            t.start()
-            t.join()
-        return self.inner(*args, **kw)
-
-
 @pytest.mark.timeout(120)
 def test_generate_returns_when_another_thread_aborts_one_of_its_requests(tiny_model):
     # it waited for every request's final output, and an aborted request has none: it stepped forever
-    model = AbortsGenerated(tiny_model, at=4)
+    model = AbortsMidForward(tiny_model, at=4, action=lambda eng: eng.abort_request("req-0"))
     eng = model.engine = LLMEngine(model, EngineConfig(compile_decode=False))
     p = prompts(2, seed=6)
     outs = eng.generate(p, SamplingParams(max_tokens=30, temperature=0))
@@ -321,19 +304,21 @@ def test_an_aborted_id_is_free_at_once_and_nothing_of_the_old_request_comes_back
 
 
 class AbortsMidForward(nn.Module):
-    """The tiny model; during its forward number `at`, another thread aborts "x" and takes the id
-    for a new request (as an asyncio front end may while a step runs)."""
+    """The tiny model; during its forward number `at`, another thread runs action(engine) (by
+    default: aborts "x" and takes the id for a new request, as an asyncio front end may while a
+    step runs)."""
 
-    def __init__(self, model, at):
+    def __init__(self, model, at, action=None):
         super().__init__()
         self.inner, self.cfg, self.at, self.calls = model, model.cfg, at, 0
         self.engine: LLMEngine | None = None
+        self.action = action or (lambda eng: (eng.abort_request("x"), eng.add_request(
+            "x", [4, 5, 6], SamplingParams(max_tokens=5, temperature=0))))
 
     def forward(self, *args, **kw):
         self.calls += 1
         if self.calls == self.at:
-            t = threading.Thread(target=lambda: (self.engine.abort_request("x"), self.engine.add_request(
-                "x", [4, 5, 6], SamplingParams(max_tokens=5, temperature=0))))
+            t = threading.Thread(target=self.action, args=(self.engine,))
             t.start()
             t.join()
         return self.inner(*args, **kw)
