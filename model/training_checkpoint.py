@@ -70,7 +70,8 @@ def read_experts(path: str | Path, map_location: str | torch.device = "cpu"
     if len(parts) != n or any(p.name != expert_file(r, n) for r, p in enumerate(parts)):
         raise ValueError(f"{d}: expected the {n} files {expert_file(0, n)} .. {expert_file(n - 1, n)}, found "
                          f"{[p.name for p in parts]}")
-    shards = [_read(p, map_location, weights_only=False) for p in parts]
+    # tensors and plain values only: unpickling a checkpoint someone hands over must not run its code
+    shards = [_read(p, map_location) for p in parts]
     for p, s in zip(parts, shards):
         if not (isinstance(s, dict) and isinstance(s.get("weights"), dict) and isinstance(s.get("optimizer"), dict)):
             raise ValueError(f"{p}: not a k3 expert file (a dict of 'weights' and 'optimizer')")
@@ -90,10 +91,11 @@ def read_experts(path: str | Path, map_location: str | torch.device = "cpu"
     return weights, opt
 
 
-def _read(path: Path, map_location, weights_only: bool = True) -> Any:
-    """torch.load, with an unreadable file (truncated, empty, not torch's) a ValueError naming it."""
+def _read(path: Path, map_location) -> Any:
+    """torch.load of tensors and plain values, with an unreadable file (truncated, empty, not
+    torch's, or pickling other objects) a ValueError naming it."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... naming no file
         raise ValueError(f"{path}: cannot read it as a torch file ({type(e).__name__}: {e})") from e
 

@@ -176,7 +176,21 @@ def drop_first_key(p):
     torch.save(st, p)
 
 
+class Executes:
+    """A pickled object whose unpickling would call a function (here, a harmless one)."""
+
+    def __reduce__(self):
+        return (print, ("unpickled: this code ran",))
+
+
+def add_code(p):
+    st = torch.load(p)
+    st["optimizer"]["payload"] = Executes()
+    torch.save(st, p)
+
+
 @pytest.mark.parametrize("layout,file,damage,match", [
+    ("training", "k3/experts-ep0-of-2.pt", add_code, "experts-ep0-of-2.pt: cannot read"),  # never run
     ("k3", "model.safetensors", truncate, "model.safetensors as safetensors"),
     ("k3", "model.safetensors", lambda p: p.write_bytes(b""), "model.safetensors as safetensors"),
     ("k3", "model.safetensors", lambda p: p.write_bytes(b"\0" * 1000), "model.safetensors as safetensors"),
