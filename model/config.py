@@ -229,8 +229,8 @@ class K3Config:
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "K3Config":
         """A K3Config from a JSON file, or from JSON text (a string starting with "{")."""
-        where = text = str(path_or_text)
-        where = where or "''"
+        text = str(path_or_text)
+        where = text or "''"
         is_file = isinstance(path_or_text, Path) or (not text.lstrip().startswith("{") and Path(text).exists())
         if is_file:
             try:
