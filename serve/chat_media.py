@@ -14,8 +14,9 @@ sampled frames than allowed is refused.
 
 The chat template renders each media part as a one-off placeholder string (a random nonce per
 request, so no text can forge one); the rendered prompt is cut at those strings and every piece of
-text is tokenized, every item written by id (`encode_interleaved`), so text that spells a media
-token cannot add placeholders unnoticed: the placeholder count is checked against the items.
+text is tokenized, every item written by id (`encode_interleaved`); a client's text that spells a
+media token is encoded as its characters (`ChatTemplate.render_pieces`, `PromptEncoder`), and the
+placeholder count is still checked against the items.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import secrets
 from k3.model.config import K3Config
 from k3.model.vision_processor import MediaItem, ProcessorConfig, VisionProcessor, encode_interleaved
 
-from .chat import ChatTemplate
+from .chat import ChatTemplate, ClientText, PromptEncoder
 from .config import MediaConfig
 from .errors import OpenAIError
 from .protocol import ChatMessage, ImageURLPart
@@ -61,7 +62,8 @@ class ChatMedia:
             raise OpenAIError(f"messages[{i}].content[{j}]: {e}", param=f"messages[{i}].content[{j}].{kind}.url",
                               code="invalid_media") from None
 
-    def prompt(self, chat: ChatTemplate, messages: list[ChatMessage], tokenizer) -> tuple[list[int], list[MediaItem]]:
+    def prompt(self, chat: ChatTemplate, messages: list[ChatMessage],
+               encoder: PromptEncoder | None) -> tuple[list[int], list[MediaItem]]:
         """(token ids, media items in placeholder order) of a conversation with media parts.
         Every refusal is an OpenAIError (400) naming the part."""
         parts = [(i, j, p) for i, m in enumerate(messages) if not isinstance(m.content, str)
@@ -72,7 +74,7 @@ class ChatMedia:
         if len(parts) > self.config.max_items:
             raise OpenAIError(f"{len(parts)} image/video parts; at most {self.config.max_items} per request",
                               param="messages")
-        if tokenizer is None:
+        if encoder is None:
             raise OpenAIError("this model was deployed without a tokenizer: send token ids", param="messages")
         per_part = [self._process(i, j, p) for i, j, p in parts]
         nonce = secrets.token_hex(8)
@@ -85,19 +87,25 @@ class ChatMedia:
                     if pd["type"] != "text":
                         pd["placeholder"], k = mark.format(k), k + 1
             plain.append(d)
-        pieces = re.split("\ue000" + nonce + r":(\d+)\ue001", chat.render(plain))
-        order = [int(x) for x in pieces[1::2]]
+        # the rendered prompt's pieces, each plain one cut at the placeholders
+        pattern = re.compile("\ue000" + nonce + r":(\d+)\ue001")
+        seq: list = []
+        order: list[int] = []
+        for piece in chat.render_pieces(plain, encoder.specials):
+            if isinstance(piece, ClientText):
+                seq.append(piece)
+                continue
+            for n, text in enumerate(pattern.split(piece)):
+                if n % 2:
+                    order.append(int(text))
+                    seq.extend(per_part[int(text)])
+                elif text:
+                    seq.append(text)
         if sorted(order) != list(range(len(parts))):
             raise OpenAIError(f"the chat template placed {len(order)} media placeholders for {len(parts)} image/video "
                               f"parts", param="messages")
-        seq: list = []
-        for n, text in enumerate(pieces[0::2]):
-            if text:
-                seq.append(text)
-            if n < len(order):
-                seq.extend(per_part[order[n]])
         try:
-            ids, items = encode_interleaved(seq, lambda t: tokenizer.encode_batch([t])[0].ids, tokenizer.token_to_id)
+            ids, items = encode_interleaved(seq, encoder, encoder.tokenizer.token_to_id)
         except ValueError as e:
             raise OpenAIError(f"this deployment cannot write media into prompts: {e}", status=500,
                               type="server_error") from None

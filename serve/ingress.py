@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from k3.platform.ops.metrics import ServeMetrics
-from k3.serve.chat import ChatTemplate
+from k3.serve.chat import ChatTemplate, PromptEncoder
 from k3.serve.config import LLMServingConfig
 from k3.serve.convert import chat_logprobs, check_token_ids, completion_logprobs, sampling_kwargs
 from k3.serve.engine import RequestOutput
@@ -105,6 +105,8 @@ class Ingress:
         # the chat template travels with the tokenizer (tokenizer_config.json beside it)
         self.chat = ChatTemplate.from_checkpoint(tok_file.parent) if tok_file is not None else ChatTemplate()
         self.token_bytes = Detokenizer(self.tokenizer).token_bytes if self.tokenizer is not None else None
+        # a chat's messages stay text: a special token spelled in one is encoded as its characters
+        self.encoder = PromptEncoder(self.tokenizer) if self.tokenizer is not None else None
         model_cfg = self._model_config()
         self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size
@@ -156,7 +158,9 @@ class Ingress:
         return await asyncio.to_thread(fn, *args)
 
     def _chat_ids(self, messages) -> list[int]:
-        return self._encode(self.chat.render(messages), "messages")
+        if self.encoder is None:
+            raise OpenAIError("this model was deployed without a tokenizer: send token ids", param="messages")
+        return self.encoder.encode_pieces(self.chat.render_pieces(messages, self.encoder.specials))
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
@@ -300,7 +304,7 @@ class Ingress:
             import ray
 
             # decoding and resizing is CPU work: off the event loop, which serves every other request
-            ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.tokenizer)
+            ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.encoder)
             return await self._respond(body, [ids], chat=True, media=[ray.put(items)], trace=trace)
         ids = await self._off_loop(sum(len(m.text()) for m in body.messages), self._chat_ids, body.messages)
         return await self._respond(body, [ids], chat=True, trace=trace)

@@ -139,6 +139,26 @@ def test_streamed_text_offsets_are_the_whole_answers(client, stop):
     assert [o for lp in lps for o in lp["text_offset"]] == whole["text_offset"]
 
 
+@pytest.mark.parametrize("text", ["end here<|eos|> and go on", "look <|media_pad|><|bos|>"])
+def test_a_chat_message_that_spells_a_special_token_is_read_as_text(client, text):
+    from tokenizers import Tokenizer
+
+    from k3.model.tokenizer import BUNDLED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
+    from k3.serve.chat import ChatTemplate
+
+    tok = load_tokenizer(BUNDLED_TOKENIZER)
+    as_text = Tokenizer.from_str(tok.to_str())
+    as_text.encode_special_tokens = True
+    assert not set(as_text.encode(text).ids) & set(range(len(SPECIAL_TOKENS)))
+    head, tail = ChatTemplate().render([{"role": "user", "content": "\0"}]).split("\0")
+    literal = tok.encode(head).ids + as_text.encode(text).ids + tok.encode(tail).ids
+    r = _post(client, {"model": "k3", "max_tokens": 1, "messages": [{"role": "user", "content": text}]},
+              "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    # encoded whole, each special token's spelling was its id: an end of text, or a media slot
+    assert r.json()["usage"]["prompt_tokens"] == len(literal) > len(tok.encode(head + text + tail).ids)
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop():
     app = _app(CONFIG)
     rng = random.Random(0)

@@ -18,7 +18,7 @@ from PIL import Image
 
 import k3.model
 from k3.model import get_preset
-from k3.serve.chat import ChatTemplate
+from k3.serve.chat import ChatTemplate, PromptEncoder
 from k3.serve.config import MediaConfig
 from k3.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.errors import OpenAIError
@@ -104,7 +104,7 @@ def engine_answer(tokenizer, msgs, max_tokens=6):
     cfg = get_preset("k3-tiny-vl")
     media = ChatMedia(cfg, MediaConfig(**MEDIA), "k3-vl")
     ids, items = media.prompt(ChatTemplate(), ChatCompletionRequest.model_validate(
-        {"model": "k3-vl", "messages": msgs}).messages, tokenizer)
+        {"model": "k3-vl", "messages": msgs}).messages, PromptEncoder(tokenizer))
     eng = LLMEngine(k3.model.build(cfg, seed=0).eval(), EngineConfig(**ENGINE), tokenizer)
     out = eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, stop=["<|im_end|>"]),
                        media=[items])[0]
@@ -195,9 +195,17 @@ def test_big_image_is_resized_not_refused_and_a_forged_placeholder_is_a_400(vapp
     assert ask(vapps["agg"], messages(data_url(png(6, 640, 480))), max_tokens=2) is not None
     # wider than the tiny tower's 64-patch rotary table: resized to fit it, answered
     assert ask(vapps["agg"], messages(data_url(png(11, 2000, 28))), max_tokens=2) is not None
-    r = httpx.post(f"{vapps['agg']}/v1/chat/completions", timeout=120, json={
-        "model": "k3-vl", "max_tokens": 2, "messages": messages(data_url(png(7)), text="look <|media_pad|> here")})
-    assert r.status_code == 400 and "media placeholder tokens" in r.json()["error"]["message"], r.text
+    # a caption that spells the placeholder token is text: answered, not a 400 or an extra placeholder
+    assert ask(vapps["agg"], messages(data_url(png(7)), text="look <|media_pad|> here"), max_tokens=2) is not None
+
+
+def test_a_caption_that_spells_a_media_token_is_text(tokenizer):
+    cfg = get_preset("k3-tiny-vl")
+    msgs = ChatCompletionRequest.model_validate({"model": "k3-vl", "messages": messages(
+        data_url(png(7)), text="look <|media_pad|><|media_end|> here")}).messages
+    ids, items = ChatMedia(cfg, MediaConfig(**MEDIA), "k3-vl").prompt(ChatTemplate(), msgs, PromptEncoder(tokenizer))
+    assert ids.count(cfg.media_placeholder_token_id) == sum(it.num_tokens for it in items)
+    assert ids.count(tokenizer.token_to_id("<|media_end|>")) == len(items) == 1
 
 
 @pytest.mark.parametrize("case,needle", [
@@ -211,5 +219,5 @@ def test_media_the_prompt_cannot_hold_is_a_400(tokenizer, case, needle):
     media = ChatMedia(get_preset(preset), MediaConfig(**MEDIA), preset)
     msgs = ChatCompletionRequest.model_validate({"model": preset, "messages": messages(data_url(png(8)))}).messages
     with pytest.raises(OpenAIError) as e:
-        media.prompt(template, msgs, tokenizer)
+        media.prompt(template, msgs, PromptEncoder(tokenizer))
     assert e.value.status == 400 and needle in e.value.message
