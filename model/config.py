@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fields import check_field_types
 from .vision_config import K3VisionConfig, k3_vision, tiny_vision
 
 # Rows whose logits the training loss computes at once: [rows, vocab] fp32 of 64 MB (k3-tiny:
@@ -39,23 +40,6 @@ def hybrid_schedule(num_layers: int, every: int, last_is_mla: bool = True) -> li
 
 def moe_schedule(num_layers: int, first_k_dense: int) -> list[str]:
     return ["dense"] * first_k_dense + ["moe"] * (num_layers - first_k_dense)
-
-
-# A field's annotation -> (what the error says it must be, the test of a non-None value).
-_FIELD_KINDS = {
-    "bool": ("a bool (true or false)", lambda v: isinstance(v, bool)),
-    "int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a finite number",
-              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
-}
-
-
-def _annotation(ann: str) -> tuple[str, bool]:
-    """('int', True) for 'int | None': a field's type name and whether None is allowed."""
-    kind = ann.removesuffix(" | None")
-    return kind, kind != ann
 
 
 @dataclass
@@ -129,7 +113,7 @@ class K3Config:
             if not ok:
                 raise ValueError(f"K3Config.{fld}: {msg}")
 
-        self._check_types()
+        check_field_types(self, skip=("K3VisionConfig",))  # vision_config: checked below
         for fld in ("rms_norm_eps", "mla_norm_eps", "initializer_range", "routed_scaling", "situ_b1", "situ_b2"):
             v = getattr(self, fld)
             need(v > 0, fld, f"must be positive, got {v!r}")
@@ -178,18 +162,6 @@ class K3Config:
         for fld in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             v = getattr(self, fld)
             need(v is None or 0 <= v < self.vocab_size, fld, f"must be in [0, vocab_size={self.vocab_size}), got {v}")
-
-    def _check_types(self) -> None:
-        """Each field against its annotation: a JSON "false" is not a bool, true is not an int, and
-        a float is finite. Read from the annotations so a new field is checked without a new line."""
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            kind, optional = _annotation(f.type)
-            if kind == "K3VisionConfig":  # checked in validate
-                continue
-            if not (optional and v is None or v is not None and _FIELD_KINDS[kind][1](v)):
-                raise ValueError(f"K3Config.{f.name}: must be {_FIELD_KINDS[kind][0]}{' or null' if optional else ''}, "
-                                 f"got {v!r}")
 
     # -- derived ------------------------------------------------------------------------------
     @property

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fields import check_field_types
+
 
 @dataclass
 class K3VisionConfig:
@@ -46,7 +48,8 @@ class K3VisionConfig:
     rope_max_grid: int = 512
 
     def __post_init__(self) -> None:
-        self.merge_kernel_size = list(self.merge_kernel_size)
+        if isinstance(self.merge_kernel_size, tuple):
+            self.merge_kernel_size = list(self.merge_kernel_size)
         self.validate()
 
     def validate(self) -> None:
@@ -54,6 +57,7 @@ class K3VisionConfig:
             if not ok:
                 raise ValueError(f"K3VisionConfig.{fld}: {msg}")
 
+        check_field_types(self)
         for fld in ("patch_size", "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time",
                     "vt_num_hidden_layers", "vt_hidden_size", "vt_num_attention_heads", "qkv_hidden_size",
                     "vt_intermediate_size", "mm_hidden_size", "text_hidden_size", "rope_max_grid"):
@@ -75,7 +79,8 @@ class K3VisionConfig:
                              ("mm_projector_type", ("patchmergerv2",)), ("projector_hidden_act", ("gelu",)),
                              ("activation_func", ("gelu_pytorch_tanh",)), ("norm_type", ("rmsnorm",))):
             need(getattr(self, fld) in allowed, fld, f"must be one of {allowed}, got {getattr(self, fld)!r}")
-        need(self.projector_ln_eps > 0 and self.vt_rms_norm_eps > 0, "projector_ln_eps", "norm eps must be positive")
+        for fld in ("projector_ln_eps", "vt_rms_norm_eps"):
+            need(getattr(self, fld) > 0, fld, f"must be positive, got {getattr(self, fld)!r}")
 
     @property
     def head_dim(self) -> int:

@@ -282,6 +282,18 @@ def test_vision_config_round_trips_and_rejects_bad_fields():
         get_preset("k3-tiny").replace(vision_config=K3VisionConfig(), media_placeholder_token_id=6)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("attn_bias", "false"), ("patch_embed_proj_bias", 1), ("patch_size", 14.0), ("vt_hidden_size", True),
+    ("projector_ln_eps", float("nan")), ("vt_rms_norm_eps", -1e-6), ("vt_rms_norm_eps", "1e-6"),
+    ("merge_kernel_size", [2, True]), ("merge_kernel_size", "22"), ("norm_type", None),
+])
+def test_vision_config_fields_of_the_wrong_type_or_range_name_the_field(field, value):
+    d = get_preset("k3-tiny-vl").to_dict()
+    d["vision_config"][field] = value
+    with pytest.raises(ValueError, match=f"K3VisionConfig.{field}: must be"):
+        K3Config.from_dict(d)
+
+
 def test_chunked_cached_prefill_with_media_rows_equals_full_forward():
     """The serving contract: media encoded once per item, then each prefill chunk (several
     sequences packed, a KV/state cache) gets the rows of the placeholders it holds, in order."""
