@@ -19,9 +19,10 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
                           param=param)
 
 
-def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: int, prompt_len: int) -> int:
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: int, prompt_len: int) -> int | None:
     """OpenAI's budget: chat's `max_completion_tokens` wins over `max_tokens`, and without either a
-    chat answer may run to the context length; completions default to 16 (the request's default)."""
+    chat answer may run to the end of the context (None: max_model_len, or the end of the serving
+    engine's cache when it holds fewer tokens); completions default to 16 (the request's default)."""
     chat = isinstance(req, ChatCompletionRequest)
     param = "messages" if chat else "prompt"
     room = max_model_len - prompt_len
@@ -31,10 +32,10 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: i
         else req.max_tokens
     if asked is not None and asked > room:
         raise OpenAIError.context_length_exceeded(max_model_len, prompt_len, asked, param=param)
-    max_tokens = room if asked is None else asked
-    if req.min_tokens > max_tokens:
-        raise OpenAIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
-    return max_tokens
+    if req.min_tokens > (room if asked is None else asked):
+        raise OpenAIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({room if asked is None else asked})",
+                          param="min_tokens")
+    return asked
 
 
 def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, prompt_len: int,

@@ -145,12 +145,27 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_len} (prompt + at least 1 new)")
         if params.stop and self.detok is None:
             raise ValueError("stop strings need an engine with a tokenizer")
+        if params.max_tokens is None:  # to the end of the context: what the cache holds, if less
+            room = self.room(len(ids))
+            if room < 1:
+                raise ValueError(f"prompt has {len(ids)} tokens but the whole cache holds "
+                                 f"{self.cache.num_pages * self.cache.page_size} (prompt + at least 1 new); raise "
+                                 f"cache_memory_bytes")
+            if params.min_tokens > room:
+                raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {room} new tokens the cache holds "
+                                 f"beside this prompt")
+            return ids
         need = self.cache.pages_for(min(len(ids) + params.max_tokens, self.max_len))
         if need > self.cache.num_pages:
             raise ValueError(f"request needs {need} cache pages (prompt {len(ids)} + max_tokens {params.max_tokens}) "
                              f"but the whole cache holds {self.cache.num_pages}; lower max_tokens or raise "
                              f"cache_memory_bytes")
         return ids
+
+    def room(self, prompt_len: int) -> int:
+        """Most new tokens after a prompt of `prompt_len`: to max_model_len, or to the end of the
+        cache when it holds fewer tokens (what `SamplingParams(max_tokens=None)` asks for)."""
+        return min(self.max_len, self.cache.num_pages * self.cache.page_size) - prompt_len
 
     def _new_sequence(self, request_id: str | None, ids: list[int], params: SamplingParams) -> Sequence:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -194,6 +209,8 @@ class LLMEngine:
         `media`: the prompt's images / video chunks (k3.model.vision_processor), in placeholder order."""
         params = own_copy(params)
         ids = self.validate(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.room(len(ids))
         positions, spans = self.media_spans(ids, media)
         seq = self._new_sequence(request_id, ids, params)
         if spans:
@@ -210,6 +227,8 @@ class LLMEngine:
         which unpickled it), so only its read-only arrays are copied before they are checked."""
         params = own_copy(params)
         ids = self.validate(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.room(len(ids))
         t0 = time.perf_counter()
         imported = self.handoff.check_state(state, ids, params, owned=owned)
         state.timings["check_s"] = time.perf_counter() - t0

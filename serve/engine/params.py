@@ -24,7 +24,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(
+        16, ge=1, description="Most tokens to generate; None: to the end of the context, which is max_model_len or, "
+                              "when the engine's cache holds fewer tokens, the end of the cache (finish_reason "
+                              "'length' there).")
     min_tokens: int = Field(0, ge=0, description="Stop tokens and EOS are suppressed until this many tokens exist.")
     temperature: float = Field(1.0, ge=0.0, le=1e4, allow_inf_nan=False,
                                description=f"Softmax temperature in [0, 1e4]; below {GREEDY_BELOW} sampling is greedy.")
@@ -55,7 +58,7 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")

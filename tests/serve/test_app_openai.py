@@ -35,7 +35,6 @@ def post(base, body, path="/v1/completions", headers=AUTH):
     # only the replica knows its cache: it refuses, and the reason still reaches the client
     ({"prompt": [1, 2, 3], "max_tokens": 60000}, None, "cache pages"),
     ({"prompt": [1, 2, 3], "max_tokens": 60000, "stream": True}, None, "cache pages"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, None, "cache pages"),  # chat's default: the context
 ])
 def test_refusals_carry_the_reason_and_no_internals(apps, app, body, param, reason):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

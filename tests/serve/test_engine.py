@@ -172,6 +172,23 @@ def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_mod
     assert [o for o in outs if o.request_id == ok][-1].finished
 
 
+def test_max_tokens_none_runs_to_the_end_of_a_cache_smaller_than_the_context(tiny_model):
+    probe = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, page_size=16, enable_prefix_caching=False))
+    eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, page_size=16, enable_prefix_caching=False,
+                                             cache_memory_bytes=2 * probe.cache.slot_bytes + 10 * probe.cache.page_bytes))
+    assert eng.cache.num_pages == 10 and eng.room(3) == 157 < eng.max_len - 3
+    to_end = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    out = eng.generate([[1, 2, 3]], to_end)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 157
+    assert to_end.max_tokens is None  # the caller's params are not changed
+    with pytest.raises(ValueError, match="the whole cache holds 160"):
+        eng.add_request(None, [1] * 160, to_end)
+    with pytest.raises(ValueError, match="min_tokens"):
+        eng.add_request(None, [1] * 150, SamplingParams(max_tokens=None, min_tokens=20))
+    with pytest.raises(ValueError, match="cache pages"):  # asked for more than the cache holds: refused
+        eng.add_request(None, [1, 2, 3], SamplingParams(max_tokens=200))
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], SamplingParams(), "non-empty"),
     ([1, 5000], SamplingParams(), "out of range"),

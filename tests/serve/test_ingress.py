@@ -159,6 +159,27 @@ def test_a_chat_message_that_spells_a_special_token_is_read_as_text(client, text
     assert r.json()["usage"]["prompt_tokens"] == len(literal) > len(tok.encode(head + text + tail).ids)
 
 
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_replicas_cache():
+    import k3.model
+    from k3.serve.engine import EngineConfig, LLMEngine
+
+    probe = LLMEngine(k3.model.build(k3.model.get_preset("k3-tiny"), seed=0).eval(),
+                      EngineConfig(max_num_seqs=2, page_size=8, enable_prefix_caching=False, compile_decode=False))
+    config = copy.deepcopy(CONFIG)
+    config["engine"].update(max_num_seqs=2, enable_prefix_caching=False,
+                            cache_memory_bytes=2 * probe.cache.slot_bytes + 12 * probe.cache.page_bytes)
+    body = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "logit_bias": {"2": -100}}  # no EOS: the answer runs on
+    with TestClient(_app(config), raise_server_exceptions=False) as c:
+        r = _post(c, body, "/v1/chat/completions")
+        assert r.status_code == 200, r.text  # the context is 2048 tokens; the cache holds 96
+        usage, choice = r.json()["usage"], r.json()["choices"][0]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 96 and choice["finish_reason"] == "length"
+        # a max_tokens the client asks for is kept to: more than the cache holds is a 400
+        r = _post(c, {**body, "max_tokens": 100}, "/v1/chat/completions")
+        assert r.status_code == 400 and "cache pages" in r.json()["error"]["message"], r.text
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop():
     app = _app(CONFIG)
     rng = random.Random(0)
