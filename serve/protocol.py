@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 
-from .engine.params import Bias, Penalty
+from .engine.params import Bias, Number, Penalty
 from .errors import OpenAIError
 
 MAX_LOGPROBS = 20  # the engine's SamplingParams.logprobs bound
@@ -46,10 +46,13 @@ def _now() -> int:
     return int(time.time())
 
 
-def _no_bool(v: Any) -> Any:
-    # pydantic takes true as 1 for an int; a boolean where a count or a token id goes is a mistake
+def _integer(v: Any) -> Any:
+    # pydantic takes true as 1 and "5" as 5 for an int; either where a count or a token id goes is
+    # a mistake (OpenAI's API refuses both)
     if isinstance(v, bool):
         raise ValueError(f"must be an integer, got {str(v).lower()}")
+    if isinstance(v, str):
+        raise ValueError(f"must be an integer, got the string {v!r}")
     return v
 
 
@@ -62,7 +65,7 @@ def _unicode(v: str) -> str:
     return v
 
 
-Int = Annotated[int, BeforeValidator(_no_bool)]
+Int = Annotated[int, BeforeValidator(_integer)]
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
@@ -85,9 +88,9 @@ class _SamplingFields(_Request):
     """Fields the two endpoints share."""
 
     model: str = Field(description="The served model's name (see GET /v1/models).")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+    temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
                                description="Softmax temperature in [0, 2]; 0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
+    top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
     top_k: Int = Field(0, ge=-1, description="Extension (vLLM): keep the k most likely tokens; 0 or -1 keeps all.")
     min_tokens: Int = Field(0, ge=0, description="Extension (vLLM): suppress stop tokens and EOS until "
                                                  "this many tokens exist.")

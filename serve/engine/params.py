@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 # Below this temperature sampling is greedy: dividing logits by a denormal temperature overflows
 # to inf and the softmax becomes NaN (vLLM draws the same line).
@@ -15,8 +15,18 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2
 COMPILE_DECODE_ENV = "K3_COMPILE_DECODE"  # EngineConfig.compile_decode's default, when set (0 or 1)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
-Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+
+
+def _a_number(v: Any) -> Any:
+    # pydantic would read "0.5" or true as a number; a caller that sends either has made a mistake
+    if isinstance(v, (bool, str)):
+        raise ValueError(f"must be a number, got {v!r}")
+    return v
+
+
+Number = Annotated[float, BeforeValidator(_a_number)]
+Penalty = Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+Bias = Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
@@ -29,9 +39,9 @@ class SamplingParams(BaseModel):
                               "when the engine's cache holds fewer tokens, the end of the cache (finish_reason "
                               "'length' there).")
     min_tokens: int = Field(0, ge=0, description="Stop tokens and EOS are suppressed until this many tokens exist.")
-    temperature: float = Field(1.0, ge=0.0, le=1e4, allow_inf_nan=False,
+    temperature: Number = Field(1.0, ge=0.0, le=1e4, allow_inf_nan=False,
                                description=f"Softmax temperature in [0, 1e4]; below {GREEDY_BELOW} sampling is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
+    top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED,
                              description="Per-request seed in [0, 2**63 - 1]: the same seed gives the same tokens.")
@@ -51,8 +61,8 @@ class SamplingParams(BaseModel):
     @field_validator("max_tokens", "min_tokens", "top_k", "seed", "logprobs", mode="before")
     @classmethod
     def _no_bool(cls, v, info):
-        # pydantic takes True as 1 for an int field; a boolean here is always a caller's mistake.
-        if isinstance(v, bool):
+        # pydantic takes True as 1 and "5" as 5 for an int field; either is always a caller's mistake.
+        if isinstance(v, (bool, str)):
             raise ValueError(f"{info.field_name} must be an integer, got {v!r}")
         return v
 

@@ -84,6 +84,12 @@ def _post(client, body: dict, path="/v1/completions"):
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ("/v1/completions", {"prompt": [True, False]}, "prompt[0]"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(5000))}, "stop_token_ids"),
+    # a number sent as a string is refused, as OpenAI's API refuses it (pydantic would read "5" as 5)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": "1"}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "10"}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": True}, "presence_penalty"),
 ])
 def test_hostile_input_is_a_400_naming_the_field(client, path, body, param):
     r = _post(client, {"model": "k3", "max_tokens": 2, **body}, path)
