@@ -194,8 +194,8 @@ def _touches(before: str, text: str, after: str, specials: Sequence[str]) -> boo
     template's or another string's text `before` and `after` it)."""
     for t in specials:
         if t in text or any(
-            (before.endswith(t[:n]) and (before[-n:] + text + after).startswith(t)) or
-            (text.endswith(t[:n]) and (t[:n] + after).startswith(t)) for n in range(1, len(t))
+            (before.endswith(t[:n]) and (text[:len(t)] + after[:len(t)]).startswith(t[n:])) or
+            (text.endswith(t[:n]) and after.startswith(t[n:])) for n in range(1, len(t))
         ):
             return True
     return False
