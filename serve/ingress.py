@@ -108,7 +108,7 @@ class Ingress:
         # a chat's messages stay text: a special token spelled in one is encoded as its characters
         self.encoder = PromptEncoder(self.tokenizer) if self.tokenizer is not None else None
         model_cfg = self._model_config()
-        self.max_len = self.config.engine.max_model_len or model_cfg.max_position_embeddings
+        self.max_len = self.config.engine.context_length(model_cfg)
         self.vocab_size = model_cfg.vocab_size
         self.media = ChatMedia(model_cfg, self.config.media, self.config.model_id)
         self.api_key = None

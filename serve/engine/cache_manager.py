@@ -216,7 +216,7 @@ class CacheManager:
         if ec.enable_prefix_caching and self.slot_bytes:
             n_snap = int(rest * ec.snapshot_memory_fraction) // self.slot_bytes
         rest -= n_snap * self.slot_bytes
-        max_len = ec.max_model_len or cfg.max_position_embeddings
+        max_len = ec.context_length(cfg)
         if self.page_bytes:
             n_pages = rest // self.page_bytes
         else:  # no MLA layer: pages only count tokens

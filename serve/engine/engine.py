@@ -89,8 +89,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.media_rows = MediaRowCache(self.config.media_cache_bytes) if self.multimodal else None
         self.device = next(model.parameters()).device
-        self.max_len = min(self.config.max_model_len or self.cfg.max_position_embeddings,
-                           self.cfg.max_position_embeddings)
+        self.max_len = self.config.context_length(self.cfg)
         self.cache = CacheManager(self.cfg, self.config, self.device)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.enable_prefix_caching, self.config.snapshot_interval)

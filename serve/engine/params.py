@@ -97,7 +97,8 @@ class EngineConfig(BaseModel):
 
     max_num_seqs: int = Field(16, ge=1, description="Most sequences running at once (one KDA slot each).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens in one forward (prefill chunks + decodes).")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default the model's maximum.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default the model's maximum "
+                                                              "(max_position_embeddings), which it may not exceed.")
     page_size: int = Field(16, ge=1, description="Tokens per MLA latent page; also the prefix cache's unit.")
     cache_memory_bytes: int = Field(256 * 2**20, ge=1, description="Memory for KDA slots, snapshots and MLA pages.")
     enable_prefix_caching: bool = Field(True, description="Reuse cached prompt prefixes (MLA pages + KDA snapshots).")
@@ -134,6 +135,14 @@ class EngineConfig(BaseModel):
                     "key is refused. Default: a random key drawn when this config is validated, so engines "
                     "built from one config share it (the Serve builders validate the application's config "
                     "once: every replica of the application gets the same key).")
+
+    def context_length(self, cfg) -> int:
+        """The longest prompt + output an engine serves for model config `cfg`: max_model_len, or
+        the model's max_position_embeddings; a max_model_len past the model's is a ValueError."""
+        if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} is more than the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        return self.max_model_len or cfg.max_position_embeddings
 
     def decode_graphs_on(self, device: torch.device) -> bool:
         """Whether an engine on `device` compiles decode graphs: `compile_decode` when set, else

@@ -172,6 +172,13 @@ def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_mod
     assert [o for o in outs if o.request_id == ok][-1].finished
 
 
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model):
+    limit = tiny_model.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is more than the model's max_position_embeddings"):
+        LLMEngine(tiny_model, EngineConfig(max_model_len=limit + 1))
+    assert LLMEngine(tiny_model, EngineConfig(max_model_len=limit)).max_len == limit
+
+
 def test_max_tokens_none_runs_to_the_end_of_a_cache_smaller_than_the_context(tiny_model):
     probe = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, page_size=16, enable_prefix_caching=False))
     eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, page_size=16, enable_prefix_caching=False,

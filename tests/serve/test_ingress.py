@@ -186,6 +186,14 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_replicas_cache():
         assert r.status_code == 400 and "cache pages" in r.json()["error"]["message"], r.text
 
 
+def test_a_max_model_len_past_the_models_positions_is_refused_at_start():
+    config = copy.deepcopy(CONFIG)
+    config["engine"]["max_model_len"] = 10**9  # k3-tiny has 2**20 positions: /v1/models would have said 10**9
+    cls = next(c for c in ingress_mod.Ingress.__mro__ if "__serve_build_asgi_app__" in c.__dict__)
+    with pytest.raises(ValueError, match="max_model_len=1000000000 is more than the model's max_position_embeddings"):
+        cls(config, _Handle(None))
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop():
     app = _app(CONFIG)
     rng = random.Random(0)
