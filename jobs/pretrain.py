@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from k3.model.config import PRESETS
 from k3.platform.balance import METHODS
 from k3.platform.ops.local_ray import init_local_ray
 from k3.platform.train.config import TrainConfig
@@ -56,6 +57,16 @@ p.add_argument("--text-every", type=int, help="multimodal presets: every N-th st
 p.add_argument("--sample", type=int, default=64, help="tokens to sample from the final checkpoint (0: none)")
 p.add_argument("--summary-json", help="also write the summary here (with the sample and its sampling settings)")
 args = p.parse_args()
+# what runs after training is checked before it: a bad --sample or --summary-json would otherwise
+# end a finished run with a traceback and no summary written
+if args.sample < 0:
+    sys.exit(f"pretrain: --sample must be >= 0 (tokens to sample; 0: none), got {args.sample}")
+if args.summary_json:
+    out = Path(args.summary_json)
+    if out.is_dir():
+        sys.exit(f"pretrain: --summary-json {out} is a directory; give a file path")
+    if not out.parent.is_dir():
+        sys.exit(f"pretrain: --summary-json {out}: its directory {out.parent} does not exist")
 
 # 1. Config, validated before anything starts.
 fields = {}
@@ -82,6 +93,10 @@ if args.balance and isinstance(fields.get("balance", {}), dict):  # else TrainCo
     fields["balance"] = {**fields.get("balance", {}), "method": args.balance}
 try:
     cfg = TrainConfig(**fields)
+    if cfg.preset in PRESETS or cfg.init_from:
+        positions = cfg.located().model_cfg().max_position_embeddings
+        if args.sample >= positions:  # the sample's prompt takes a position too
+            raise ValueError(f"--sample {args.sample} is more tokens than the model's {positions} positions hold")
     data_info = cfg.check()
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration{f' (--config {args.config})' if args.config else ''}: {e}")

@@ -11,7 +11,7 @@ METHODS = ("quantile", "quantile_hist", "loss_free", "aux_loss", "none")
 class BalanceConfig(BaseModel):
     """How a model balances its routed experts. Loadable from YAML/JSON (`BalanceConfig(**d)`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)  # no "2" for 2
 
     method: Literal[METHODS] = Field(
         "quantile_hist",
@@ -26,7 +26,7 @@ class BalanceConfig(BaseModel):
         description="quantile_hist: 'follow' gives expert e the window -b_e +- w (its current selection "
         "boundary), w per layer adapted to how far the thresholds moved; 'fixed' uses fixed_range for all.",
     )
-    fixed_range: tuple[float, float] = Field((-1.0, 1.0), description="quantile_hist, range_policy='fixed': [lo, hi) of every histogram.")
+    fixed_range: tuple[float, float] = Field((-1.0, 1.0), strict=False, description="quantile_hist, range_policy='fixed': [lo, hi) of every histogram.")
     init_halfwidth: float = Field(1.0, gt=0, description="'follow': first half-width w; 1.0 covers every margin of sigmoid scores at b = 0.")
     min_halfwidth: float = Field(1e-4, gt=0, description="'follow': w never shrinks below this.")
     max_halfwidth: float = Field(4.0, gt=0, description="'follow': w never grows beyond this.")

@@ -37,7 +37,9 @@ class TrainConfig(BaseModel):
     """Everything a pretraining run needs; validated on the driver before any worker starts."""
 
     # allow_inf_nan=False: an lr, clip or decay of inf (or NaN) is refused here, naming the field
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a --config file's "2" or true is not read as a number (pydantic's lax mode would take
+    # `"context_parallel": true` as 1, no context parallelism and no word)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
                         "kimi-linear-48b-a3b).")

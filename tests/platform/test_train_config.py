@@ -33,6 +33,13 @@ def pretrain(*args: str) -> subprocess.CompletedProcess:
     (dict(name=".."), r"name \(--name\)"),
     (dict(seed=-1), "seed"),
     (dict(seed=2**70), "seed"),
+    # a --config file's strings and booleans are not numbers (pydantic's lax mode read true as 1)
+    (dict(context_parallel=True), "context_parallel"),
+    (dict(steps="2"), "steps"),
+    (dict(lr="1e-3"), "lr"),
+    (dict(zero_stage="2"), "zero_stage"),
+    (dict(resume="yes"), "resume"),
+    (dict(balance={"bins": "4"}), "bins"),
 ])
 def test_train_config_refuses_and_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
@@ -65,3 +72,20 @@ def test_pretrain_refuses_a_name_that_is_not_one_directory(name):
     out = pretrain("--name", name)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "name (--name) must be one plain directory name" in out.stderr
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--sample", "-5"], "--sample must be >= 0"),
+    (["--sample", "2000000"], "--sample 2000000 is more tokens than the model's 1048576 positions hold"),
+    (["--summary-json", "no/such/dir/s.json"], "its directory no/such/dir does not exist"),
+    (["--summary-json", "."], "is a directory"),
+])
+def test_pretrain_checks_what_runs_after_training_before_it(args, match):
+    out = pretrain(*args)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert match in out.stderr and out.stderr.startswith("pretrain: "), out.stderr
+
+
+def test_a_json_list_is_still_a_balance_range():
+    cfg = TrainConfig(balance={"method": "quantile_hist", "range_policy": "fixed", "fixed_range": [-2, 2]})
+    assert cfg.balance.fixed_range == (-2.0, 2.0) and TrainConfig(**cfg.model_dump()) == cfg
