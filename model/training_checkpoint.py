@@ -100,6 +100,17 @@ def _read(path: Path, map_location) -> Any:
         raise ValueError(f"{path}: cannot read it as a torch file ({type(e).__name__}: {e})") from e
 
 
+def read_state(k3dir: str | Path, map_location=None) -> dict:
+    """The trainer's `state.pt` in a checkpoint's k3 directory (step, history, config, the
+    balancing state), read as tensors and plain values only: a file someone hands over cannot run
+    code, and an unreadable one (or one that is no k3 state) is a ValueError naming it."""
+    path = Path(k3dir) / "state.pt"
+    state = _read(path, map_location)
+    if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{path}: not a k3 training state (a dict holding its step)")
+    return state
+
+
 def load_training_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                              vision: bool | None = None):
     """A training checkpoint as one single-process model holding every expert (k3.model.load

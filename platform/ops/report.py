@@ -41,20 +41,17 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
     ckpts = _checkpoints(run)
     if not ckpts:
         raise ValueError(f"{run}: no checkpoint with k3/state.pt (is this a `jobs/pretrain.py` run directory?)")
-    import torch
+    from k3.model.training_checkpoint import read_state
 
-    def step(c: Path) -> int:
-        return torch.load(c / "k3" / "state.pt", weights_only=False)["step"]
-
-    return max(ckpts, key=step)
+    return max(ckpts, key=lambda c: read_state(c / "k3")["step"])
 
 
 def read_run(run_dir: str | os.PathLike) -> tuple[list[dict], dict]:
     """(history, config) of the run's latest checkpoint."""
     ckpt = latest_checkpoint(run_dir)  # a bad run directory is refused before torch loads
-    import torch
+    from k3.model.training_checkpoint import read_state
 
-    state = torch.load(ckpt / "k3" / "state.pt", weights_only=False)
+    state = read_state(ckpt / "k3")
     history = state.get("history") or []
     if not history:
         raise ValueError(f"{run_dir}: the latest checkpoint holds no training history")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from k3.model.training_checkpoint import read_state
 from k3.platform.balance.strategies import needs_coordinator
 
 from . import storage
@@ -161,7 +162,7 @@ def run_summary(cfg: TrainConfig, run: str, result) -> dict:
     """Losses, MaxVio per layer and the history from the final checkpoint, and where it is (a
     path, or a URI under a URI storage_path)."""
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "k3" / "state.pt", weights_only=False)
+        state = read_state(Path(d) / "k3")
     return {"config": {"preset": cfg.preset, "num_workers": cfg.num_workers, "ep_size": cfg.ep_size,
                        "zero_stage": cfg.zero_stage, "balance": cfg.balance.method, "steps": cfg.steps},
             **summarize(state["history"]), "history": state["history"], "restored_at": state.get("restored_at", []),

@@ -244,6 +244,6 @@ class Trainer:
         weights, opt_state = ckpt.read_experts(d)
         self.ep.load_weights(weights, str(d))
         self.ds.load_expert_optimizer_state(self.model, opt_state)
-        state = torch.load(d / "k3" / "state.pt", weights_only=False)
+        state = ckpt.read_state(d / "k3")
         self.balance.load_state_dict(state.get("balance", state.get("coordinator")))
         return state

@@ -127,6 +127,34 @@ def test_report_bad_input_is_one_clear_line(tmp_path, capsys):
         assert rc == 1 and err.count("\n") == 1 and msg in err, err
 
 
+class _Runs:
+    def __reduce__(self):  # unpickling this runs a command, as a handed-over state.pt could
+        return (print, ("code ran",))
+
+
+@pytest.mark.parametrize("content,msg", [
+    (b"garbage", "cannot read it as a torch file"),
+    (None, "cannot read it as a torch file"),  # truncated
+    ("code", "cannot read it as a torch file"),
+    ("list", "not a k3 training state"),
+])
+def test_report_on_a_damaged_or_hostile_state_file_names_it(tmp_path, capsys, content, msg):
+    run = fake_run(tmp_path, 4, 2)
+    path = next(run.glob("checkpoint_*")) / "k3" / "state.pt"
+    if content is None:
+        path.write_bytes(path.read_bytes()[:100])
+    elif content == "code":
+        torch.save({"step": 9, "x": _Runs()}, path)
+    elif content == "list":
+        torch.save([1, 2], path)
+    else:
+        path.write_bytes(content)
+    rc = main(["report", str(run)])
+    out, err = capsys.readouterr()
+    assert rc == 1 and err.count("\n") == 1 and msg in err and str(path) in err, err
+    assert "code ran" not in out
+
+
 @pytest.mark.parametrize("break_it", [False, True])
 def test_report_in_a_real_browser(tmp_path, break_it):
     chrome = find_chromium()
