@@ -244,8 +244,11 @@ def _add_cluster(sub) -> None:
     sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice", "aws"])
     sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
     sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
-    sp.add_argument("--model-path", default="/mnt/k3/models/k3", help="rayservice: the model directory inside "
-                                                                      "the pods (on the shared volume)")
+    sp.add_argument("--model-path", default="/mnt/k3/models/k3-small",
+                    help="rayservice: the model directory inside the pods (on the shared volume); each engine "
+                         "replica holds the whole model on one GPU (no tensor or expert parallelism), so it must "
+                         "fit one: k3-small does, the full K3 does not. The engine's cache is the Serve config's "
+                         "engine.cache_memory_bytes (256 MiB in serve/config.yaml): raise it there for a GPU")
     sp.add_argument("--base", help="rayservice: the RayService base (cluster/kuberay/rayservice.yaml); "
                                    "aws: the cluster YAML (cluster/aws-gpu.yaml)")
     sp.add_argument("--region", default="us-east-2", help="aws: the AWS region")

@@ -55,7 +55,7 @@ def check_serve_rules(doc: dict) -> None:
     args = app["args"]
     assert "path" in args["model"] and "preset" not in args["model"], "random preset weights on GPUs"
     replicas = 0
-    for name in engine_deployments(args):
+    for name in engine_deployments(args["disaggregated"]):
         opts = args[name]["ray_actor_options"]
         assert opts["num_gpus"] == 1 and 1 <= opts["num_cpus"] <= per_gpu_cpus, (name, opts)
         auto = args[name].get("autoscaling_config")
@@ -95,6 +95,98 @@ def test_a_rayservice_that_cannot_fit_is_refused(tmp_path, change, match):
     change(doc)
     with pytest.raises(ValueError, match=match):
         rayservice_manifest(write_yaml(tmp_path, doc), SERVE_CONFIG, "/mnt/k3/models/k3")
+
+
+def worker(doc: dict) -> dict:
+    """The GPU worker group of a RayService base."""
+    return doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+
+def worker_limits(doc: dict, **limits) -> None:
+    for where in ("limits", "requests"):
+        worker(doc)["template"]["spec"]["containers"][0]["resources"][where].update(limits)
+
+
+def serve_args(tmp_path: Path, **changes) -> Path:
+    """serve/config.yaml with the k3 app's args changed."""
+    cfg = yaml.safe_load(SERVE_CONFIG.read_text())
+    cfg["applications"][0]["args"].update(changes)
+    return write_yaml(tmp_path, cfg, "serve.yaml")
+
+
+def k3_args(doc: dict) -> dict:
+    return yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: worker_limits(d, cpu="4"), "worker group h100-8x: 4 CPUs for 8 GPUs.*at least 16 CPUs"),
+    (lambda d: worker_limits(d, cpu="500m"), "worker group h100-8x: 1 CPUs for 8 GPUs"),
+    (lambda d: worker_limits(d, cpu="4 cores"), "workerGroupSpecs h100-8x: limits.cpu: '4 cores' is not a CPU"),
+    (lambda d: worker_limits(d, **{"nvidia.com/gpu": "eight"}), "h100-8x: limits.nvidia.com/gpu: 'eight' is not a whole"),
+])
+def test_a_worker_group_the_engines_cannot_run_on_is_refused_by_name(tmp_path, change, match):
+    doc = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
+    change(doc)
+    with pytest.raises(ValueError, match=match) as e:
+        rayservice_manifest(write_yaml(tmp_path, doc), SERVE_CONFIG, "/mnt/k3/models/k3-small")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, cpus", [
+    (lambda d: worker_limits(d, cpu="40000m"), 4),  # Kubernetes millicores: 40 CPUs, 5 a GPU
+    (lambda d: worker_limits(d, cpu=24), 2),
+    (lambda d: worker_limits(d, cpu="36.5"), 3),  # KubeRay starts Ray with 37
+    (lambda d: worker(d)["rayStartParams"].update({"num-cpus": "16"}), 1),  # rayStartParams win
+    (lambda d: worker(d).pop("maxReplicas"), 21),  # KubeRay's default: unbounded
+])
+def test_kubernetes_quantities_and_defaults_size_the_engines(tmp_path, change, cpus):
+    doc = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
+    change(doc)
+    out = rayservice_manifest(write_yaml(tmp_path, doc), SERVE_CONFIG, "/mnt/k3/models/k3-small")
+    check_serve_rules(out)
+    for name in ("prefill", "decode"):
+        assert k3_args(out)[name]["ray_actor_options"] == {"num_cpus": cpus, "num_gpus": 1}
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"engine": {"max_num_seqs": -5}, "bogus": 1},
+     r"serve.yaml: applications\[0\]\.args: not a k3 LLMServingConfig: engine.max_num_seqs: .*greater than or "
+     r"equal to 1; bogus: Extra inputs"),
+    ({"decode": {"num_replicas": "auto"}}, r"applications\[0\]\.args: .*decode.num_replicas: Input should be a "
+                                           r"valid integer"),
+    ({"prefill": {"autoscaling_config": {"max_replicas": "many"}}},
+     r"applications\[0\]\.args.prefill.autoscaling_config: max_replicas: Input should be a valid integer"),
+])
+def test_app_args_are_checked_as_the_builder_reads_them(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match) as e:
+        rayservice_manifest(KUBERAY / "rayservice.yaml", serve_args(tmp_path, **changes), "/mnt/k3/models/k3-small")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_app_args_are_one_cli_error_line(tmp_path, capsys):
+    from k3.platform.ops.cli import main
+
+    serve = serve_args(tmp_path, engine={"max_num_seqs": -5})
+    assert main(["cluster", "rayservice", "--serve-config", str(serve), "--base", str(KUBERAY / "rayservice.yaml")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"k3: error: {serve}: applications[0].args") and err.count("\n") == 1
+    assert "engine.max_num_seqs" in err
+
+
+def test_the_engines_are_sized_as_the_builder_reads_disaggregated(tmp_path):
+    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", serve_args(tmp_path, disaggregated="false"),
+                              "/mnt/k3/models/k3-small")
+    check_serve_rules(doc)
+    args = k3_args(doc)
+    assert args["disaggregated"] is False and args["llm"]["ray_actor_options"]["num_gpus"] == 1
+    assert all("num_gpus" not in args[n]["ray_actor_options"] for n in ("prefill", "decode"))
+
+
+def test_serve_config_v2_says_the_model_and_cache_are_as_given():
+    v2 = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG, "/mnt/k3/models/k3-small")["spec"]["serveConfigV2"]
+    head = v2.splitlines()[0]
+    assert head.startswith("# k3: ") and "whole model (/mnt/k3/models/k3-small) on its one GPU" in head
+    assert f"cache_memory_bytes {256 * 2**20} from {SERVE_CONFIG}" in head
 
 
 @pytest.mark.parametrize("model_path", ["", "models/k3"])
