@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from k3.serve.bench import BenchConfig, run_benchmark, run_side_by_side
@@ -63,16 +65,30 @@ for t in args.target:
     if not sep or not name or not url:
         p.error(f"--target wants NAME=URL, got {t!r}")
     targets[name] = url
-cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k not in ("out", "no_progress", "target")})
+try:
+    cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k not in ("out", "no_progress", "target")})
+except ValidationError as e:
+    err = e.errors()[0]
+    p.error(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']} (got {err['input']!r})")
+if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+    p.error(f"--out {args.out}: {'is a directory' if args.out.is_dir() else 'its directory does not exist'}")
 bar = tqdm(total=cfg.num_prompts * max(1, len(targets)), file=sys.stderr, disable=args.no_progress, desc="requests")
-if targets:
-    summary = asyncio.run(run_side_by_side(cfg, targets, progress=bar.update))
-else:
-    summary = asyncio.run(run_benchmark(cfg, progress=bar.update))
-bar.close()
+try:
+    if targets:
+        summary = asyncio.run(run_side_by_side(cfg, targets, progress=bar.update))
+    else:
+        summary = asyncio.run(run_benchmark(cfg, progress=bar.update))
+except (RuntimeError, httpx.HTTPError) as e:  # the server's model list could not be read
+    sys.exit(f"serve_bench: {e}")
+finally:
+    bar.close()
 summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 summary["machine"] = {"cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
 text = json.dumps(summary, indent=2)
 print(text)
 if args.out is not None:
     args.out.write_text(text + "\n")
+dead = [name for name, run in (summary["runs"].items() if targets else [("", summary)]) if not run["completed"]]
+if dead:  # every request failed: no measurement, whatever the JSON holds
+    sys.exit(f"serve_bench: no request completed{' on ' + ', '.join(dead) if targets else ''}: "
+             f"{next(iter((summary['runs'][dead[0]] if targets else summary)['errors']), 'no request sent')}")

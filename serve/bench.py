@@ -252,7 +252,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
 
 async def served_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:
     """The first model of GET /v1/models."""
-    resp = await client.get(f"{base_url}/v1/models", headers=auth_headers(api_key))
+    try:
+        resp = await client.get(f"{base_url}/v1/models", headers=auth_headers(api_key))
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach {base_url}/v1/models: {type(e).__name__}: {e}") from None
     if resp.status_code != 200:
         raise RuntimeError(f"GET /v1/models failed: {_error_text(resp.status_code, resp.content)}")
     data = resp.json().get("data") or []

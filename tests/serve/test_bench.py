@@ -435,3 +435,35 @@ def test_rss_verdict(totals, flat):
     v = rss_verdict([float(i) for i in range(20)], [t * 2**20 for t in totals], warmup_s=5, max_growth=0.05)
     assert v["flat"] is flat
     assert rss_verdict([0.0, 1.0], [1, 1], warmup_s=0, max_growth=0.05)["flat"] is None
+
+
+def _serve_bench(*args: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "jobs/serve_bench.py", "--no-progress", *args], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num-prompts", "-1"], "--num-prompts: "),
+    (["--request-rate", "nan"], "--request-rate: "),
+    (["--max-concurrency", "0"], "--max-concurrency: "),
+    (["--out", "no/such/dir/x.json"], "--out no/such/dir/x.json: its directory does not exist"),
+    (["--out", "."], "--out .: is a directory"),
+])
+def test_serve_bench_bad_arguments_are_one_line(args, needle):
+    out = _serve_bench(*args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr, out.stderr
+
+
+def test_serve_bench_against_no_server_fails_naming_it():
+    url = f"http://127.0.0.1:{free_port()}"
+    out = _serve_bench("--base-url", url, "--num-prompts", "2")  # no --model: asks the server first
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot reach {url}/v1/models" in out.stderr
+    out = _serve_bench("--base-url", url, "--num-prompts", "2", "--model", "m")  # every request fails
+    assert out.returncode == 1 and "no request completed" in out.stderr, out.stderr
+    assert json.loads(out.stdout)["failed"] == 2  # the JSON is still printed
