@@ -221,6 +221,11 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     if log is not None and not log_path.is_file():
         raise ValueError(f"{log_path}: no such log file")
     out = Path(out_dir) if out_dir else run / "report"
+    if out.resolve() == run.resolve() or out.resolve() in run.resolve().parents:
+        # the folder is rebuilt beside itself and swapped in: the run's own files would be copied,
+        # and a file its job writes meanwhile lost
+        raise ValueError(f"--out {out} holds the run directory {run}: write the report to a folder of its own "
+                         f"(default {run / 'report'})")
     with write_beside(out, stale=owned(REPORT_FILES)) as stage:
         figs = _save_plots(history, stage)
         (stage / "index.html").write_text(_page(run, history, config, figs, log_path))

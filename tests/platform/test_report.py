@@ -120,8 +120,13 @@ def test_maxvio_heatmap_shows_exactly_zero_apart(tmp_path, zero_at):
 
 
 def test_report_bad_input_is_one_clear_line(tmp_path, capsys):
-    for args, msg in (([str(tmp_path)], "no checkpoint with k3/state.pt"),
-                      ([str(fake_run(tmp_path, 4, 2)), "--log", str(tmp_path / "nope.log")], "no such log file")):
+    run = fake_run(tmp_path, 4, 2)
+    (tmp_path / "empty").mkdir()
+    for args, msg in (([str(tmp_path / "empty")], "no checkpoint with k3/state.pt"),
+                      ([str(tmp_path / "nope")], "no such run directory"),
+                      ([str(run), "--log", str(tmp_path / "nope.log")], "no such log file"),
+                      ([str(run), "--out", str(run)], "holds the run directory"),
+                      ([str(run), "--out", str(tmp_path)], "holds the run directory")):
         rc = main(["report", *args])
         err = capsys.readouterr().err
         assert rc == 1 and err.count("\n") == 1 and msg in err, err
