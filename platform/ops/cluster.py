@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ import yaml
 FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider names its head node type this way
 FAKE_NODES = "k3.platform.ops.fake_nodes.FakeNodes"  # the fake provider, one log monitor per machine
 DEFAULT_STATE = Path(".cache") / "k3-cluster" / "state.json"
+# Ray keeps resource quantities as int64 counts of 1/10000 units (FixedPoint): more does not fit
+MAX_RESOURCE = (2**63 - 1) // 10_000
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
@@ -43,15 +46,21 @@ def check_node_types(cfg: dict, where: str) -> None:
     if not isinstance(types, dict) or not types:
         raise ValueError(f"{where}: available_node_types must name at least one node type")
     head = cfg.get("head_node_type")
-    if head not in types:
+    if not isinstance(head, str) or head not in types:
         raise ValueError(f"{where}: head_node_type {head!r} is not a node type; known: {sorted(types)}")
     for name, spec in types.items():
         if not isinstance(spec, dict):
             raise ValueError(f"{where}: available_node_types.{name} must be a mapping")
-        for res, v in (spec.get("resources") or {}).items():
+        resources = spec.get("resources") or {}
+        if not isinstance(resources, dict):
+            raise ValueError(f"{where}: available_node_types.{name}.resources must be a mapping, got {resources!r}")
+        for res, v in resources.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{where}: available_node_types.{name}.resources.{res} must be a non-negative "
                                  f"integer, got {v!r}")
+            if v > MAX_RESOURCE:
+                raise ValueError(f"{where}: available_node_types.{name}.resources.{res} must be at most "
+                                 f"{MAX_RESOURCE} (what Ray can hold), got {v}")
         lo, hi = spec.get("min_workers", 0), spec.get("max_workers", cfg.get("max_workers", 0))
         for key, v in (("min_workers", lo), ("max_workers", hi)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -80,6 +89,8 @@ def load_autoscaling_config(path: str | os.PathLike) -> dict:
     where = str(path)
     cfg = read_yaml(path)
     provider = cfg.get("provider") or {}
+    if not isinstance(provider, dict):
+        raise ValueError(f"{where}: provider must be a mapping (type: fake_multinode), got {provider!r}")
     kind = (provider.get("type"), provider.get("module"))
     if kind not in (("fake_multinode", None), ("external", FAKE_NODES)):
         raise ValueError(f"{where}: provider must be Ray's fake multi-node provider (type: fake_multinode) or k3's "
@@ -88,9 +99,12 @@ def load_autoscaling_config(path: str | os.PathLike) -> dict:
     if cfg["head_node_type"] != FAKE_HEAD_TYPE:
         raise ValueError(f"{where}: head_node_type must be {FAKE_HEAD_TYPE!r} (the fake provider's head), "
                          f"got {cfg['head_node_type']!r}")
-    head_cpu = cfg["available_node_types"][FAKE_HEAD_TYPE].get("resources", {}).get("CPU", 0)
+    head_cpu = (cfg["available_node_types"][FAKE_HEAD_TYPE].get("resources") or {}).get("CPU", 0)
     if head_cpu < 1:
         raise ValueError(f"{where}: available_node_types.{FAKE_HEAD_TYPE}.resources.CPU must be >= 1")
+    speed = cfg.get("upscaling_speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 <= speed < math.inf:
+        raise ValueError(f"{where}: upscaling_speed must be a finite number >= 0, got {speed!r}")
     # The monitor reads the file as given: Ray's check on the raw file is the one that matters.
     ray_validate(cfg, where)
     return cfg
