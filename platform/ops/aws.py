@@ -34,7 +34,7 @@ _ID = {"region": r"^[a-z]{2}(-gov)?-[a-z]+-\d$", "subnet": r"^subnet-[0-9a-f]{8,
 
 
 def _check(name: str, value: str | None) -> None:
-    if value is None or not re.match(_ID[name], value):
+    if not isinstance(value, str) or not re.fullmatch(_ID[name], value):  # match with $ lets a final \n through
         raise ValueError(f"--{name.replace('_', '-')} {value!r} is not an AWS {name.replace('_', ' ')} "
                          f"(expected {_ID[name]})")
 

@@ -80,9 +80,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-MONITOR_STATE = Path(".cache") / "k3-monitor" / "state.json"
-
-
 def cmd_cluster(args: argparse.Namespace) -> int:
     from k3.platform.ops import cluster
 
@@ -115,7 +112,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     elif args.action == "status":
         print(cluster.status(args.state), end="")
     else:
-        print("k3 cluster down: stopped" if cluster.down(args.state) else "k3 cluster down: was not running")
+        print(f"k3 cluster down: {cluster.down(args.state, force=args.force)}")
     return 0
 
 
@@ -134,23 +131,22 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
             print(f"pushed {r.get('uid')}: {r.get('url')}")
     elif args.action == "down":
-        _monitor_down(Path(args.state))
+        _monitor_down(args.state, args.force)
     else:
         _monitor_up(args)
     return 0
 
 
-def _monitor_down(state: Path) -> None:
+def _monitor_state(path: str | None):
+    from k3.platform.ops.state import StateFile, default_monitor_state
+
+    return StateFile(default_monitor_state() if path is None else path, "k3 monitor", "k3 monitor down")
+
+
+def _monitor_down(state: str | None, force: bool) -> None:
     from k3.platform.ops.prometheus import Prometheus
 
-    if not state.exists():
-        print("k3 monitor down: was not running")
-        return
-    prom = Prometheus.from_state(json.loads(state.read_text()))
-    was = prom.alive()
-    prom.stop()
-    state.unlink()
-    print("k3 monitor down: stopped" if was else "k3 monitor down: was not running")
+    print(f"k3 monitor down: {_monitor_state(state).stop(Prometheus.from_state, force)}")
 
 
 def _scrape_target(args: argparse.Namespace) -> tuple[str, int | None]:
@@ -158,12 +154,10 @@ def _scrape_target(args: argparse.Namespace) -> tuple[str, int | None]:
     port `k3 cluster up` reserved for Prometheus (the Ray dashboard was started pointing there)."""
     if args.session_dir is not None:
         return args.session_dir, args.port
-    from k3.platform.ops.cluster import recorded_head
+    from k3.platform.ops.cluster import running_head, state_file
 
-    head = recorded_head(args.cluster_state)
-    if not head.alive():
-        raise ValueError(f"the k3 cluster recorded in {args.cluster_state} is not running: `k3 cluster up` first")
-    reserved = json.loads(Path(args.cluster_state).read_text()).get("prometheus_port")
+    head = running_head(args.cluster_state)
+    reserved = state_file(args.cluster_state).read().get("prometheus_port")
     return str(head.session_dir), args.port or reserved
 
 
@@ -171,9 +165,11 @@ def _monitor_up(args: argparse.Namespace) -> None:
     from k3.platform.ops.dashboards import push_dashboards
     from k3.platform.ops.prometheus import Prometheus
 
-    state = Path(args.state)
-    if state.exists() and Prometheus.from_state(json.loads(state.read_text())).alive():
-        raise ValueError(f"Prometheus already runs (see {state}): `k3 monitor down` first")
+    state = _monitor_state(args.state)
+    old = state.load(Prometheus.from_state)
+    if old is not None and old.alive():
+        raise ValueError(f"Prometheus already runs (pid {old.pid}, see {state.path}): `k3 monitor down` first")
+    state.prepare()  # before Prometheus starts: it must not run unrecorded
     if args.grafana_url and not os.environ.get("GRAFANA_TOKEN"):
         raise ValueError("GRAFANA_URL is set but GRAFANA_TOKEN is not: the dashboards cannot be pushed")
     session, port = _scrape_target(args)
@@ -181,17 +177,16 @@ def _monitor_up(args: argparse.Namespace) -> None:
 
     shipped = REPO / "cluster" / "prometheus" / "k3-alerts.yaml"
     rules = Path(args.rules) if args.rules else (shipped if shipped.is_file() else None)
-    prom = Prometheus(session, state.parent / "prometheus", scrape_interval_s=args.scrape_interval, port=port,
+    prom = Prometheus(session, state.path.parent / "prometheus", scrape_interval_s=args.scrape_interval, port=port,
                       rules_file=rules).start()
     try:
         if args.grafana_url:
             for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
                 print(f"pushed {r.get('uid')}: {r.get('url')}")
+        state.write(prom.state())
     except BaseException:
         prom.stop()  # nothing half-started stays running
         raise
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps(prom.state(), indent=2) + "\n")
     print(f"k3 monitor up: Prometheus {prom.url} (pid {prom.pid}) scraping {session}, "
           f"alerting rules {prom.rules_file or 'none'}")
     if args.session_dir is not None:
@@ -239,6 +234,13 @@ def _add_plan(sub) -> None:
     sp.set_defaults(func=cmd_plan)
 
 
+def _state_help(what: str, name: str) -> str:
+    """--state's help: where `k3 cluster` and `k3 monitor` keep their state by default
+    (k3.platform.ops.state), the same from any folder of a checkout."""
+    return (f"where {what} is recorded (default: {name} under $K3_STATE_DIR if set, else under .cache of the "
+            f"k3 checkout holding the current directory, else under ~/.cache/k3)")
+
+
 def _add_cluster(sub) -> None:
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
     sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice", "aws"])
@@ -256,8 +258,8 @@ def _add_cluster(sub) -> None:
     sp.add_argument("--security-group", help="aws: a security group letting all traffic from itself in and out")
     sp.add_argument("--placement-group", default="k3-p5", help="aws: an existing cluster placement group")
     sp.add_argument("--ami", help="aws: pin this AMI (default: the current DLAMI, resolved when a node launches)")
-    sp.add_argument("--state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
-                    help="where the running cluster is recorded")
+    sp.add_argument("--state", help=_state_help("the running cluster", "k3-cluster/state.json"))
+    sp.add_argument("--force", action="store_true", help="down: also remove a state file that cannot be read")
     sp.add_argument("--haproxy", action="store_true",
                     help="up, rayservice, aws: Ray Serve's direct ingress with HAProxy on Serve's HTTP port in "
                          "place of its Python proxy, each request forwarded to an ingress replica's own HTTP "
@@ -268,13 +270,13 @@ def _add_cluster(sub) -> None:
 def _add_monitor(sub) -> None:
     sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")
     sp.add_argument("action", choices=["up", "down", "dashboards", "push"])
-    sp.add_argument("--cluster-state", default=str(Path(".cache") / "k3-cluster" / "state.json"),
-                    help="the cluster to scrape (written by `k3 cluster up`)")
+    sp.add_argument("--cluster-state", help="the cluster to scrape (written by `k3 cluster up`; default: its default)")
     sp.add_argument("--session-dir", help="scrape this Ray session directory instead")
     sp.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between scrapes")
     sp.add_argument("--port", type=int, help="up: Prometheus's port (default: the one `k3 cluster up` reserved, "
                                             "or a free one with --session-dir)")
-    sp.add_argument("--state", default=str(MONITOR_STATE), help="where the running Prometheus is recorded")
+    sp.add_argument("--state", help=_state_help("the running Prometheus", "k3-monitor/state.json"))
+    sp.add_argument("--force", action="store_true", help="down: also remove a state file that cannot be read")
     sp.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"), help="Grafana to push to ($GRAFANA_URL)")
     sp.add_argument("--out", default="cluster/grafana", help="dashboards: output directory")
     sp.add_argument("--alerts-out", default="cluster/prometheus", help="dashboards: where the alerting rules and "

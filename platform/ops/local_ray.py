@@ -56,7 +56,7 @@ from pathlib import Path
 
 import yaml
 
-from .process_group import group_alive, stop_group
+from .process_group import group_alive, recorded_group_alive, start_time, stop_group, valid_pid
 
 NO_AGENT = "No available agent"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the outward address
@@ -227,6 +227,7 @@ class LocalRayHead:
             self.env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": str(autoscaler_update_s)})
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None  # the `ray start --block` process, leader of its process group
+        self.started: int | None = None  # its start time (process_group.start_time): pid alone may be reused
 
     @property
     def address(self) -> str:
@@ -277,7 +278,7 @@ class LocalRayHead:
             except _PortTaken:
                 if attempt == attempts - 1:
                     raise
-                self.proc = self.pid = None
+                self.proc = self.pid = self.started = None
                 self.ports = _pick_ports()
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -314,6 +315,7 @@ class LocalRayHead:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
+        self.started = start_time(self.pid)
         try:
             self._wait_ready()
         except _PortTaken:  # a head that never came up has nothing to shut down gracefully
@@ -374,30 +376,38 @@ class LocalRayHead:
 
     def state(self) -> dict:
         """What another process needs to reach or stop this head (`k3 cluster up` saves it)."""
-        return {"pid": self.pid, "workdir": str(self.workdir), "ports": self.ports, "num_cpus": self.num_cpus,
+        return {"pid": self.pid, "started": self.started, "workdir": str(self.workdir), "ports": self.ports, "num_cpus": self.num_cpus,
                 "autoscaling": self.cluster_config is not None, "address": self.address,
                 "gcs_address": self.gcs_address, "token_path": str(self.token_path),
                 "session_dir": str(self.session_dir), "temp_dir": str(self.temp_dir)}
 
     @classmethod
     def from_state(cls, state: dict) -> "LocalRayHead":
-        """A handle on a head started by another process (`k3 cluster status|down`)."""
+        """A handle on a head started by another process (`k3 cluster status|down`): KeyError or
+        TypeError when `state` lacks a field or holds one of the wrong type."""
+        if state["pid"] is not None and not valid_pid(state["pid"]):
+            raise TypeError(f"pid must be a positive integer, got {state['pid']!r}")
         head = cls(num_cpus=state["num_cpus"], workdir=state["workdir"])
         head.ports = dict(state["ports"])
         head.temp_dir = Path(state["temp_dir"])
         if state.get("autoscaling"):
             head.env["RAY_FAKE_CLUSTER"] = "1"
         head.pid = state["pid"]
+        head.started = state.get("started")  # None in a state from before k3 recorded it
         return head
 
     def alive(self) -> bool:
-        """Whether any process of the head's process group still runs."""
+        """Whether any process of the head's process group still runs; for a head rebuilt from a
+        state file, only while its PID still names the process that was started."""
+        if self.proc is None:
+            return recorded_group_alive(self.pid, self.started)
         return group_alive(self.pid, self.proc)
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the head's process group (SIGKILL to what is left after `grace_s`); a no-op
-        when nothing of it runs."""
-        stop_group(self.pid, self.proc, grace_s)
+        when nothing of it runs, or when its PID now names another process."""
+        if self.alive():
+            stop_group(self.pid, self.proc, grace_s)
 
     def __enter__(self) -> "LocalRayHead":
         return self.start()

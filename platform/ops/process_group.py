@@ -1,5 +1,11 @@
 """Processes k3 starts as the leaders of their own process groups (a Ray head, Prometheus): alive
-while any process of the group is, stopped by signalling the group, never by name."""
+while any process of the group is, stopped by signalling the group, never by name.
+
+Another process reaches such a group through a state file (`k3 cluster down`, `k3 monitor down`):
+the leader's PID and its start time. The PID alone is not the process: once the group has gone,
+the kernel hands the number to whatever starts next, and signalling that group would end an
+unrelated program. `recorded_group_alive` checks both before anything is signalled.
+"""
 from __future__ import annotations
 
 import os
@@ -27,6 +33,35 @@ def group_alive(pid: int | None, proc: subprocess.Popen | None = None) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None
+    when there is no such process."""
+    try:
+        # the command name (field 2) may hold spaces and parentheses: count fields after its ")"
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def valid_pid(pid) -> bool:
+    """Whether `pid` (as read from a state file) can name a group k3 started: 0 and -1 would
+    signal this process's own group and every process there is."""
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
+
+
+def recorded_group_alive(pid: int | None, started: int | None) -> bool:
+    """Whether the group a state file records (its leader's `pid` and `start_time`) still runs.
+
+    False when `started` is None (a state written before k3 recorded it: the PID cannot be told
+    from a reused one) or when `pid` now names a process that started at another time. A leader
+    that exited while the rest of its group runs still counts: Linux does not hand out a PID that
+    a live process group is still known by."""
+    if not valid_pid(pid) or started is None:
+        return False
+    now = start_time(pid)
+    return (now is None or now == started) and group_alive(pid)
 
 
 def _leader_alive(pid: int, proc: subprocess.Popen | None) -> bool:
@@ -78,3 +113,4 @@ def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: f
             return
         while group_alive(pid, proc) and time.time() < until:
             time.sleep(0.2)
+

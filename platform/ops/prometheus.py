@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from .process_group import group_alive, stop_group
+from .process_group import group_alive, recorded_group_alive, start_time, stop_group, valid_pid
 
 REPO = Path(__file__).resolve().parents[2]
 CACHED_BINARY = REPO / ".cache" / "prometheus" / "root" / "usr" / "bin" / "prometheus"
@@ -131,6 +131,7 @@ class Prometheus:
         if self.rules_file is not None and not self.rules_file.is_file():
             raise ValueError(f"{rules_file}: no such rules file")
         self.pid: int | None = None
+        self.started: int | None = None  # its start time (process_group.start_time): pid alone may be reused
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -154,6 +155,7 @@ class Prometheus:
         with open(self.workdir / "prometheus.log", "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
+        self.started = start_time(self.pid)
         try:
             self._wait_ready()
         except BaseException:
@@ -178,22 +180,32 @@ class Prometheus:
             time.sleep(0.5)
 
     def state(self) -> dict:
-        return {"pid": self.pid, "port": self.port, "url": self.url, "workdir": str(self.workdir),
+        return {"pid": self.pid, "started": self.started, "port": self.port, "url": self.url, "workdir": str(self.workdir),
                 "session_dir": str(self.session_dir)}
 
     @classmethod
     def from_state(cls, state: dict) -> "Prometheus":
+        """A handle on a server started by another process (`k3 monitor down`): KeyError or
+        TypeError when `state` lacks a field or holds one of the wrong type."""
+        if not valid_pid(state["pid"]):
+            raise TypeError(f"pid must be a positive integer, got {state['pid']!r}")
         prom = cls(session_dir=state["session_dir"], workdir=state["workdir"], port=state["port"])
         prom.pid = state["pid"]
+        prom.started = state.get("started")  # None in a state from before k3 recorded it
         return prom
 
     def alive(self) -> bool:
-        """Whether any process of the server's process group still runs."""
+        """Whether any process of the server's process group still runs; for a server rebuilt
+        from a state file, only while its PID still names the process that was started."""
+        if self.proc is None:
+            return recorded_group_alive(self.pid, self.started)
         return group_alive(self.pid, self.proc)
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 30 s; a no-op when not running."""
-        stop_group(self.pid, self.proc, grace_s=30.0)
+        """SIGTERM to the server's process group, SIGKILL after 30 s; a no-op when not running,
+        or when its PID now names another process."""
+        if self.alive():
+            stop_group(self.pid, self.proc, grace_s=30.0)
 
     def __enter__(self) -> "Prometheus":
         return self.start()

@@ -132,3 +132,108 @@ def test_cluster_up_with_haproxy_starts_the_head_with_direct_ingress(monkeypatch
         assert seen["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "HAProxy's" in capsys.readouterr().out
     else:
         assert seen["env"] is None and "HAProxy" not in capsys.readouterr().out
+
+
+# -- state files: `k3 cluster` / `k3 monitor` find what `up` started, and only that -----------------
+def head_state(pid, **extra) -> str:
+    """A `k3 cluster up` state naming `pid`, its other fields placeholders."""
+    return json.dumps({"pid": pid, "workdir": "w", "ports": {"port": 1, "dashboard-port": 2}, "num_cpus": 1,
+                       "temp_dir": "t", **extra})
+
+
+@pytest.fixture
+def unrelated():
+    """A process nothing of k3 started, leading its own process group."""
+    p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    yield p
+    p.kill()
+    p.wait()
+
+
+@pytest.mark.parametrize("what", ["cluster", "monitor"])
+@pytest.mark.parametrize("started, said", [
+    (None, "was not running as far as k3 can tell"),  # a state of an older k3: no start time
+    (1, "was stale (pid"),  # the pid was reused by another process
+])
+def test_down_never_signals_a_process_the_state_does_not_name(tmp_path, unrelated, what, started, said):
+    extra = {} if started is None else {"started": started}
+    extra |= {"session_dir": "s", "port": 3} if what == "monitor" else {}
+    (tmp_path / "state.json").write_text(head_state(unrelated.pid, **extra))
+    code, out, err, _ = run_k3(tmp_path, what, "down", "--state", "state.json")
+    assert code == 0 and said in out and "signalled nothing" in out, (out, err)
+    assert unrelated.poll() is None, "k3 down killed a process it did not start"
+    assert not (tmp_path / "state.json").exists()  # the stale state is gone: `up` is free again
+
+
+def test_status_of_a_stale_state_says_it_is_not_running(tmp_path, unrelated):
+    (tmp_path / "state.json").write_text(head_state(unrelated.pid, started=1))
+    code, out, err, _ = run_k3(tmp_path, "cluster", "status", "--state", "state.json")
+    assert code == 1 and "k3: error: the k3 cluster recorded in state.json" in err and "is not running" in err, err
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{}", "(KeyError: 'pid')"),
+    ("[1]", "(TypeError: a JSON list, not an object)"),
+    ("garbage", "(JSONDecodeError: Expecting value"),
+    (head_state(0), "(TypeError: pid must be a positive integer, got 0)"),  # killpg(0) is our own group
+])
+@pytest.mark.parametrize("args", [["cluster", "up"], ["cluster", "status"], ["cluster", "down"],
+                                  ["monitor", "up", "--session-dir", "."], ["monitor", "down"]])
+def test_a_bad_state_file_is_named_in_one_line_and_down_force_removes_it(tmp_path, content, why, args):
+    (tmp_path / "bad.json").write_text(content)
+    code, out, err, imported = run_k3(tmp_path, *args, "--state", "bad.json")
+    assert code == 1 and len(err.splitlines()) == 1 and "bad.json: not a k3 " in err and why in err, err
+    assert f"`k3 {args[0]} down --state" in err and "--force` removes it" in err, err
+    assert not imported.intersection(HEAVY)
+    if args[1] == "down":
+        code, out, err, _ = run_k3(tmp_path, *args, "--state", "bad.json", "--force")
+        assert code == 0 and "removed bad.json" in out and not (tmp_path / "bad.json").exists(), err
+
+
+@pytest.mark.parametrize("state, message", [
+    ("adir", "adir: is a directory, not a k3 cluster state file"),
+    ("afile/state.json", "afile/state.json: cannot hold a state file:"),
+])
+@pytest.mark.parametrize("action", ["up", "status", "down"])
+def test_a_state_path_that_cannot_hold_a_state_file_is_one_line(tmp_path, state, message, action):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    code, out, err, _ = run_k3(tmp_path, "cluster", action, "--state", state)
+    if action != "up" and state.startswith("afile"):  # nothing can be recorded there: nothing runs
+        assert (code, out) == (0 if action == "down" else 1, "k3 cluster down: was not running\n"
+                               if action == "down" else ""), err
+        return
+    assert code == 1 and len(err.splitlines()) == 1 and message in err, err
+    assert not list(tmp_path.glob("**/head-*"))  # refused before a head started
+
+
+def test_the_default_state_is_the_checkout_s_from_any_of_its_folders(tmp_path, monkeypatch):
+    from k3.platform.ops.state import STATE_DIR_ENV, default_cluster_state, default_monitor_state
+
+    monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "k3"\n')
+    (tmp_path / "jobs" / "deep").mkdir(parents=True)
+    for cwd in (tmp_path, tmp_path / "jobs", tmp_path / "jobs" / "deep"):
+        monkeypatch.chdir(cwd)
+        assert default_cluster_state() == tmp_path.resolve() / ".cache" / "k3-cluster" / "state.json"
+        assert default_monitor_state() == tmp_path.resolve() / ".cache" / "k3-monitor" / "state.json"
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "mine"))
+    assert default_cluster_state() == tmp_path.resolve() / "mine" / "k3-cluster" / "state.json"
+    monkeypatch.delenv(STATE_DIR_ENV)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cluster_state() == tmp_path.resolve() / "xdg" / "k3" / "k3-cluster" / "state.json"
+
+
+def test_down_from_a_subfolder_finds_the_cluster_up_recorded_at_the_root(tmp_path, unrelated, monkeypatch):
+    from k3.platform.ops.state import STATE_DIR_ENV
+
+    monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "k3"\n')
+    (tmp_path / "jobs").mkdir()
+    state = tmp_path / ".cache" / "k3-cluster" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(head_state(unrelated.pid, started=1))
+    code, out, err, _ = run_k3(tmp_path / "jobs", "cluster", "down")
+    assert code == 0 and "was stale" in out and not state.exists(), (out, err)
+    assert unrelated.poll() is None

@@ -95,6 +95,15 @@ def test_local_autoscaling_yaml_is_complete_and_valid():
     (lambda c: c["provider"].update(module="my.Provider"), "module 'my.Provider'"),
     (lambda c: c.update(idle_timeout="1m"), "Additional properties are not allowed"),
     (lambda c: c.pop("cluster_synced_files"), "cluster_synced_files"),
+    # wrongly typed YAML: one line naming the field, not an AttributeError or TypeError
+    (lambda c: c.update(provider="fake"), "provider must be a mapping"),
+    (lambda c: c["available_node_types"]["cpu.worker"].update(resources=[1, 2]),
+     r"cpu.worker.resources must be a mapping, got \[1, 2\]"),
+    (lambda c: c.update(head_node_type=["ray.head.default"]), r"head_node_type \['ray.head.default'\] is not a node"),
+    (lambda c: c.update(upscaling_speed=float("nan")), "upscaling_speed must be a finite number >= 0, got nan"),
+    (lambda c: c.update(upscaling_speed=float("inf")), "upscaling_speed must be a finite number >= 0, got inf"),
+    (lambda c: c["available_node_types"]["ray.head.default"]["resources"].update(CPU=10**30),
+     "ray.head.default.resources.CPU must be at most 922337203685477"),
 ])
 def test_bad_local_yaml_is_one_clear_line(tmp_path, change, match):
     cfg = local_cfg()

@@ -272,6 +272,10 @@ def test_aws_with_haproxy_starts_every_nodes_ray_with_direct_ingress(tmp_path):
     ({"region": "Ohio"}, "--region 'Ohio'"),
     ({"ami": "ubuntu-22.04"}, "--ami 'ubuntu-22.04'"),
     ({"placement_group": ""}, "--placement-group ''"),
+    # `re.match` with `$` let a final newline through: `region: |` in the rendered YAML
+    ({"region": "us-east-2\n"}, "--region 'us-east-2\\n'"),
+    ({"subnet": SUBNET + "\n"}, "--subnet"),
+    ({"placement_group": "k3-p5\n"}, "--placement-group 'k3-p5\\n'"),
 ])
 def test_bad_aws_parameters_are_one_clear_line(kw, match):
     args = {"region": "us-east-2", "subnet": SUBNET, "security_group": SG, **kw}
