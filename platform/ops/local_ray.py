@@ -47,6 +47,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -319,10 +320,10 @@ class LocalRayHead:
         try:
             self._wait_ready()
         except _PortTaken:  # a head that never came up has nothing to shut down gracefully
-            self.stop(grace_s=0)
+            self.stop(grace_s=0, keep_logs=True)
             raise
-        except BaseException:
-            self.stop()
+        except BaseException:  # the error names the session's logs: they stay
+            self.stop(keep_logs=True)
             raise
         return self
 
@@ -403,11 +404,14 @@ class LocalRayHead:
             return recorded_group_alive(self.pid, self.started)
         return group_alive(self.pid, self.proc)
 
-    def stop(self, grace_s: float = 60.0) -> None:
+    def stop(self, grace_s: float = 60.0, keep_logs: bool = False) -> None:
         """SIGTERM to the head's process group (SIGKILL to what is left after `grace_s`); a no-op
-        when nothing of it runs, or when its PID now names another process."""
+        when nothing of it runs, or when its PID now names another process. Once the group is gone,
+        Ray's temp dir (its session's logs and sockets, ~40 MB) is removed unless `keep_logs`."""
         if self.alive():
             stop_group(self.pid, self.proc, grace_s)
+            if not keep_logs and not self.alive():
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalRayHead":
         return self.start()

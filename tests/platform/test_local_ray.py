@@ -106,6 +106,7 @@ def test_a_taken_port_is_retried_and_a_head_holding_detached_actors_stops_withou
                                  capture_output=True, text=True, timeout=120)
             assert run.stdout.strip().endswith("up"), run.stderr[-2000:]
     assert not head.alive()
+    assert not head.temp_dir.exists()  # Ray's session (~40 MB a head) goes with it; its log stays
     log = head.log_path.read_text()
     assert "Draining for up to" not in log, log[-2000:]
     # a caller that wants the drain keeps it
