@@ -121,6 +121,9 @@ def require_model(model: str, served: Sequence[str]) -> None:
         raise OpenAIError.model_not_found(model, served)
 
 
+_PART_TAGS = ("text", "image_url", "video_url")  # the `type` tags of a chat message's content parts
+
+
 def param_from_loc(loc: Sequence[str | int]) -> str | None:
     """A pydantic error location as an OpenAI `param`: ("body", "messages", 0, "content") ->
     "messages[0].content". Union-member labels pydantic inserts are dropped, and so is a tagged
@@ -133,6 +136,8 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
             continue
         if parts and item == parts[-1] and isinstance(item, str):
             continue
+        if item in _PART_TAGS and isinstance(loc[i - 1], int) and parts[-2:-1] == ["content"]:
+            continue  # a content part's tag: ("content", 0, "text", "foo") is content[0].foo
         parts.append(item)
     out = ""
     for p in parts:

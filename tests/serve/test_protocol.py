@@ -229,6 +229,13 @@ def test_deliberate_refusals_say_why(model, body, needle):
     (("body", "prompt", "list[int]", 0), "prompt[0]"),
     (("body",), None),
     (("query", "limit"), "limit"),
+    # a content part's tag is dropped, whatever follows it
+    (("body", "messages", 0, "content", "list[tagged-union[TextPart,ImageURLPart,VideoURLPart]]", 0, "text", "foo"),
+     "messages[0].content[0].foo"),
+    (("body", "messages", 0, "content", "list[tagged-union[TextPart]]", 0, "text", "text"), "messages[0].content[0].text"),
+    (("body", "messages", 0, "content", "list[x]", 1, "image_url", "image_url", "url"),
+     "messages[0].content[1].image_url.url"),
+    (("body", "messages", 0, "content", "list[x]", 1, "image_url", "detail"), "messages[0].content[1].detail"),
 ])
 def test_param_from_loc(loc, param):
     assert param_from_loc(loc) == param
