@@ -50,6 +50,8 @@ def test_answers_without_torch(tmp_path, args, rc, expected):
     (["monitor", "up", "--session-dir", "nowhere", "--state", "monitor.json"], 1,
      "k3: error: Ray session directory nowhere does not exist"),
     (["report", "no-run"], 1, "k3: error: no-run: no such run directory"),
+    *[(["monitor", "up", "--scrape-interval", v], 2, "k3 monitor: error: argument --scrape-interval: must be a "
+       f"number of seconds from 0.001 to 86400, got {v}") for v in ("nan", "inf", "0", "-1", "0.0001")],
     (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64", "--gpu", "x100"], 1,
      "k3: error: unknown GPU 'x100'; choose from ['a100', 'h100', 'h200']"),
     (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64"], 2,
