@@ -235,7 +235,7 @@ def _add_plan(sub) -> None:
     sp = sub.add_parser("plan", help="training and serving capacity of a preset on a GPU cluster")
     sp.add_argument("--preset", required=True, choices=sorted(PRESETS), help="preset name")
     sp.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    sp.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    sp.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (at most 1,048,576)")
     sp.add_argument("--gpu", required=True, help="GPU type: a100, h100 or h200")
     sp.add_argument("--micro-batch", type=int, default=1, help="training: sequences per data-parallel rank")
     sp.add_argument("--zero", type=int, choices=[1, 2], help="training: ZeRO stage (default: the better of 1 and 2)")
@@ -243,7 +243,8 @@ def _add_plan(sub) -> None:
     sp.add_argument("--dp", type=int, help="training: pin the data-parallel size")
     sp.add_argument("--cp", type=int, help="training: pin the context-parallel size")
     sp.add_argument("--ep", type=int, help="training: pin the expert-parallel size")
-    sp.add_argument("--utilisation", type=float, default=0.4, help="share of the bf16 peak the FLOPs run at")
+    sp.add_argument("--utilisation", type=float, default=0.4,
+                    help="share of the bf16 peak the FLOPs run at (0.01 to 1)")
     sp.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"],
                     help="serving: routed expert weights as released (MXFP4) or bf16")
     sp.add_argument("--json", action="store_true", help="print JSON")
