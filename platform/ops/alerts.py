@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from k3.model.directory import write_beside
 
@@ -30,12 +30,19 @@ from .prometheus import CACHED_BINARY, PrometheusError
 RULES_FILE = "k3-alerts.yaml"
 TESTS_FILE = "k3-alerts.test.yaml"
 _DURATION = r"^[0-9]+[smh]$"
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+
+
+def seconds(duration: str) -> int:
+    """A duration of the `_DURATION` form in seconds."""
+    return int(duration[:-1]) * _UNIT_S[duration[-1]]
 
 
 class AlertConfig(BaseModel):
     """Thresholds of k3's alerts."""
 
-    model_config = ConfigDict(extra="forbid")
+    # nan or inf would be written into the rules as text promtool cannot parse
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     loss_window: str = Field("15m", pattern=_DURATION, description="Loss rising: the mean over this window is "
                                                                    "compared with the mean over the window before.")
@@ -59,6 +66,15 @@ class AlertConfig(BaseModel):
                                                               "alert fires.")
     down_for: str = Field("1m", pattern=_DURATION, description="How long a replica is unhealthy or a node's "
                                                                "metrics are unreachable before the alert fires.")
+
+    @field_validator("loss_window", "maxvio_window", "restart_window")
+    @classmethod
+    def _at_least_a_minute(cls, v: str) -> str:
+        # Prometheus refuses a range or offset of 0; a window compares samples within it (two
+        # windows' means, the step gauge's first and last) and the promtool cases sample once a minute
+        if seconds(v) < 60:
+            raise ValueError(f"must be at least 1m, got {v}")
+        return v
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,7 @@ def training_alerts(c: AlertConfig) -> list[Alert]:
                            "ray_k3_train_step")
     run = 'SessionName="s", WorkerId="w"'
     w = c.maxvio_window
+    quiet_at = max(25, -(-seconds(c.restart_window) // 60) + 5)  # minutes
     return [
         Alert("K3TrainLossNotFinite", f"({loss} != {loss}) or (abs({loss}) == +Inf)", "0m", "critical",
               "training loss of {{ $labels.SessionName }} is NaN or infinite",
@@ -112,8 +129,9 @@ def training_alerts(c: AlertConfig) -> list[Alert]:
               fires=Case({f'{mv}{{{run}, layer="3"}}': f"{c.maxvio_bound * 1.5:g}x40",
                           f"{step}{{{run}}}": f"0+{c.maxvio_steps}x40"}, "40m",
                          ({"SessionName": "s", "WorkerId": "w", "layer": "3"},)),
-              quiet=Case({f'{mv}{{{run}, layer="3"}}': f"{c.maxvio_bound * 1.5:g}x20 {c.maxvio_bound / 2:g} "
-                                                       f"{c.maxvio_bound * 1.5:g}x19",
+              # one dip below the bound a minute before the check: inside any window of 1m or more
+              quiet=Case({f'{mv}{{{run}, layer="3"}}': f"{c.maxvio_bound * 1.5:g}x38 {c.maxvio_bound / 2:g} "
+                                                       f"{c.maxvio_bound * 1.5:g}",
                           f"{step}{{{run}}}": f"0+{c.maxvio_steps}x40"}, "40m"),
               # above the bound the whole window, but too few steps in it (a stalled run)
               extra_cases=(Case({f'{mv}{{{run}, layer="3"}}': f"{c.maxvio_bound * 1.5:g}x40",
@@ -123,9 +141,12 @@ def training_alerts(c: AlertConfig) -> list[Alert]:
         Alert("K3TrainWorkerRestarted", "ray_k3_train_restarts_total unless ray_k3_train_restarts_total offset "
                                         f"{c.restart_window}",
               "0m", "warning", "the worker group of {{ $labels.SessionName }} restarted from a checkpoint",
-              fires=Case({'ray_k3_train_restarts_total{SessionName="s", WorkerId="w2"}': "_x14 1x5"}, "18m",
+              # restarted at 14m: checked within the window after, and once the window has passed
+              fires=Case({'ray_k3_train_restarts_total{SessionName="s", WorkerId="w2"}': "_x14 1x5"},
+                         f"{14 + min(4, seconds(c.restart_window) // 120)}m",
                          ({"SessionName": "s", "WorkerId": "w2"},)),
-              quiet=Case({'ray_k3_train_restarts_total{SessionName="s", WorkerId="w2"}': "1x30"}, "25m")),
+              quiet=Case({'ray_k3_train_restarts_total{SessionName="s", WorkerId="w2"}': f"1x{quiet_at + 5}"},
+                         f"{quiet_at}m")),
     ]
 
 
@@ -208,12 +229,21 @@ def tests_file(items: list[Alert], rules: str = RULES_FILE) -> dict:
 
 def write_alerts(out_dir: str | os.PathLike, config: AlertConfig | None = None) -> list[Path]:
     """Write the rules and their promtool tests under out_dir, swapped in together beside the
-    folder's other files (k3.model.directory); returns both paths."""
+    folder's other files (k3.model.directory); returns both paths. Where promtool is found the
+    new rules are checked and their tests run before the swap: PrometheusError, and out_dir as it
+    was, when promtool refuses them."""
     items = alerts(config)
     files = {RULES_FILE: rules_file(items), TESTS_FILE: tests_file(items)}
     with write_beside(out_dir) as stage:
         for name, body in files.items():
             (stage / name).write_text(yaml.safe_dump(body, sort_keys=False, width=120))
+        if find_promtool() is not None:
+            try:
+                check_rules(stage / RULES_FILE)
+                run_rule_tests(stage / TESTS_FILE)
+            except PrometheusError as e:
+                raise PrometheusError(f"these thresholds give rules promtool refuses, {out_dir} left as it was: "
+                                      f"{e}") from None
     return [Path(out_dir) / name for name in files]
 
 
@@ -227,15 +257,23 @@ def load_alert_config(path: str | os.PathLike) -> AlertConfig:
         raise ValueError(f"{p}: {' '.join(str(e).split())}") from None
 
 
-def promtool() -> Path:
-    """promtool on PATH, else beside the Prometheus `make prometheus` unpacks into .cache/."""
+def find_promtool() -> Path | None:
+    """promtool on PATH, else beside the Prometheus `make prometheus` unpacks into .cache/; None
+    when neither is there."""
     found = shutil.which("promtool")
     if found:
         return Path(found)
     cached = CACHED_BINARY.with_name("promtool")
-    if cached.exists():
-        return cached
-    raise PrometheusError(f"no promtool: not on PATH and not at {cached} (run `make prometheus`)")
+    return cached if cached.exists() else None
+
+
+def promtool() -> Path:
+    """find_promtool(), or PrometheusError saying how to get it."""
+    found = find_promtool()
+    if found is None:
+        raise PrometheusError(f"no promtool: not on PATH and not at {CACHED_BINARY.with_name('promtool')} "
+                              "(run `make prometheus`)")
+    return found
 
 
 def _promtool(*args: str) -> str:

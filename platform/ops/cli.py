@@ -9,7 +9,8 @@
     k3 cluster rayservice               the KubeRay RayService with serveConfigV2 from serve/config.yaml
     k3 cluster aws --subnet --security-group   cluster/aws-gpu.yaml with EFA and a placement group
     k3 monitor up|down                  Prometheus scraping it (+ the dashboards pushed when GRAFANA_URL is set)
-    k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (cluster/grafana)
+    k3 monitor dashboards [--out DIR]   write the Grafana dashboards and provisioning files (this checkout's
+                                        cluster/grafana) and the alerting rules (cluster/prometheus)
     k3 monitor push                     push the dashboards to GRAFANA_URL with GRAFANA_TOKEN
     k3 report RUN_DIR                   an HTML page with PNG plots of a pretraining run
     k3 plan --preset k3 --context 1048576 --gpus 64 --gpu h200 [--json]
@@ -80,6 +81,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# where `k3 monitor dashboards` writes, under this checkout whatever the current directory
+GRAFANA_OUT = Path("cluster") / "grafana"
+ALERTS_OUT = Path("cluster") / "prometheus"
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from k3.platform.ops import cluster
 
@@ -121,11 +127,12 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
     if args.action == "dashboards":
         from k3.platform.ops.alerts import load_alert_config, write_alerts
+        from k3.platform.ops.prometheus import REPO
 
         alert_config = load_alert_config(args.alerts_config) if args.alerts_config else None
-        for p in write_dashboards(args.out):
+        for p in write_dashboards(args.out or REPO / GRAFANA_OUT):
             print(p)
-        for p in write_alerts(args.alerts_out, alert_config):
+        for p in write_alerts(args.alerts_out or REPO / ALERTS_OUT, alert_config):
             print(p)
     elif args.action == "push":
         for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
@@ -162,7 +169,8 @@ def _scrape_target(args: argparse.Namespace) -> tuple[str, int | None]:
 
 
 def _monitor_up(args: argparse.Namespace) -> None:
-    from k3.platform.ops.dashboards import push_dashboards
+    from k3.platform.ops.alerts import check_rules, find_promtool
+    from k3.platform.ops.dashboards import check_grafana_url, push_dashboards
     from k3.platform.ops.prometheus import Prometheus
 
     state = _monitor_state(args.state)
@@ -172,13 +180,18 @@ def _monitor_up(args: argparse.Namespace) -> None:
     state.prepare()  # before Prometheus starts: it must not run unrecorded
     if args.grafana_url and not os.environ.get("GRAFANA_TOKEN"):
         raise ValueError("GRAFANA_URL is set but GRAFANA_TOKEN is not: the dashboards cannot be pushed")
+    if args.grafana_url:
+        check_grafana_url(args.grafana_url)  # before Prometheus starts
     session, port = _scrape_target(args)
     from k3.platform.ops.prometheus import REPO
 
     shipped = REPO / "cluster" / "prometheus" / "k3-alerts.yaml"
     rules = Path(args.rules) if args.rules else (shipped if shipped.is_file() else None)
     prom = Prometheus(session, state.path.parent / "prometheus", scrape_interval_s=args.scrape_interval, port=port,
-                      rules_file=rules).start()
+                      rules_file=rules)
+    if prom.rules_file is not None and find_promtool() is not None:
+        check_rules(prom.rules_file)  # Prometheus itself says only "error loading config"
+    prom.start()
     try:
         if args.grafana_url:
             for r in push_dashboards(args.grafana_url, os.environ.get("GRAFANA_TOKEN")):
@@ -219,7 +232,7 @@ def _add_plan(sub) -> None:
     sp = sub.add_parser("plan", help="training and serving capacity of a preset on a GPU cluster")
     sp.add_argument("--preset", required=True, choices=sorted(PRESETS), help="preset name")
     sp.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    sp.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    sp.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (at most 1,048,576)")
     sp.add_argument("--gpu", required=True, help="GPU type: a100, h100 or h200")
     sp.add_argument("--micro-batch", type=int, default=1, help="training: sequences per data-parallel rank")
     sp.add_argument("--zero", type=int, choices=[1, 2], help="training: ZeRO stage (default: the better of 1 and 2)")
@@ -227,7 +240,8 @@ def _add_plan(sub) -> None:
     sp.add_argument("--dp", type=int, help="training: pin the data-parallel size")
     sp.add_argument("--cp", type=int, help="training: pin the context-parallel size")
     sp.add_argument("--ep", type=int, help="training: pin the expert-parallel size")
-    sp.add_argument("--utilisation", type=float, default=0.4, help="share of the bf16 peak the FLOPs run at")
+    sp.add_argument("--utilisation", type=float, default=0.4,
+                    help="share of the bf16 peak the FLOPs run at (0.01 to 1)")
     sp.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"],
                     help="serving: routed expert weights as released (MXFP4) or bf16")
     sp.add_argument("--json", action="store_true", help="print JSON")
@@ -267,20 +281,32 @@ def _add_cluster(sub) -> None:
     sp.set_defaults(func=cmd_cluster)
 
 
+def _scrape_interval(text: str) -> float:
+    from k3.platform.ops.prometheus import duration
+
+    try:
+        seconds = float(text)
+        duration(seconds)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return seconds
+
+
 def _add_monitor(sub) -> None:
     sp = sub.add_parser("monitor", help="Prometheus and the Grafana dashboards")
     sp.add_argument("action", choices=["up", "down", "dashboards", "push"])
     sp.add_argument("--cluster-state", help="the cluster to scrape (written by `k3 cluster up`; default: its default)")
     sp.add_argument("--session-dir", help="scrape this Ray session directory instead")
-    sp.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between scrapes")
+    sp.add_argument("--scrape-interval", type=_scrape_interval, default=5.0,
+                    help="seconds between scrapes, 0.001 to 86400 (Prometheus keeps milliseconds)")
     sp.add_argument("--port", type=int, help="up: Prometheus's port (default: the one `k3 cluster up` reserved, "
                                             "or a free one with --session-dir)")
     sp.add_argument("--state", help=_state_help("the running Prometheus", "k3-monitor/state.json"))
     sp.add_argument("--force", action="store_true", help="down: also remove a state file that cannot be read")
     sp.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"), help="Grafana to push to ($GRAFANA_URL)")
-    sp.add_argument("--out", default="cluster/grafana", help="dashboards: output directory")
-    sp.add_argument("--alerts-out", default="cluster/prometheus", help="dashboards: where the alerting rules and "
-                                                                      "their promtool tests go")
+    sp.add_argument("--out", help=f"dashboards: output directory (default: this checkout's {GRAFANA_OUT})")
+    sp.add_argument("--alerts-out", help="dashboards: where the alerting rules and their promtool tests go "
+                                         f"(default: this checkout's {ALERTS_OUT})")
     sp.add_argument("--alerts-config", help="dashboards: YAML of alert thresholds (k3.platform.ops.alerts.AlertConfig)")
     sp.add_argument("--rules", help="up: alerting rules for Prometheus to evaluate (default: this checkout's "
                                     "cluster/prometheus/k3-alerts.yaml when there is one)")

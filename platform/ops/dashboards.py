@@ -135,6 +135,15 @@ def write_dashboards(out_dir: str | os.PathLike, dashboards_path: str = "/etc/gr
     return [out / rel for rel in files]
 
 
+def check_grafana_url(url: str | None) -> str:
+    """url when it is one Grafana's client can reach (http or https), else ValueError naming the flag."""
+    if not url:
+        raise ValueError("no Grafana URL: pass --grafana-url or set GRAFANA_URL")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--grafana-url must start with http:// or https://, got {url!r}")
+    return url
+
+
 class GrafanaPushError(RuntimeError):
     """The push to Grafana failed (the message is one line)."""
 
@@ -148,8 +157,7 @@ def push_dashboards(url: str, token: str | None, folders: dict[tuple[str, str], 
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
 
-    if not url:
-        raise ValueError("no Grafana URL: pass --grafana-url or set GRAFANA_URL")
+    check_grafana_url(url)
     if not token:
         raise ValueError("no Grafana token: set GRAFANA_TOKEN to a service-account token with dashboard write access")
     if folders is None:

@@ -13,6 +13,7 @@ restart. The binary is Debian's `prometheus` package: on PATH, or unpacked witho
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -45,14 +46,27 @@ def find_binary() -> Path:
     raise PrometheusError(f"no prometheus binary: not on PATH and not at {CACHED_BINARY} (run `make prometheus`)")
 
 
+MAX_INTERVAL_S = 86400.0
+
+
+def duration(seconds: float) -> str:
+    """seconds as a Prometheus duration in whole milliseconds, its resolution (`500ms`, `5s`);
+    ValueError for nan, inf or a value outside [0.001, MAX_INTERVAL_S]."""
+    if not (math.isfinite(seconds) and 0.001 <= seconds <= MAX_INTERVAL_S):
+        raise ValueError(f"must be a number of seconds from 0.001 to {MAX_INTERVAL_S:g}, got {seconds}")
+    ms = round(seconds * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def scrape_config(session_dir: str | os.PathLike, interval_s: float, rules_file: Path | None = None) -> dict:
     """prometheus.yml scraping every node Ray lists in its service-discovery file (and evaluating
     the alerting rules of rules_file, if given)."""
-    return {"global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
+    every = duration(interval_s)
+    return {"global": {"scrape_interval": every, "evaluation_interval": every},
             **({"rule_files": [str(rules_file)]} if rules_file is not None else {}),
             "scrape_configs": [{"job_name": "ray",
                                 "file_sd_configs": [{"files": [str(Path(session_dir) / SD_FILE)],
-                                                     "refresh_interval": f"{interval_s:g}s"}]}]}
+                                                     "refresh_interval": every}]}]}
 
 
 class PrometheusClient:
@@ -120,8 +134,10 @@ class Prometheus:
                  port: int | None = None, start_timeout_s: float = 60.0, rules_file: str | os.PathLike | None = None):
         from k3.platform.ops.local_ray import free_port
 
-        if scrape_interval_s <= 0:
-            raise ValueError(f"scrape_interval_s must be > 0, got {scrape_interval_s}")
+        try:
+            duration(scrape_interval_s)
+        except ValueError as e:
+            raise ValueError(f"scrape_interval_s {e}") from None
         self.session_dir = Path(session_dir)
         self.workdir = Path(workdir)
         self.interval_s = scrape_interval_s

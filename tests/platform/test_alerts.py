@@ -9,7 +9,7 @@ import yaml
 
 from helpers import run_killed_midway, tree_bytes
 from k3.platform.ops.alerts import (
-    RULES_FILE, TESTS_FILE, alerts, check_rules, load_alert_config, run_rule_tests, write_alerts)
+    RULES_FILE, TESTS_FILE, AlertConfig, alerts, check_rules, load_alert_config, run_rule_tests, write_alerts)
 from k3.platform.ops.prometheus import PrometheusError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +84,11 @@ def test_thresholds_come_from_the_config(tmp_path):
     ("loss_window: 15 minutes\n", "loss_window"),
     ("throughput_drop: 1.5\n", "throughput_drop"),
     ("unknown: 1\n", "unknown"),
+    ("loss_window: 0m\n", "loss_window.*at least 1m"),  # promtool: "duration must be greater than 0"
+    ("maxvio_window: 30s\n", "maxvio_window.*at least 1m"),
+    ("restart_window: 0s\n", "restart_window.*at least 1m"),
+    ("maxvio_bound: .inf\n", "maxvio_bound"),  # written as `infx40`, which promtool cannot parse
+    ("ttft_p99_s: .nan\n", "ttft_p99_s"),
 ])
 def test_bad_alert_config_is_one_clear_line(tmp_path, body, match):
     (tmp_path / "a.yaml").write_text(body)
@@ -97,3 +102,24 @@ def test_promtool_refusing_a_rules_file_is_one_clear_line(tmp_path):
     with pytest.raises(PrometheusError, match=r"promtool check rules \S+bad.yaml failed") as e:
         check_rules(tmp_path / "bad.yaml")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("body", [
+    "maxvio_steps: 100000\nmaxvio_window: 1m\n",  # the quiet case's dip was outside windows under 20m
+    "restart_window: 1h\n",  # the quiet case ended before the window had passed
+    "restart_window: 1m\n",
+])
+def test_the_cases_follow_the_windows(tmp_path, body):
+    (tmp_path / "a.yaml").write_text(body)
+    write_alerts(tmp_path, load_alert_config(tmp_path / "a.yaml"))
+    assert "SUCCESS" in run_rule_tests(tmp_path / TESTS_FILE)
+
+
+def test_rules_promtool_refuses_leave_the_previous_ones(tmp_path):
+    out = tmp_path / "prometheus"
+    write_alerts(out)
+    before = tree_bytes(out)
+    with pytest.raises(PrometheusError, match=f"{out} left as it was: promtool test rules .*K3TrainLossRising") as e:
+        write_alerts(out, AlertConfig(loss_rise=2.0))  # a rise the firing case does not reach
+    assert "\n" not in str(e.value)
+    assert tree_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["prometheus"]

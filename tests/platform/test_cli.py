@@ -50,6 +50,8 @@ def test_answers_without_torch(tmp_path, args, rc, expected):
     (["monitor", "up", "--session-dir", "nowhere", "--state", "monitor.json"], 1,
      "k3: error: Ray session directory nowhere does not exist"),
     (["report", "no-run"], 1, "k3: error: no-run: no such run directory"),
+    *[(["monitor", "up", "--scrape-interval", v], 2, "k3 monitor: error: argument --scrape-interval: must be a "
+       f"number of seconds from 0.001 to 86400, got {v}") for v in ("nan", "inf", "0", "-1", "0.0001")],
     (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64", "--gpu", "x100"], 1,
      "k3: error: unknown GPU 'x100'; choose from ['a100', 'h100', 'h200']"),
     (["plan", "--preset", "k3", "--context", "1048576", "--gpus", "64"], 2,
@@ -89,7 +91,9 @@ def test_params_imports_torch_where_it_counts(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--dp", "1", "--cp", "64", "--ep", "64"], "k3: error: the layout DP 1, CP 64, EP 64 does not fit: "),
-    (["--gpus", "0"], "k3: error: --gpus must be >= 1, got 0"),
+    (["--gpus", "0"], "k3: error: --gpus must be in [1, 1,048,576], got 0"),
+    (["--gpus", "10000000000"], "k3: error: --gpus must be in [1, 1,048,576], got 10,000,000,000"),
+    (["--utilisation", "1e-300"], "k3: error: --utilisation must be in [0.01, 1], got 1e-300"),
 ])
 def test_plan_refuses_what_cannot_be_planned_in_one_line(tmp_path, args, message):
     base = {"--preset": "k3", "--context": "1048576", "--gpus": "64", "--gpu": "h200"}

@@ -21,7 +21,7 @@ from k3.platform.ops.dashboards import (
     RAY_DASHBOARDS, GrafanaPushError, cluster_dashboard, k3_dashboards, panel_queries, push_dashboards,
     serving_dashboard, training_dashboard, write_dashboards)
 from k3.platform.ops.panels import CLUSTER_PANELS, SERVING_PANELS, TRAINING_PANELS
-from k3.platform.ops.prometheus import PrometheusClient, PrometheusError
+from k3.platform.ops.prometheus import PrometheusClient, PrometheusError, scrape_config
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "glsa_k3-test-token"
@@ -129,6 +129,35 @@ def test_push_to_an_unreachable_grafana_is_one_clear_line():
     with pytest.raises(GrafanaPushError, match="is unreachable") as e:
         push_dashboards(f"http://127.0.0.1:{free_port()}", TOKEN, timeout_s=3)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("url", ["grafana:3000", "localhost:3000", "ftp://grafana"])
+def test_push_to_a_url_without_http_is_refused_naming_the_flag(url):
+    # grafana:3000 used to reach requests and come back as "unreachable: InvalidSchema"
+    with pytest.raises(ValueError, match=r"--grafana-url must start with http:// or https://") as e:
+        push_dashboards(url, TOKEN)
+    assert "\n" not in str(e.value)
+
+
+def test_monitor_dashboards_writes_under_the_checkout_from_any_directory(tmp_path, capsys, monkeypatch):
+    import k3.platform.ops.alerts as alerts
+    import k3.platform.ops.dashboards as dashboards
+
+    written = []
+    monkeypatch.setattr(dashboards, "write_dashboards", lambda out: written.append(Path(out)) or [])
+    monkeypatch.setattr(alerts, "write_alerts", lambda out, config: written.append(Path(out)) or [])
+    monkeypatch.chdir(tmp_path)  # `cd /tmp && k3 monitor dashboards` made /tmp/cluster/{grafana,prometheus}
+    rc, _, err = k3(capsys, monkeypatch, "monitor", "dashboards")
+    assert rc == 0, err
+    assert written == [REPO / "cluster" / "grafana", REPO / "cluster" / "prometheus"]
+
+
+@pytest.mark.parametrize("seconds, written", [(5, "5s"), (0.5, "500ms"), (0.001, "1ms"), (90.25, "90250ms")])
+def test_scrape_intervals_are_written_as_prometheus_durations(seconds, written):
+    # "0.5s" is not a duration Prometheus reads: it refused the config after it had started
+    cfg = scrape_config("/session", seconds)
+    assert cfg["global"]["scrape_interval"] == cfg["scrape_configs"][0]["file_sd_configs"][0]["refresh_interval"] \
+        == written
 
 
 # -- the dashboards themselves ---------------------------------------------------------------------------
@@ -239,11 +268,17 @@ def test_monitor_up_bad_input_starts_nothing(tmp_path, capsys, monkeypatch):
     session = tmp_path / "session"
     session.mkdir()
     state = tmp_path / "mon" / "state.json"
+    bad_rules = tmp_path / "rules.yaml"
+    bad_rules.write_text("groups:\n- name: k3\n  rules:\n  - alert: X\n    expr: avg_over_time(up[0m])\n")
     no_grafana = {"GRAFANA_URL": "", "GRAFANA_TOKEN": ""}
     cases = [
         (["--session-dir", str(tmp_path / "missing")], no_grafana, "does not exist"),
         (["--cluster-state", str(tmp_path / "none.json")], no_grafana, "no k3 cluster recorded"),
         (["--session-dir", str(session), "--grafana-url", "http://127.0.0.1:1"], no_grafana, "GRAFANA_TOKEN is not"),
+        (["--session-dir", str(session), "--grafana-url", "grafana:3000"], {"GRAFANA_TOKEN": TOKEN},
+         "--grafana-url must start with http://"),
+        (["--session-dir", str(session), "--rules", str(bad_rules)], no_grafana,
+         "promtool check rules"),  # Prometheus itself said only "error loading config"
         (["--session-dir", str(session), "--grafana-url", f"http://127.0.0.1:{free_port()}"],
          {"GRAFANA_TOKEN": TOKEN}, "is unreachable"),  # Prometheus starts, the push fails: it is stopped again
     ]

@@ -14,6 +14,7 @@ from k3.model.cache import cache_bytes
 from k3.platform.ops.plan import activations as act
 from k3.platform.ops.plan.planner import count, make_plan
 from k3.platform.ops.plan.serving import plan_serving, sequence_bytes
+from k3.platform.ops.plan.training import divisors
 from k3.platform.ops.plan.hardware import get_gpu
 
 CONFIGS = {
@@ -72,11 +73,14 @@ def test_serving_bytes_per_sequence_are_the_cache_declaration():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"gpu": "x100"}, "unknown GPU 'x100'"),
-    ({"gpus": 0}, "--gpus must be >= 1"),
+    ({"gpus": 0}, "--gpus must be in \\[1, "),
     ({"context": 2**21}, "--context must be in"),
     ({"dp": 1, "cp": 64, "ep": 64}, "does not fit"),
     ({"cp": 3}, "no DP x CP x EP layout of 64 GPUs matches CP 3"),
     ({"utilisation": 0}, "--utilisation"),
+    ({"utilisation": 1e-300}, "--utilisation must be in \\[0.01, 1\\]"),  # printed a 300-digit prefill time
+    ({"utilisation": float("nan")}, "--utilisation"),
+    ({"gpus": 10_000_000_000}, "--gpus must be in \\[1, 1,048,576\\]"),  # scanned range(1, gpus + 1) twice
 ])
 def test_bad_input_is_named(kwargs, message):
     given = {"gpus": 64, "gpu": "h200", "context": 1_048_576} | kwargs
@@ -162,3 +166,8 @@ def test_the_reach_keeps_the_latents_the_planner_counts():
         return sum(seen.values())
 
     assert kept(1) - kept(0) == 256 * act.mla_key_span(cfg, 4)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 360, 2**20, 999_983])
+def test_layouts_enumerate_the_divisors(n):
+    assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

@@ -10,6 +10,10 @@ from .serving import ServePlan, plan_serving
 from .training import PRECISIONS, Counts, TrainPlan, TrainSetup, best_plan, pinned_text
 
 
+MAX_GPUS = 2**20  # a million GPUs: beyond any cluster planned today
+MIN_UTILISATION = 0.01  # below 1% of the bf16 peak the times printed mean nothing
+
+
 @dataclass
 class Plan:
     preset: str
@@ -51,12 +55,12 @@ def make_plan(cfg: K3Config, preset: str, context: int, gpus: int, gpu: str, mic
     """Training and serving plans; ValueError for input no plan can be made of (an unknown GPU, a
     pinned layout that does not exist or does not fit). zero_stage None tries ZeRO-1 and ZeRO-2."""
     hw = get_gpu(gpu)
-    if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ValueError(f"--gpus must be in [1, {MAX_GPUS:,}], got {gpus:,}")
     if not 1 <= context <= cfg.max_position_embeddings:
         raise ValueError(f"--context must be in [1, {cfg.max_position_embeddings:,}] for {preset}, got {context:,}")
-    if not 0 < utilisation <= 1:
-        raise ValueError(f"--utilisation must be in (0, 1], got {utilisation}")
+    if not MIN_UTILISATION <= utilisation <= 1:  # also refuses nan
+        raise ValueError(f"--utilisation must be in [{MIN_UTILISATION}, 1], got {utilisation}")
     counts = count(cfg)
     pinned = {"dp": dp, "cp": cp, "ep": ep}
     best = None

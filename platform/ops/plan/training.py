@@ -30,6 +30,7 @@ payload for an all-gather or a reduce-scatter, twice that for an all-reduce):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from k3.model.config import K3Config
@@ -254,17 +255,23 @@ def layouts(s: TrainSetup, gpus: int, dp: int | None = None, cp: int | None = No
     """Every DP x CP = gpus with CP cutting the context into shards of at least one KDA chunk, and
     EP dividing both the world and the expert count; optionally pinned to the given values."""
     out = []
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
-    for c in divisors:
+    ways = divisors(gpus)
+    for c in ways:
         if s.context % c or s.context // c < s.cfg.kda_chunk_size or (cp is not None and c != cp):
             continue
         d = gpus // c
         if dp is not None and d != dp:
             continue
-        for e in divisors:
+        for e in ways:
             if s.cfg.num_experts % e == 0 and (ep is None or e == ep):
                 out.append(Layout(d, c, e))
     return out
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, found up to its square root."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def best_plan(s: TrainSetup, gpus: int, utilisation: float, **pinned: int | None) -> tuple[TrainPlan | None, list[TrainPlan]]:
