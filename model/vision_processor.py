@@ -22,6 +22,7 @@ import binascii
 import hashlib
 import io
 import math
+import struct
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,15 +30,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .vision_config import K3VisionConfig
 
 MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
 MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
 MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
-IMAGE_FORMATS = ("PNG", "JPEG")  # still images
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # still images (MPO: a phone's multi-picture JPEG, its first picture)
 VIDEO_FORMATS = ("GIF", "PNG")  # animated GIF / APNG containers, decoded frame by frame
+# k3 checks every source's size against its own limit (ProcessorConfig.max_image_pixels) from the
+# header, before any pixel is decoded; Pillow's own bomb warning (at 89.5M pixels) would otherwise
+# refuse sizes under that limit. Its hard error, at twice that, stays: max_image_pixels may not
+# pass it. Set once here: a warnings filter changed per call is process-wide, not per thread.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+PIL_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
+# what a broken file raises while Pillow decodes it (frame counts, seeks, pixel data)
+_DECODE_ERRORS = (OSError, EOFError, ValueError, SyntaxError, struct.error, IndexError, MemoryError)
 
 
 @dataclass
@@ -54,13 +63,18 @@ class ProcessorConfig:
     sample_fps: float = 2.0  # videos are sampled at up to this rate
     frames_per_chunk: int = 4  # frames per video item (the tower's init_pos_emb_time)
     max_video_frames: int = 256  # sampled frames per video; more is refused
+    # a video's frames x width x height, decoded to be sampled: past it, refused before decoding
+    max_video_decode_pixels: int = 1 << 30
 
     def __post_init__(self) -> None:
         for fld in ("patch_size", "in_patch_limit", "patch_limit_on_one_side", "video_patch_limit_per_frame",
-                    "max_image_pixels", "frames_per_chunk", "max_video_frames"):
+                    "max_image_pixels", "frames_per_chunk", "max_video_frames", "max_video_decode_pixels"):
             v = getattr(self, fld)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ProcessorConfig.{fld} must be a positive int, got {v!r}")
+        if PIL_MAX_PIXELS is not None and self.max_image_pixels > PIL_MAX_PIXELS:
+            raise ValueError(f"ProcessorConfig.max_image_pixels must be <= {PIL_MAX_PIXELS:,} (Pillow refuses larger "
+                             f"images), got {self.max_image_pixels:,}")
         if self.sample_fps <= 0 or self.max_aspect_ratio < 1:
             raise ValueError("ProcessorConfig.sample_fps must be > 0 and max_aspect_ratio >= 1")
 
@@ -115,10 +129,10 @@ def _bytes_from_string(src: str, what: str) -> bytes:
 
 def _open(data: bytes, what: str, formats: Sequence[str], cfg: ProcessorConfig) -> Image.Image:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning, OSError) as e:
+        img = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError:
+        raise ValueError(f"{what}: past the hard limit of {cfg.max_image_pixels:,} pixels") from None
+    except (UnidentifiedImageError, OSError) as e:
         raise ValueError(f"{what}: corrupt or unrecognised image bytes ({type(e).__name__})") from None
     if img.format not in formats:
         raise ValueError(f"{what}: unsupported format {img.format}; accepted: {', '.join(formats)}")
@@ -138,8 +152,21 @@ def _check_size(size: tuple[int, int], what: str, cfg: ProcessorConfig) -> None:
 
 def _rgb(img: Image.Image, what: str) -> np.ndarray:
     try:
+        if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+            # 16-bit grey: Pillow's own conversion clips at 255; scale the range down instead
+            grey = (np.asarray(img).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
+            return np.repeat(grey[..., None], 3, axis=-1)
         return np.asarray(img.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError) as e:  # truncated or broken data shows up at decode time
+    except _DECODE_ERRORS as e:  # truncated or broken data shows up at decode time
+        raise ValueError(f"{what}: corrupt image data ({type(e).__name__}: {e})") from None
+
+
+def _upright(img: Image.Image, what: str) -> Image.Image:
+    """The picture as it is shown: a JPEG's EXIF orientation applied (a phone's portrait photo is
+    stored sideways with a tag saying so)."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except _DECODE_ERRORS as e:
         raise ValueError(f"{what}: corrupt image data ({type(e).__name__}: {e})") from None
 
 
@@ -172,28 +199,20 @@ def load_image(src: Any, cfg: ProcessorConfig, what: str = "image") -> np.ndarra
     if isinstance(src, str):
         src = _bytes_from_string(src, what)
     if isinstance(src, (bytes, bytearray, memoryview)):
-        return _rgb(_open(bytes(src), what, IMAGE_FORMATS, cfg), what)
+        return _rgb(_upright(_open(bytes(src), what, IMAGE_FORMATS, cfg), what), what)
     raise ValueError(f"{what}: unsupported source type {type(src).__name__}")
 
 
-def load_video(src: Any, cfg: ProcessorConfig, fps: float | None = None) -> tuple[list[np.ndarray], float]:
-    """Any video source -> (frames [H, W, 3] uint8, source fps). Frame lists and arrays take
-    `fps` (default: already at the sampling rate); animated GIF/PNG carry their own timing."""
+def load_video(src: Any, cfg: ProcessorConfig, fps: float | None = None) -> tuple[list[np.ndarray], np.ndarray, float]:
+    """Any video source -> (its sampled frames [H, W, 3] uint8, their indices, the source fps).
+    Frame lists and arrays take `fps` (default: already at the sampling rate); animated GIF/PNG
+    carry their own timing, and only the frames the sampling keeps are decoded into arrays."""
     if isinstance(src, torch.Tensor):
         src = src.detach().cpu().numpy()
     if isinstance(src, str):
         src = _bytes_from_string(src, "video")
     if isinstance(src, (bytes, bytearray, memoryview)):
-        img = _open(bytes(src), "video", VIDEO_FORMATS, cfg)
-        n = getattr(img, "n_frames", 1)
-        if n > cfg.max_video_frames * 64:
-            raise ValueError(f"video: {n} frames is more than allowed ({cfg.max_video_frames * 64} before sampling)")
-        frames, total_ms = [], 0.0
-        for i in range(n):
-            img.seek(i)
-            total_ms += float(img.info.get("duration", 500) or 500)
-            frames.append(_rgb(img, f"video frame {i}"))
-        return frames, (fps if fps is not None else 1000.0 * n / total_ms)
+        return _animation_frames(_open(bytes(src), "video", VIDEO_FORMATS, cfg), cfg, fps)
     if isinstance(src, np.ndarray):
         if src.ndim != 4:
             raise ValueError(f"video: array must be [T, H, W, 3], got shape {src.shape}")
@@ -202,7 +221,63 @@ def load_video(src: Any, cfg: ProcessorConfig, fps: float | None = None) -> tupl
         raise ValueError(f"video: expected a non-empty frame list, array or animated image, got {type(src).__name__}")
     if len(src) > cfg.max_video_frames * 64:
         raise ValueError(f"video: {len(src)} frames is more than allowed ({cfg.max_video_frames * 64} before sampling)")
-    return [load_image(f, cfg, f"video frame {i}") for i, f in enumerate(src)], (fps or cfg.sample_fps)
+    frames = [load_image(f, cfg, f"video frame {i}") for i, f in enumerate(src)]
+    _same_size(frames, range(len(frames)))
+    src_fps = fps or cfg.sample_fps
+    idx = sampled_frames(len(frames), src_fps, cfg)
+    return [frames[i] for i in idx], idx, src_fps
+
+
+def _same_size(frames: Sequence[np.ndarray], idx: Sequence[int]) -> None:
+    size = (frames[0].shape[1], frames[0].shape[0])
+    odd = [(i, f) for i, f in zip(idx, frames) if (f.shape[1], f.shape[0]) != size]
+    if odd:
+        i, f = odd[0]
+        raise ValueError(f"video: frame {i} is {f.shape[1]}x{f.shape[0]}, frame {idx[0]} is {size[0]}x{size[1]}; "
+                         f"all frames must have one size")
+
+
+def _animation_frames(img: Image.Image, cfg: ProcessorConfig,
+                      fps: float | None) -> tuple[list[np.ndarray], np.ndarray, float]:
+    """An animated GIF / APNG -> `load_video`'s triple. The frames' timing is read first (a pass
+    of seeks); only the kept frames are held as arrays, and a file whose frames would take more
+    than `max_video_decode_pixels` to decode is refused before any is."""
+    try:
+        n = getattr(img, "n_frames", 1)
+        if n > cfg.max_video_frames * 64:
+            raise ValueError(f"video: {n} frames is more than allowed ({cfg.max_video_frames * 64} before sampling)")
+        w, h = img.size
+        if n * w * h > cfg.max_video_decode_pixels:
+            raise ValueError(f"video: {n} frames of {w}x{h} is past the limit of {cfg.max_video_decode_pixels:,} "
+                             f"pixels to decode")
+        total_ms = 0.0
+        for i in range(n):
+            img.seek(i)
+            total_ms += float(img.info.get("duration", 500) or 500)
+        src_fps = fps if fps is not None else 1000.0 * n / total_ms
+        idx = sampled_frames(n, src_fps, cfg)
+        frames = []
+        for i in idx:
+            img.seek(int(i))
+            frames.append(_rgb(img, f"video frame {i}"))
+    except ValueError:
+        raise
+    except _DECODE_ERRORS as e:
+        raise ValueError(f"video: corrupt animation data ({type(e).__name__}: {e})") from None
+    _same_size(frames, idx)
+    return frames, idx, src_fps
+
+
+def sampled_frames(n: int, src_fps: float, cfg: ProcessorConfig) -> np.ndarray:
+    """Indices of the frames a video of `n` frames at `src_fps` is sampled at: one every
+    1 / min(sample_fps, src_fps) seconds, so timestamps are on the sampling clock."""
+    if src_fps <= 0 or not math.isfinite(src_fps):
+        raise ValueError(f"video: fps must be positive, got {src_fps}")
+    rate = min(cfg.sample_fps, src_fps)
+    k = max(1, round(n * rate / src_fps))
+    if k > cfg.max_video_frames:
+        raise ValueError(f"video: {k} sampled frames is more than allowed ({cfg.max_video_frames})")
+    return np.minimum(np.round(np.arange(k) * src_fps / rate), n - 1).astype(int)
 
 
 # -- geometry -----------------------------------------------------------------------------------
@@ -261,21 +336,10 @@ class VisionProcessor:
 
     def video(self, src: Any, fps: float | None = None) -> list[MediaItem]:
         """One MediaItem per chunk of up to frames_per_chunk sampled frames."""
-        frames, src_fps = load_video(src, self.cfg, fps)
-        if src_fps <= 0 or not math.isfinite(src_fps):
-            raise ValueError(f"video: fps must be positive, got {src_fps}")
+        frames, idx, src_fps = load_video(src, self.cfg, fps)
         size = (frames[0].shape[1], frames[0].shape[0])
-        odd = [i for i, f in enumerate(frames) if (f.shape[1], f.shape[0]) != size]
-        if odd:
-            raise ValueError(f"video: frame {odd[0]} is {frames[odd[0]].shape[1]}x{frames[odd[0]].shape[0]}, "
-                             f"frame 0 is {size[0]}x{size[1]}; all frames must have one size")
-        rate = min(self.cfg.sample_fps, src_fps)
-        n = max(1, round(len(frames) * rate / src_fps))
-        if n > self.cfg.max_video_frames:
-            raise ValueError(f"video: {n} sampled frames is more than allowed ({self.cfg.max_video_frames})")
-        # one frame every 1 / rate seconds, so timestamps are on the sampling clock
-        idx = np.minimum(np.round(np.arange(n) * src_fps / rate), len(frames) - 1).astype(int)
-        x = _prepare_frames([frames[i] for i in idx], self.cfg.video_patch_limit_per_frame, self.cfg)
+        n = len(idx)
+        x = _prepare_frames(frames, self.cfg.video_patch_limit_per_frame, self.cfg)
         k = self.cfg.frames_per_chunk
         return [self._item("video", x[s:s + k], size, _timestamp(idx[s] / src_fps)) for s in range(0, n, k)]
 

@@ -51,7 +51,8 @@ class ChatMedia:
             self.processor = VisionProcessor(ProcessorConfig.for_vision(
                 vc, in_patch_limit=config.image_patch_limit, patch_limit_on_one_side=min(512, vc.rope_max_grid),
                 video_patch_limit_per_frame=config.video_patch_limit_per_frame,
-                max_video_frames=config.max_video_frames, max_image_pixels=config.max_image_pixels))
+                max_video_frames=config.max_video_frames, max_image_pixels=config.max_image_pixels,
+                max_video_decode_pixels=config.max_video_decode_pixels))
 
     def _process(self, i: int, j: int, part) -> list[MediaItem]:
         kind = "image_url" if isinstance(part, ImageURLPart) else "video_url"

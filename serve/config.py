@@ -91,8 +91,13 @@ class MediaConfig(BaseModel):
     video_patch_limit_per_frame: int = Field(4096, ge=4, description="Patch budget of each sampled video frame.")
     max_video_frames: int = Field(256, ge=1, description="Most frames a video may have after sampling at 2 fps; "
                                                          "more is refused.")
-    max_image_pixels: int = Field(100_000_000, ge=1, description="Hard limit on a source image's width x height; "
-                                                                 "past it the request is refused.")
+    max_image_pixels: int = Field(100_000_000, ge=1, le=178_956_970,
+                                  description="Hard limit on a source image's width x height, checked from its "
+                                              "header before decoding; past it the request is refused. At most "
+                                              "178,956,970 (Pillow refuses larger images).")
+    max_video_decode_pixels: int = Field(1 << 30, ge=1, description="Hard limit on an animated GIF / PNG's frames x "
+                                                                    "width x height (what sampling it decodes); "
+                                                                    "past it the request is refused before decoding.")
     max_items: int = Field(32, ge=1, description="Most image / video parts in one request.")
 
 

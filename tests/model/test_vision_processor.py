@@ -141,3 +141,78 @@ def test_over_budget_is_resized_but_past_the_hard_limit_is_refused():
 def test_bad_video_inputs_name_the_problem(frames, fps, match):
     with pytest.raises(ValueError, match=match):
         VisionProcessor(ProcessorConfig(max_video_frames=8)).video(frames, fps=fps)
+
+
+def gif(frames: list[np.ndarray], duration: int = 500) -> bytes:
+    imgs = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    imgs[0].save(buf, "GIF", save_all=True, append_images=imgs[1:], duration=duration, loop=0)
+    return buf.getvalue()
+
+
+def apng_claiming(frames: int, actual: int) -> bytes:
+    """An animated PNG whose header claims `frames` frames but whose data holds `actual`."""
+    imgs = [Image.fromarray(noise(28, 28, s)) for s in range(actual)]
+    buf = io.BytesIO()
+    imgs[0].save(buf, "PNG", save_all=True, append_images=imgs[1:], duration=500)
+    import zlib
+
+    data = bytearray(buf.getvalue())
+    at = data.index(b"acTL")
+    data[at + 4:at + 8] = frames.to_bytes(4, "big")
+    data[at + 12:at + 16] = zlib.crc32(bytes(data[at:at + 12])).to_bytes(4, "big")  # a well-formed lie
+    return bytes(data)
+
+
+@pytest.mark.parametrize("data", [
+    gif([noise(56, 56, s) for s in range(20)])[:-300],  # truncated in its last (sampled) frames
+    apng_claiming(50, 3),
+    (lambda g: g[:len(g) * 9 // 10])(gif([noise(56, 56, s) for s in range(20)], duration=20)),  # IndexError in a seek
+])
+def test_a_broken_animation_is_a_value_error_naming_it(data):
+    with pytest.raises(ValueError, match=r"^video( frame \d+)?: corrupt"):
+        VisionProcessor().video(data)
+
+
+def test_only_the_sampled_frames_of_an_animation_are_decoded(monkeypatch):
+    import k3.model.vision_processor as vp
+
+    decoded = []
+    real = vp._rgb
+    monkeypatch.setattr(vp, "_rgb", lambda img, what: decoded.append(what) or real(img, what))
+    items = VisionProcessor().video(gif([noise(28, 28, s) for s in range(40)], duration=20))  # 50 fps, 0.8 s
+    assert decoded == ["video frame 0", "video frame 25"] and [it.grid_thw[0] for it in items] == [2]
+    with pytest.raises(ValueError, match="40 frames of 28x28 is past the limit of 31,359 pixels to decode"):
+        VisionProcessor(ProcessorConfig(max_video_decode_pixels=40 * 28 * 28 - 1)).video(
+            gif([noise(28, 28, s) for s in range(40)], duration=20))
+
+
+def test_sixteen_bit_grey_keeps_its_range():
+    grey = np.linspace(0, 65535, 56 * 56).reshape(56, 56).astype(np.uint16)
+    item = VisionProcessor().image(encoded(grey))
+    values = item.pixel_values[:, 0].flatten()
+    assert values.unique().numel() > 200 and (values == 1.0).float().mean() < 0.01  # was 99.6% white
+
+
+def test_exif_orientation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees to show
+    item = VisionProcessor().image(encoded(noise(40, 100), "JPEG", exif=exif.tobytes()))
+    assert item.original_size == (40, 100)  # as shown, not as stored
+
+
+def test_a_phones_multi_picture_jpeg_is_an_image():
+    buf = io.BytesIO()
+    Image.fromarray(noise(28, 28)).save(buf, "MPO", save_all=True, append_images=[Image.fromarray(noise(28, 28, 1))])
+    assert VisionProcessor().image(buf.getvalue()).original_size == (28, 28)
+
+
+def test_pillows_bomb_warning_is_not_k3s_limit():
+    from k3.model.vision_processor import PIL_MAX_PIXELS, _open
+
+    big = encoded(np.zeros((9500, 9500), np.uint8))  # 90.25M pixels: past Pillow's warning, under k3's 100M
+    assert _open(big, "image", ("PNG",), ProcessorConfig()).size == (9500, 9500)  # the header only
+    with pytest.raises(ValueError, match="past the hard limit of 90,000,000 pixels"):
+        _open(big, "image", ("PNG",), ProcessorConfig(max_image_pixels=90_000_000))
+    with pytest.raises(ValueError, match="max_image_pixels must be <="):
+        ProcessorConfig(max_image_pixels=PIL_MAX_PIXELS + 1)
