@@ -121,6 +121,9 @@ def _bytes_from_string(src: str, what: str) -> bytes:
     head, sep, payload = src.partition(",")
     if not sep or ";base64" not in head:
         raise ValueError(f"{what}: data URL must be base64 ('data:<type>;base64,<payload>')")
+    # line breaks (as `base64` and MIME encoders wrap) and missing padding are read, not refused
+    payload = "".join(payload.split())
+    payload += "=" * (-len(payload) % 4)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):

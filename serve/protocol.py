@@ -246,6 +246,18 @@ class ChatMessage(_Request):
     def _developer_is_system(cls, v: str) -> str:
         return "system" if v == "developer" else v
 
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: str | list, info: ValidationInfo) -> str | list:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must be a string or a non-empty list of parts")
+            role = info.data.get("role")
+            if role is not None and role != "user" and any(not isinstance(p, TextPart) for p in v):
+                # as OpenAI's API: pictures and videos come from the user
+                raise ValueError(f"image_url and video_url parts are for user messages, not {role} messages")
+        return v
+
     def text(self) -> str:
         """The message's text: the content string, or its text parts joined with newlines."""
         if isinstance(self.content, str):

@@ -216,3 +216,12 @@ def test_pillows_bomb_warning_is_not_k3s_limit():
         _open(big, "image", ("PNG",), ProcessorConfig(max_image_pixels=90_000_000))
     with pytest.raises(ValueError, match="max_image_pixels must be <="):
         ProcessorConfig(max_image_pixels=PIL_MAX_PIXELS + 1)
+
+
+def test_base64_wrapped_in_lines_or_unpadded_is_read():
+    data = encoded(noise(28, 28))
+    wrapped = base64.encodebytes(data).decode()  # a line break every 76 characters, as `base64` writes
+    unpadded = base64.b64encode(data).decode().rstrip("=")
+    for payload in (wrapped, unpadded):
+        item = VisionProcessor().image("data:image/png;base64," + payload)
+        assert item.content_hash == VisionProcessor().image(data).content_hash

@@ -216,6 +216,11 @@ def test_chat_request_refuses(body, param):
     (CompletionRequest, completion(logit_bias={"00": 1}), "without leading zeros"),
     (CompletionRequest, completion(max_tokens=True), "must be an integer, got true"),
     (CompletionRequest, completion(prompt="\ud800"), "lone surrogate"),
+    (ChatCompletionRequest, chat(content=[]), "non-empty list of parts"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "not assistant messages"),
+    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "developer", "content": [
+        {"type": "video_url", "video_url": {"url": "data:image/gif;base64,AAAA"}}]}]}, "not system messages"),
 ])
 def test_deliberate_refusals_say_why(model, body, needle):
     with pytest.raises(ValidationError) as e:
