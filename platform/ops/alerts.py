@@ -100,12 +100,21 @@ class Alert:
     extra_cases: tuple[Case, ...] = field(default=())
 
 
+def _geometric(start: float, per_window: float, window_min: int, minutes: int) -> str:
+    """Explicit samples, one a minute for `minutes` + 1 minutes, multiplied by `per_window` every
+    `window_min` minutes (the same factor each minute)."""
+    step = per_window ** (1 / window_min)
+    return " ".join(f"{start * step ** i:.9g}" for i in range(minutes + 1))
+
+
 def training_alerts(c: AlertConfig) -> list[Alert]:
     loss, tps, mv, step = ("ray_k3_train_loss", "ray_k3_train_tokens_per_s", "ray_k3_train_maxvio",
                            "ray_k3_train_step")
     run = 'SessionName="s", WorkerId="w"'
     w = c.maxvio_window
     quiet_at = max(25, -(-seconds(c.restart_window) // 60) + 5)  # minutes
+    rise_min = -(-seconds(c.loss_window) // 60)
+    rise_at = 2 * rise_min + 10  # two windows of history, then the rule's 5m `for` and a margin
     return [
         Alert("K3TrainLossNotFinite", f"({loss} != {loss}) or (abs({loss}) == +Inf)", "0m", "critical",
               "training loss of {{ $labels.SessionName }} is NaN or infinite",
@@ -114,8 +123,11 @@ def training_alerts(c: AlertConfig) -> list[Alert]:
         Alert("K3TrainLossRising", f"avg_over_time({loss}[{c.loss_window}]) > {c.loss_rise:g} * "
                                    f"avg_over_time({loss}[{c.loss_window}] offset {c.loss_window})",
               "5m", "warning", "training loss of {{ $labels.SessionName }} is rising",
-              fires=Case({f"{loss}{{{run}}}": "2+0.05x60"}, "60m", ({"SessionName": "s", "WorkerId": "w"},)),
-              quiet=Case({f"{loss}{{{run}}}": "5-0.05x60"}, "60m")),
+              # a loss growing (or shrinking) by the same factor every minute: any window's mean is
+              # twice the rise (or under 1x) the window's before, whatever the window and the rise
+              fires=Case({f"{loss}{{{run}}}": _geometric(2.0, 2 * c.loss_rise, rise_min, rise_at)}, f"{rise_at}m",
+                         ({"SessionName": "s", "WorkerId": "w"},)),
+              quiet=Case({f"{loss}{{{run}}}": _geometric(5.0, 0.5, rise_min, rise_at)}, f"{rise_at}m")),
         Alert("K3TrainThroughputDropped", f"avg_over_time({tps}[5m]) < {c.throughput_drop:g} * "
                                           f"avg_over_time({tps}[30m] offset 5m)",
               "5m", "warning", "tokens/s of {{ $labels.SessionName }} fell below "
@@ -156,9 +168,14 @@ def serving_alerts(c: AlertConfig) -> list[Alert]:
     # two buckets around the SLO: every request in the upper one puts p99 above it
     lo, hi = f"{c.ttft_p99_s / 2:g}", f"{c.ttft_p99_s * 2:g}"
 
+    # the rate's 5m window, then the SLO's `for`, then a margin; the series run past the check
+    slo_at = 5 + -(-seconds(c.slo_for) // 60) + 5
+    n = slo_at + 5
+    down_at = 2 + -(-seconds(c.down_for) // 60) + 2  # unhealthy from the second minute
+
     def buckets(slow: bool) -> dict[str, str]:
-        return {f'{ttft}{{model="k3", le="{lo}"}}': "0x20" if slow else "0+10x20",
-                f'{ttft}{{model="k3", le="{hi}"}}': "0+10x20", f'{ttft}{{model="k3", le="+Inf"}}': "0+10x20"}
+        return {f'{ttft}{{model="k3", le="{lo}"}}': f"0x{n}" if slow else f"0+10x{n}",
+                f'{ttft}{{model="k3", le="{hi}"}}': f"0+10x{n}", f'{ttft}{{model="k3", le="+Inf"}}': f"0+10x{n}"}
 
     ok, err = f'{http}{{application="k3", route="/", status_code="200"}}', \
         f'{http}{{application="k3", route="/", status_code="500"}}'
@@ -167,33 +184,35 @@ def serving_alerts(c: AlertConfig) -> list[Alert]:
                                     f"{c.ttft_p99_s:g}",
               c.slo_for, "critical", "p99 time to first token of {{ $labels.model }} is over "
                                      f"{c.ttft_p99_s:g} s",
-              fires=Case(buckets(slow=True), "15m", ({"model": "k3"},)), quiet=Case(buckets(slow=False), "15m")),
+              fires=Case(buckets(slow=True), f"{slo_at}m", ({"model": "k3"},)),
+              quiet=Case(buckets(slow=False), f"{slo_at}m")),
         Alert("K3ServeHTTP5xxOverSLO", f'sum by (application) (rate({http}{{status_code=~"5.."}}[5m])) / '
                                        f'sum by (application) (rate({http}{{route!~"/-/.*"}}[5m])) > '
                                        f"{c.http_5xx_ratio:g}",
               c.slo_for, "critical", "{{ $labels.application }} answers over "
                                      f"{c.http_5xx_ratio:.0%} of requests with 5xx",
-              fires=Case({ok: "0+100x20", err: "0+5x20"}, "15m", ({"application": "k3"},)),
-              quiet=Case({ok: "0+100x20", err: "0x20"}, "15m")),
+              fires=Case({ok: f"0+100x{n}", err: f"0+5x{n}"}, f"{slo_at}m", ({"application": "k3"},)),
+              quiet=Case({ok: f"0+100x{n}", err: f"0x{n}"}, f"{slo_at}m")),
         Alert("K3ServeReplicaUnhealthy", "ray_serve_deployment_replica_healthy == 0", c.down_for, "critical",
               "replica {{ $labels.replica }} of {{ $labels.deployment }} fails its health check",
               fires=Case({'ray_serve_deployment_replica_healthy{deployment="PrefillServer", replica="r1"}':
-                          "1 1 0 0 0 0"}, "5m", ({"deployment": "PrefillServer", "replica": "r1"},)),
+                          f"1 1 0x{down_at}"}, f"{down_at}m", ({"deployment": "PrefillServer", "replica": "r1"},)),
               quiet=Case({'ray_serve_deployment_replica_healthy{deployment="PrefillServer", replica="r1"}':
-                          "1x5"}, "5m")),
+                          f"1x{down_at + 2}"}, f"{down_at}m")),
     ]
 
 
 def cluster_alerts(c: AlertConfig) -> list[Alert]:
+    at = 2 + -(-seconds(c.down_for) // 60) + 1  # down from the second minute, the `for`, a margin
     return [
         # a listed node whose metrics stop answering, or one the autoscaler saw fail
         Alert("K3NodeDown", '(up{job="ray"} == 0) or (sum by (NodeType) (autoscaler_recently_failed_nodes) > 0)',
               c.down_for, "critical", "a Ray node is down ({{ $labels.instance }}{{ $labels.NodeType }})",
-              fires=Case({'up{job="ray", instance="10.0.0.7:8080"}': "1 1 0 0 0"}, "4m",
+              fires=Case({'up{job="ray", instance="10.0.0.7:8080"}': f"1 1 0x{at}"}, f"{at}m",
                          ({"job": "ray", "instance": "10.0.0.7:8080"},)),
-              quiet=Case({'up{job="ray", instance="10.0.0.7:8080"}': "1x5",
-                          'autoscaler_recently_failed_nodes{NodeType="h100.8x"}': "0x5"}, "4m"),
-              extra_cases=(Case({'autoscaler_recently_failed_nodes{NodeType="h100.8x"}': "0 1 1 1 1"}, "4m",
+              quiet=Case({'up{job="ray", instance="10.0.0.7:8080"}': f"1x{at + 1}",
+                          'autoscaler_recently_failed_nodes{NodeType="h100.8x"}': f"0x{at + 1}"}, f"{at}m"),
+              extra_cases=(Case({'autoscaler_recently_failed_nodes{NodeType="h100.8x"}': f"0 1x{at}"}, f"{at}m",
                                 ({"NodeType": "h100.8x"},)),)),
     ]
 

@@ -2,12 +2,15 @@
 and every alert has a promtool unit test that fires and one that stays quiet, all passing."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers import run_killed_midway, tree_bytes
+
+import k3.platform.ops.alerts as alerts_mod
 from k3.platform.ops.alerts import (
     RULES_FILE, TESTS_FILE, AlertConfig, alerts, check_rules, load_alert_config, run_rule_tests, write_alerts)
 from k3.platform.ops.prometheus import PrometheusError
@@ -105,6 +108,9 @@ def test_promtool_refusing_a_rules_file_is_one_clear_line(tmp_path):
 
 
 @pytest.mark.parametrize("body", [
+    "loss_rise: 2.0\n",  # the firing case rose 5% a quarter hour whatever the threshold
+    "loss_rise: 1000\nloss_window: 2h\n",
+    "slo_for: 1h\ndown_for: 30m\n",  # the cases were checked 15 and 4-5 minutes in
     "maxvio_steps: 100000\nmaxvio_window: 1m\n",  # the quiet case's dip was outside windows under 20m
     "restart_window: 1h\n",  # the quiet case ended before the window had passed
     "restart_window: 1m\n",
@@ -115,11 +121,13 @@ def test_the_cases_follow_the_windows(tmp_path, body):
     assert "SUCCESS" in run_rule_tests(tmp_path / TESTS_FILE)
 
 
-def test_rules_promtool_refuses_leave_the_previous_ones(tmp_path):
+def test_rules_promtool_refuses_leave_the_previous_ones(tmp_path, monkeypatch):
     out = tmp_path / "prometheus"
     write_alerts(out)
     before = tree_bytes(out)
-    with pytest.raises(PrometheusError, match=f"{out} left as it was: promtool test rules .*K3TrainLossRising") as e:
-        write_alerts(out, AlertConfig(loss_rise=2.0))  # a rise the firing case does not reach
+    wrong = [dataclasses.replace(a, expr=a.expr.replace("> 2", "> 20")) for a in alerts_mod.serving_alerts(AlertConfig())]
+    monkeypatch.setattr(alerts_mod, "serving_alerts", lambda c: wrong)  # a threshold no firing case reaches
+    with pytest.raises(PrometheusError, match=f"{out} left as it was: promtool test rules .*K3ServeTTFTOverSLO") as e:
+        write_alerts(out, AlertConfig())
     assert "\n" not in str(e.value)
     assert tree_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["prometheus"]
