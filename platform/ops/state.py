@@ -54,7 +54,6 @@ def default_monitor_state() -> Path:
     return default_state_dir() / "k3-monitor" / "state.json"
 
 
-
 class StateFile:
     """One state file: `what` names what it records ("k3 cluster"), `down` the command that stops
     it ("k3 cluster down"), which `--force` removes a file that cannot be read. Every error is a
