@@ -130,3 +130,7 @@ class LLMServingConfig(BaseModel):
                                 "straight to the ingress replica on a TCP connection between the two (one per "
                                 "pair), not one Ray streaming item each; False: every output through Serve.")
     media: MediaConfig = Field(default_factory=MediaConfig, description="Image and video limits (vision models).")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="New tokens of a request that asks no max_tokens (a chat without one, a completion "
+                                "with null); None: to the end of the context (OpenAI's rule), which a model that "
+                                "never says EOS runs to. A max_tokens a request asks is kept, whatever this is.")

@@ -19,10 +19,12 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
                           param=param)
 
 
-def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: int, prompt_len: int) -> int | None:
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: int, prompt_len: int,
+                default: int | None = None) -> int | None:
     """OpenAI's budget: chat's `max_completion_tokens` wins over `max_tokens`, and without either a
     chat answer may run to the end of the context (None: max_model_len, or the end of the serving
-    engine's cache when it holds fewer tokens); completions default to 16 (the request's default)."""
+    engine's cache when it holds fewer tokens) or to `default` (the deployment's
+    default_max_tokens) when that comes first; completions default to 16 (the request's default)."""
     chat = isinstance(req, ChatCompletionRequest)
     param = "messages" if chat else "prompt"
     room = max_model_len - prompt_len
@@ -32,6 +34,8 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: i
         else req.max_tokens
     if asked is not None and asked > room:
         raise OpenAIError.context_length_exceeded(max_model_len, prompt_len, asked, param=param)
+    if asked is None and default is not None and default < room:
+        asked = default
     if req.min_tokens > (room if asked is None else asked):
         raise OpenAIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({room if asked is None else asked})",
                           param="min_tokens")
@@ -39,7 +43,7 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest, max_model_len: i
 
 
 def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, prompt_len: int,
-                    vocab_size: int, choice_index: int = 0) -> dict[str, Any]:
+                    vocab_size: int, choice_index: int = 0, default_max_tokens: int | None = None) -> dict[str, Any]:
     """Keyword arguments of `k3.serve.engine.SamplingParams` for choice `choice_index` of `req`
     (prompt-major over a batch: choice j of prompt i is i * n + j).
 
@@ -62,7 +66,7 @@ def sampling_kwargs(req: CompletionRequest | ChatCompletionRequest, *, max_model
     else:
         logprobs = req.logprobs
     return {
-        "max_tokens": _max_tokens(req, max_model_len, prompt_len),
+        "max_tokens": _max_tokens(req, max_model_len, prompt_len, default_max_tokens),
         "min_tokens": req.min_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -177,7 +177,8 @@ class Ingress:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
                 kw = sampling_kwargs(body, max_model_len=self.max_len, prompt_len=len(ids),
-                                     vocab_size=self.vocab_size, choice_index=i * body.n + j)
+                                     vocab_size=self.vocab_size, choice_index=i * body.n + j,
+                                     default_max_tokens=self.config.default_max_tokens)
                 if isinstance(body, ChatCompletionRequest):
                     kw["stop"] = list(dict.fromkeys(kw["stop"] + self.chat.stop))
                 reqs.append(GenerateRequest(prompt_token_ids=ids, sampling=kw, media=media,

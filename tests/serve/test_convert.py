@@ -37,6 +37,20 @@ def test_sampling_kwargs_max_tokens(body, prompt_len, max_tokens):
     SamplingParams(**kw)  # the engine takes every key
 
 
+@pytest.mark.parametrize("body,prompt_len,max_tokens", [
+    (chat(), 10, 20),                        # unasked: the deployment's default
+    (chat(), 50, None),                      # ... unless the context ends first
+    (completion(max_tokens=None), 10, 20),
+    (chat(max_tokens=40), 10, 40),           # asked: kept, over the default too
+    (completion(), 10, 16),                  # a completion's own default is asked by its schema
+])
+def test_the_deployments_default_max_tokens_caps_only_what_is_unasked(body, prompt_len, max_tokens):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    kw = sampling_kwargs(model.model_validate(body), max_model_len=64, prompt_len=prompt_len, vocab_size=VOCAB,
+                         default_max_tokens=20)
+    assert kw["max_tokens"] == max_tokens
+
+
 @pytest.mark.parametrize("body,prompt_len,param", [
     (completion(), 64, "prompt"),
     (completion(max_tokens=55), 10, "prompt"),

@@ -184,6 +184,10 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_replicas_cache():
         # a max_tokens the client asks for is kept to: more than the cache holds is a 400
         r = _post(c, {**body, "max_tokens": 100}, "/v1/chat/completions")
         assert r.status_code == 400 and "cache pages" in r.json()["error"]["message"], r.text
+    # a deployment may cap what is unasked (default_max_tokens); what is asked stays the client's
+    with TestClient(_app({**config, "default_max_tokens": 5}), raise_server_exceptions=False) as c:
+        assert _post(c, body, "/v1/chat/completions").json()["usage"]["completion_tokens"] == 5
+        assert _post(c, {**body, "max_tokens": 7}, "/v1/chat/completions").json()["usage"]["completion_tokens"] == 7
 
 
 def test_a_max_model_len_past_the_models_positions_is_refused_at_start():
