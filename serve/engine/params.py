@@ -16,7 +16,6 @@ COMPILE_DECODE_ENV = "K3_COMPILE_DECODE"  # EngineConfig.compile_decode's defaul
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 
 
-
 def _a_number(v: Any) -> Any:
     # pydantic would read "0.5" or true as a number; a caller that sends either has made a mistake
     if isinstance(v, (bool, str)):
