@@ -377,8 +377,8 @@ class LocalRayHead:
 
     def state(self) -> dict:
         """What another process needs to reach or stop this head (`k3 cluster up` saves it)."""
-        return {"pid": self.pid, "started": self.started, "workdir": str(self.workdir), "ports": self.ports, "num_cpus": self.num_cpus,
-                "autoscaling": self.cluster_config is not None, "address": self.address,
+        return {"pid": self.pid, "started": self.started, "workdir": str(self.workdir), "ports": self.ports,
+                "num_cpus": self.num_cpus, "autoscaling": self.cluster_config is not None, "address": self.address,
                 "gcs_address": self.gcs_address, "token_path": str(self.token_path),
                 "session_dir": str(self.session_dir), "temp_dir": str(self.temp_dir)}
 
