@@ -46,7 +46,7 @@ VIDEO_FORMATS = ("GIF", "PNG")  # animated GIF / APNG containers, decoded frame 
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 PIL_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
 # what a broken file raises while Pillow decodes it (frame counts, seeks, pixel data)
-_DECODE_ERRORS = (OSError, EOFError, ValueError, SyntaxError, struct.error, IndexError, MemoryError)
+_DECODE_ERRORS = (OSError, EOFError, ValueError, SyntaxError, struct.error, IndexError)
 
 
 @dataclass
