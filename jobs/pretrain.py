@@ -65,8 +65,11 @@ if args.summary_json:
     out = Path(args.summary_json)
     if out.is_dir():
         sys.exit(f"pretrain: --summary-json {out} is a directory; give a file path")
-    if not out.parent.is_dir():
-        sys.exit(f"pretrain: --summary-json {out}: its directory {out.parent} does not exist")
+    # its folders may be made by the run (runs/<name>/summary.json): the nearest that exists must
+    # be a folder this job can write in
+    there = next(p for p in out.parents if p.exists())
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        sys.exit(f"pretrain: --summary-json {out} cannot be written: {there} is not a folder this job can write in")
 
 # 1. Config, validated before anything starts.
 fields = {}
@@ -146,4 +149,5 @@ if args.sample:
     summary["sample"] = sample
     print("sample:\n" + sample["prompt"] + sample["text"])
 if args.summary_json:
+    Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.summary_json).write_text(json.dumps({**summary, "history": history}, indent=2) + "\n")

@@ -77,7 +77,7 @@ def test_pretrain_refuses_a_name_that_is_not_one_directory(name):
 @pytest.mark.parametrize("args,match", [
     (["--sample", "-5"], "--sample must be >= 0"),
     (["--sample", "2000000"], "--sample 2000000 is more tokens than the model's 1048576 positions hold"),
-    (["--summary-json", "no/such/dir/s.json"], "its directory no/such/dir does not exist"),
+    (["--summary-json", "README.md/s.json"], "cannot be written: README.md is not a folder"),
     (["--summary-json", "."], "is a directory"),
 ])
 def test_pretrain_checks_what_runs_after_training_before_it(args, match):
