@@ -113,4 +113,3 @@ def stop_group(pid: int | None, proc: subprocess.Popen | None = None, grace_s: f
             return
         while group_alive(pid, proc) and time.time() < until:
             time.sleep(0.2)
-
