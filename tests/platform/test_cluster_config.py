@@ -229,6 +229,25 @@ def test_bad_serve_config_is_refused(tmp_path, bad, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("entry, field", [
+    ({"name": "DecodeServer", "num_replicas": 8}, "num_replicas"),
+    ({"name": "PrefillServer", "ray_actor_options": {"num_gpus": 0}}, "ray_actor_options"),
+    ({"name": "LLMServer", "autoscaling_config": {"max_replicas": 64}}, "autoscaling_config"),
+])
+def test_a_deployments_entry_sizing_an_engine_is_refused_for_the_rayservice(tmp_path, entry, field):
+    cfg = yaml.safe_load(SERVE_CONFIG.read_text())
+    cfg["applications"][0]["deployments"] = [{"name": "Ingress", "num_replicas": 2}, entry]
+    with pytest.raises(ValueError, match=rf"applications\[0\]\.deployments\[1\] \({entry['name']}\) sets {field}") as e:
+        rayservice_manifest(KUBERAY / "rayservice.yaml", write_yaml(tmp_path, cfg), str(tmp_path))
+    assert "args." in str(e.value) and "\n" not in str(e.value)
+    # an entry that leaves the sizing alone (the ingress's replicas, an engine's health checks) is kept
+    cfg["applications"][0]["deployments"] = [{"name": "Ingress", "num_replicas": 2},
+                                             {"name": "DecodeServer", "health_check_period_s": 5}]
+    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", write_yaml(tmp_path, cfg), str(tmp_path))
+    app = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]
+    assert app["deployments"] == cfg["applications"][0]["deployments"]
+
+
 def test_wrong_manifest_kind_is_refused():
     with pytest.raises(ValueError, match="expected apiVersion ray.io/v1 kind RayService"):
         load_manifest(KUBERAY / "rayjob.yaml", "RayService")
