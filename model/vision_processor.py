@@ -121,6 +121,11 @@ def _bytes_from_string(src: str, what: str) -> bytes:
     head, sep, payload = src.partition(",")
     if not sep or ";base64" not in head:
         raise ValueError(f"{what}: data URL must be base64 ('data:<type>;base64,<payload>')")
+    # the declared type is not trusted (the bytes say what they are: a PNG labelled image/jpeg is
+    # read), but one that is neither a picture nor a video nor untyped bytes is a client's mistake
+    mime = head[5:].split(";", 1)[0].strip().lower()
+    if mime and not mime.startswith(("image/", "video/")) and mime != "application/octet-stream":
+        raise ValueError(f"{what}: data URL declares {mime[:64]!r}; send an image/* or video/* data URL")
     # line breaks (as `base64` and MIME encoders wrap) and missing padding are read, not refused
     payload = "".join(payload.split())
     payload += "=" * (-len(payload) % 4)

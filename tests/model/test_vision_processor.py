@@ -98,6 +98,10 @@ def test_jpeg_and_data_url_sources():
     data = encoded(noise(40, 40), "JPEG")
     url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
     torch.testing.assert_close(vp.image(url).pixel_values, vp.image(data).pixel_values)
+    # the bytes say what they are: a mislabelled or untyped picture is read alike
+    for head in ("data:image/png;base64,", "data:;base64,", "data:application/octet-stream;base64,",
+                 "DATA:Image/JPEG;name=cat.jpg;base64,"):
+        torch.testing.assert_close(vp.image(head + url.partition(",")[2]).pixel_values, vp.image(data).pixel_values)
     pv, grids = vp.collate([vp.image(data), *vp.video([noise(28, 28)] * 4)])
     assert pv.shape == (16 + 16, 3, 14, 14) and grids.tolist() == [[1, 4, 4], [4, 2, 2]]
 
@@ -113,6 +117,8 @@ def _bmp() -> bytes:
     ("http://example.com/cat.png", "remote URL"),
     ("https://example.com/cat.png", "remote URL"),
     ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:application/pdf;base64," + base64.b64encode(encoded(noise(8, 8))).decode(), "declares 'application/pdf'"),
+    ("data:text/plain;base64,aGVsbG8=", "declares 'text/plain'; send an image"),
     ("/etc/passwd", "must be a data: URL"),
     (np.zeros((4, 4, 2), np.uint8), "array must be"),
     (np.full((4, 4), 2.0), r"in \[0, 1\]"),
