@@ -13,7 +13,10 @@ where W x H is the original size and n the item's token count after the 2x2 merg
 
 Sources: PNG/JPEG bytes, `data:` URLs, PIL images, arrays ([H, W], [H, W, 3|4], uint8 or
 floats in [0, 1]); videos as frame lists, [T, H, W, 3] arrays, or animated GIF/PNG bytes. Remote
-URLs are refused: nothing is fetched. Every bad input is a ValueError that names it.
+URLs are refused: nothing is fetched. Every bad input is a ValueError that names it. A picture
+with transparency (an alpha channel, a palette's or a PNG's transparent colour, a 4-channel array)
+is laid over white, as it is shown on a page: dropping the alpha would show the colour hidden under
+transparent pixels, often black, so a transparent logo's black text would vanish.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ VIDEO_FORMATS = ("GIF", "PNG")  # animated GIF / APNG containers, decoded frame 
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 PIL_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
 # what a broken file raises while Pillow decodes it (frame counts, seeks, pixel data)
+WHITE = (255, 255, 255, 255)
 _DECODE_ERRORS = (OSError, EOFError, ValueError, SyntaxError, struct.error, IndexError)
 
 
@@ -121,6 +125,11 @@ def _bytes_from_string(src: str, what: str) -> bytes:
     head, sep, payload = src.partition(",")
     if not sep or ";base64" not in head:
         raise ValueError(f"{what}: data URL must be base64 ('data:<type>;base64,<payload>')")
+    # the declared type is not trusted (the bytes say what they are: a PNG labelled image/jpeg is
+    # read), but one that is neither a picture nor a video nor untyped bytes is a client's mistake
+    mime = head[5:].split(";", 1)[0].strip().lower()
+    if mime and not mime.startswith(("image/", "video/")) and mime != "application/octet-stream":
+        raise ValueError(f"{what}: data URL declares {mime[:64]!r}; send an image/* or video/* data URL")
     # line breaks (as `base64` and MIME encoders wrap) and missing padding are read, not refused
     payload = "".join(payload.split())
     payload += "=" * (-len(payload) % 4)
@@ -159,6 +168,10 @@ def _rgb(img: Image.Image, what: str) -> np.ndarray:
             # 16-bit grey: Pillow's own conversion clips at 255; scale the range down instead
             grey = (np.asarray(img).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(grey[..., None], 3, axis=-1)
+        if img.has_transparency_data:
+            rgba = img.convert("RGBA")
+            return np.asarray(Image.alpha_composite(Image.new("RGBA", rgba.size, WHITE), rgba).convert("RGB"),
+                              dtype=np.uint8)
         return np.asarray(img.convert("RGB"), dtype=np.uint8)
     except _DECODE_ERRORS as e:  # truncated or broken data shows up at decode time
         raise ValueError(f"{what}: corrupt image data ({type(e).__name__}: {e})") from None
@@ -174,20 +187,23 @@ def _upright(img: Image.Image, what: str) -> Image.Image:
 
 
 def _array_rgb(a: np.ndarray, what: str, cfg: ProcessorConfig) -> np.ndarray:
-    if a.ndim == 3 and a.shape[-1] in (3, 4):
-        a = a[..., :3]
-    elif a.ndim == 2:
+    if a.ndim == 2:
         a = np.repeat(a[..., None], 3, axis=-1)
-    else:
+    elif not (a.ndim == 3 and a.shape[-1] in (3, 4)):
         raise ValueError(f"{what}: array must be [H, W], [H, W, 3] or [H, W, 4], got shape {a.shape}")
     _check_size((a.shape[1], a.shape[0]), what, cfg)
-    if a.dtype == np.uint8:
-        return a
     if np.issubdtype(a.dtype, np.floating):
         if not np.isfinite(a).all() or a.min() < 0 or a.max() > 1:
             raise ValueError(f"{what}: float arrays must hold finite values in [0, 1]")
+        if a.shape[-1] == 4:  # over white
+            a = a[..., :3] * a[..., 3:] + (1 - a[..., 3:])
         return np.round(a * 255).astype(np.uint8)
-    raise ValueError(f"{what}: array dtype must be uint8 or floating, got {a.dtype}")
+    if a.dtype != np.uint8:
+        raise ValueError(f"{what}: array dtype must be uint8 or floating, got {a.dtype}")
+    if a.shape[-1] == 4:  # over white, rounded as Pillow's alpha_composite rounds
+        alpha = a[..., 3:].astype(np.uint32)
+        a = ((a[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+    return a
 
 
 def load_image(src: Any, cfg: ProcessorConfig, what: str = "image") -> np.ndarray:

@@ -86,25 +86,34 @@ GRAFANA_OUT = Path("cluster") / "grafana"
 ALERTS_OUT = Path("cluster") / "prometheus"
 
 
+def _shipped(given: str | None, default: str) -> Path:
+    """A file the user named (relative to the current directory, as any path on a command line), or
+    the one k3 ships (`default`, under this checkout or the installed package), from any folder."""
+    from k3.platform.ops.prometheus import REPO
+
+    return Path(given) if given else REPO / default
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from k3.platform.ops import cluster
 
     if args.action == "rayservice":
         from k3.platform.ops.kuberay import dump_manifest, rayservice_manifest
 
-        print(dump_manifest(rayservice_manifest(args.base or "cluster/kuberay/rayservice.yaml", args.serve_config,
+        print(dump_manifest(rayservice_manifest(_shipped(args.base, "cluster/kuberay/rayservice.yaml"),
+                                                _shipped(args.serve_config, "serve/config.yaml"),
                                                 args.model_path, haproxy=args.haproxy)), end="")
     elif args.action == "aws":
         from k3.platform.ops.aws import render_aws
         from k3.platform.ops.kuberay import dump_manifest
 
-        print(dump_manifest(render_aws(args.base or "cluster/aws-gpu.yaml", args.region, args.subnet,
+        print(dump_manifest(render_aws(_shipped(args.base, "cluster/aws-gpu.yaml"), args.region, args.subnet,
                                        args.security_group, args.placement_group, args.ami,
                                        haproxy=args.haproxy)), end="")
     elif args.action == "up":
         from k3.platform.ops.local_ray import direct_ingress_env
 
-        st = cluster.up(args.config, args.state, grafana_url=os.environ.get("GRAFANA_URL") or None,
+        st = cluster.up(_shipped(args.config, "cluster/local-autoscaling.yaml"), args.state, grafana_url=os.environ.get("GRAFANA_URL") or None,
                         env=direct_ingress_env() if args.haproxy else None)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
               f"  session dir {st['session_dir']}\n"
@@ -258,8 +267,9 @@ def _state_help(what: str, name: str) -> str:
 def _add_cluster(sub) -> None:
     sp = sub.add_parser("cluster", help="the local autoscaling Ray cluster")
     sp.add_argument("action", choices=["up", "env", "status", "down", "rayservice", "aws"])
-    sp.add_argument("--config", default="cluster/local-autoscaling.yaml", help="fake multi-node cluster YAML")
-    sp.add_argument("--serve-config", default="serve/config.yaml", help="rayservice: the Serve config")
+    sp.add_argument("--config", help="up: the fake multi-node cluster YAML (default: k3's "
+                                     "cluster/local-autoscaling.yaml, from any folder)")
+    sp.add_argument("--serve-config", help="rayservice: the Serve config (default: k3's serve/config.yaml)")
     sp.add_argument("--model-path", default="/mnt/k3/models/k3-small",
                     help="rayservice: the model directory inside the pods (on the shared volume); each engine "
                          "replica holds the whole model on one GPU (no tensor or expert parallelism), so it must "

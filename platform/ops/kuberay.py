@@ -122,6 +122,25 @@ def engine_deployments(disaggregated: bool) -> list[str]:
     return ["prefill", "decode"] if disaggregated else ["llm"]
 
 
+# the k3 app's engine deployments by their Serve names (k3.serve.builder), with the args field that
+# sizes each, and the options a config's `deployments:` entry could set over that sizing
+ENGINE_DEPLOYMENTS = {"LLMServer": "llm", "PrefillServer": "prefill", "DecodeServer": "decode"}
+SIZING_OPTIONS = ("num_replicas", "autoscaling_config", "ray_actor_options", "placement_group_bundles",
+                  "placement_group_strategy", "max_replicas_per_node")
+
+
+def check_no_sizing_overrides(app: dict, where: str) -> None:
+    """Refuses a `deployments:` entry that sizes an engine deployment: Serve applies such entries
+    over what the app's builder made, so the sizing here (one GPU each, the groups' CPUs, at most
+    their GPUs' count of replicas) would be replaced unseen."""
+    for j, d in enumerate(app.get("deployments") or []):
+        field = ENGINE_DEPLOYMENTS.get(d.get("name"))
+        sized = [k for k in SIZING_OPTIONS if k in d]
+        if field and sized:
+            raise ValueError(f"{where}.deployments[{j}] ({d['name']}) sets {', '.join(sized)}: Serve would apply it "
+                             f"over the sizing for the cluster's GPUs; set it in args.{field} instead")
+
+
 def engine_cpus(groups: list[dict]) -> int:
     """CPUs of each engine replica (one GPU): a GPU's share of its pod's CPUs less one left for
     the proxy and the ingress, the smallest over the GPU groups."""
@@ -195,6 +214,7 @@ def serve_config_v2(serve_config: str | os.PathLike, cluster_spec: dict, model_p
     apps, notes = [], []
     for i, a in enumerate(cfg["applications"]):
         if a.get("import_path") == "k3.serve.builder:app_builder":
+            check_no_sizing_overrides(a, f"{serve_config}: applications[{i}]")
             where = f"{serve_config}: applications[{i}].args"
             app = serving_config(a.get("args") or {}, model_path, where)
             a = {**a, "args": size_for_cluster(a.get("args") or {}, app, cluster_spec, model_path, where)}

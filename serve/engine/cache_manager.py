@@ -40,6 +40,43 @@ KDAStates = dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer -> (conv [
 Latents = dict[int, torch.Tensor]  # MLA layer -> [tokens, latent]
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free to allocate on `device` now (None where it cannot be told): a cache this large
+    is zeroed whole when the engine starts."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
+class FreePages:
+    """The pages no sequence or cache entry holds, popped last-in first-out. Pages never used yet
+    are a counter, not a list: a model without MLA layers counts tokens in pages that hold no
+    memory (max_num_seqs x its context of them: millions at a 1M context), so the list grows only
+    with pages given back."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._fresh, self._total = 0, num_pages  # pages [_fresh, _total) never handed out
+        self._back: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._back) + self._total - self._fresh
+
+    def append(self, page: int) -> None:
+        self._back.append(page)
+
+    def pop(self) -> int:
+        if self._back:
+            return self._back.pop()
+        if self._fresh == self._total:
+            raise IndexError("pop from no free page")
+        self._fresh += 1
+        return self._fresh - 1
+
+
 def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", media: Sequence = (),
                 first: int = 0) -> list[bytes]:
     """Chain hashes of the full pages of tokens (each covers every token before it), from page
@@ -195,7 +232,7 @@ class CacheManager:
         pages = self.num_pages if self.page_bytes else 1
         self._mla = {s.layer_idx: torch.zeros(pages, self.page_size, s.latent_dim, dtype=self.dtype, device=self.device)
                      for s in self.mla_specs}
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._free_pages = FreePages(self.num_pages)
         self._slots = SlotTable(n_slots, ec.max_num_seqs, self.page_size)
         self._entries: dict[bytes, _CachedPage] = {}  # chain hash -> cached page
         self._page_entry: dict[int, _CachedPage] = {}  # page -> its cache entry, when cached
@@ -223,6 +260,10 @@ class CacheManager:
             n_pages = ec.max_num_seqs * (-(-max_len // self.page_size))
         if n_pages < 1:
             raise ValueError(f"cache_memory_bytes={budget} leaves no room for a single {self.page_size}-token MLA page")
+        free = free_memory(self.device)
+        if free is not None and budget > free:
+            raise ValueError(f"cache_memory_bytes={budget:,} is more than the {free:,} bytes free on {self.device}: "
+                             f"lower it")
         return int(n_pages), n_snap
 
     # -- accounting ------------------------------------------------------------------------------

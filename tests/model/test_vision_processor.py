@@ -11,6 +11,7 @@ from PIL import Image
 
 from k3.model.vision_processor import (
     MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ProcessorConfig, VisionProcessor, encode_interleaved, fit_size,
+    load_image,
 )
 from k3.model.tokenizer import special_ids, train_bpe
 
@@ -98,6 +99,10 @@ def test_jpeg_and_data_url_sources():
     data = encoded(noise(40, 40), "JPEG")
     url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
     torch.testing.assert_close(vp.image(url).pixel_values, vp.image(data).pixel_values)
+    # the bytes say what they are: a mislabelled or untyped picture is read alike
+    for head in ("data:image/png;base64,", "data:;base64,", "data:application/octet-stream;base64,",
+                 "DATA:Image/JPEG;name=cat.jpg;base64,"):
+        torch.testing.assert_close(vp.image(head + url.partition(",")[2]).pixel_values, vp.image(data).pixel_values)
     pv, grids = vp.collate([vp.image(data), *vp.video([noise(28, 28)] * 4)])
     assert pv.shape == (16 + 16, 3, 14, 14) and grids.tolist() == [[1, 4, 4], [4, 2, 2]]
 
@@ -113,6 +118,8 @@ def _bmp() -> bytes:
     ("http://example.com/cat.png", "remote URL"),
     ("https://example.com/cat.png", "remote URL"),
     ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:application/pdf;base64," + base64.b64encode(encoded(noise(8, 8))).decode(), "declares 'application/pdf'"),
+    ("data:text/plain;base64,aGVsbG8=", "declares 'text/plain'; send an image"),
     ("/etc/passwd", "must be a data: URL"),
     (np.zeros((4, 4, 2), np.uint8), "array must be"),
     (np.full((4, 4), 2.0), r"in \[0, 1\]"),
@@ -225,3 +232,28 @@ def test_base64_wrapped_in_lines_or_unpadded_is_read():
     for payload in (wrapped, unpadded):
         item = VisionProcessor().image("data:image/png;base64," + payload)
         assert item.content_hash == VisionProcessor().image(data).content_hash
+
+
+def test_transparent_pictures_are_laid_over_white_from_every_source():
+    """A transparent logo's black text (RGBA 0,0,0,255 on 0,0,0,0) stays visible: dropping the
+    alpha showed it black on black."""
+    logo = np.zeros((28, 28, 4), np.uint8)
+    logo[8:20, 8:20, 3] = 255
+    cfg = ProcessorConfig()
+    out = load_image(encoded(logo), cfg)
+    assert (out[0, 0] == 255).all() and (out[12, 12] == 0).all()
+    # half-transparent colours: bytes, the PIL image, uint8 and float arrays give the same pixels
+    rgba = np.random.default_rng(3).integers(0, 256, (28, 28, 4), dtype=np.uint8)
+    want = load_image(Image.fromarray(rgba, "RGBA"), cfg)
+    for src in (encoded(rgba), rgba, rgba.astype(np.float64) / 255):
+        np.testing.assert_array_equal(load_image(src, cfg), want)
+    assert not np.array_equal(want, rgba[..., :3])
+    # a palette PNG whose transparent colour is a palette entry (tRNS), and grey with alpha
+    pal = Image.fromarray(logo, "RGBA").convert("P")
+    assert load_image(pal, cfg)[0, 0].tolist() == [255, 255, 255]
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([np.zeros((28, 28), np.uint8), logo[..., 3]], -1), "LA").save(buf, "PNG")
+    assert load_image(buf.getvalue(), cfg)[0, 0].tolist() == [255, 255, 255]
+    # an opaque picture is as before
+    rgb = noise(28, 28, 4)
+    np.testing.assert_array_equal(load_image(np.concatenate([rgb, np.full((28, 28, 1), 255, np.uint8)], -1), cfg), rgb)

@@ -196,6 +196,31 @@ def test_rayservice_cli_prints_an_applicable_manifest(capsys):
     assert args["model"] == {"path": "/mnt/k3/models/k3-small"}
 
 
+def test_the_cli_s_default_files_are_k3_s_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`k3 cluster up` / `rayservice` without --config / --serve-config / --base read the files k3
+    ships, not paths under the current directory (from jobs/ they were "no such Serve config")."""
+    from k3.platform.ops import cluster
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["cluster", "rayservice"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["kind"] == "RayService"
+    assert yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]["model_id"] == "k3"
+    seen = []
+
+    def up(config, *args, **kwargs):  # records the path, starts nothing
+        seen.append(Path(config))
+        raise ValueError("not started by this test")
+
+    monkeypatch.setattr(cluster, "up", up)
+    assert main(["cluster", "up"]) != 0 and seen == [REPO / "cluster" / "local-autoscaling.yaml"]
+    assert seen[0].is_file()
+    # a path the user names is theirs: relative to the current directory
+    capsys.readouterr()
+    assert main(["cluster", "rayservice", "--serve-config", "serve/config.yaml"]) != 0
+    assert "serve/config.yaml: no such Serve config" in capsys.readouterr().err
+
+
 def test_rayservice_with_haproxy_sets_the_flag_in_every_container(tmp_path, capsys):
     plain = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG, str(tmp_path))
     doc = rayservice_manifest(KUBERAY / "rayservice.yaml", SERVE_CONFIG, str(tmp_path), haproxy=True)
@@ -227,6 +252,25 @@ def test_bad_serve_config_is_refused(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match) as e:
         load_serve_config(write_yaml(tmp_path, bad))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({"name": "DecodeServer", "num_replicas": 8}, "num_replicas"),
+    ({"name": "PrefillServer", "ray_actor_options": {"num_gpus": 0}}, "ray_actor_options"),
+    ({"name": "LLMServer", "autoscaling_config": {"max_replicas": 64}}, "autoscaling_config"),
+])
+def test_a_deployments_entry_sizing_an_engine_is_refused_for_the_rayservice(tmp_path, entry, field):
+    cfg = yaml.safe_load(SERVE_CONFIG.read_text())
+    cfg["applications"][0]["deployments"] = [{"name": "Ingress", "num_replicas": 2}, entry]
+    with pytest.raises(ValueError, match=rf"applications\[0\]\.deployments\[1\] \({entry['name']}\) sets {field}") as e:
+        rayservice_manifest(KUBERAY / "rayservice.yaml", write_yaml(tmp_path, cfg), str(tmp_path))
+    assert "args." in str(e.value) and "\n" not in str(e.value)
+    # an entry that leaves the sizing alone (the ingress's replicas, an engine's health checks) is kept
+    cfg["applications"][0]["deployments"] = [{"name": "Ingress", "num_replicas": 2},
+                                             {"name": "DecodeServer", "health_check_period_s": 5}]
+    doc = rayservice_manifest(KUBERAY / "rayservice.yaml", write_yaml(tmp_path, cfg), str(tmp_path))
+    app = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]
+    assert app["deployments"] == cfg["applications"][0]["deployments"]
 
 
 def test_wrong_manifest_kind_is_refused():

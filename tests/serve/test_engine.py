@@ -159,6 +159,35 @@ def test_memory_accounting_and_usage(tiny_model):
     assert eng.stats()["pages_in_use"] == 0 and rid not in eng.seqs
 
 
+def test_a_cache_larger_than_the_free_memory_is_refused_naming_the_field(tiny_model):
+    import psutil
+
+    too_big = 2 * psutil.virtual_memory().total
+    with pytest.raises(ValueError, match=f"cache_memory_bytes={too_big:,} is more than the .* bytes free on cpu"):
+        LLMEngine(tiny_model, EngineConfig(cache_memory_bytes=too_big))
+
+
+def test_a_model_without_mla_counts_its_pages_without_a_list_of_them():
+    """Pages of a KDA-only model hold no memory: 4 sequences of a 1M context in 1-token pages are
+    4M page numbers, which were a 4M-entry list (+225 MB here; ~14 GB at 256 sequences)."""
+    import tracemalloc
+
+    from k3.model import get_preset
+    from k3.serve.engine.cache_manager import CacheManager
+
+    cfg = get_preset("k3-tiny", num_layers=2, layer_types=["kda", "kda"], mlp_types=["dense", "moe"])
+    tracemalloc.start()
+    cache = CacheManager(cfg, EngineConfig(max_num_seqs=4, page_size=1))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert cache.num_pages == 4 * cfg.max_position_embeddings and cache.usage()["pages_free"] == cache.num_pages
+    assert peak < 32 << 20, f"{peak:,} bytes traced building the cache"
+    free = cache._free_pages  # last in, first out; pages never used in order after those given back
+    assert [free.pop() for _ in range(3)] == [0, 1, 2]
+    free.append(1)
+    assert free.pop() == 1 and free.pop() == 3 and len(free) == cache.num_pages - 4
+
+
 def test_a_request_that_can_never_fit_is_rejected_while_others_continue(tiny_model):
     eng = LLMEngine(tiny_model, EngineConfig(max_num_seqs=2, cache_memory_bytes=2 * 2**20, page_size=16))
     ok = eng.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
