@@ -19,9 +19,10 @@ release's own modeling code (mirrored in the public ports, see docs/checkpoints.
 
 Values k3 cannot honour (grouped routing, softmax routing, a `topk_method` other than
 "noaux_tc", rotated MLA, MTP layers, a latent MoE without its norm, ...) raise a ValueError naming
-the field (`refuse_unsupported`, shared with the Kimi Linear reader), and so does a field of the
-wrong JSON type (`"false"` for a boolean, `"8"` for an integer: `ConfigFields`). So does a missing field that the release always sets and that the weights cannot
-confirm: `hidden_act`, `activation_situ_beta` / `activation_situ_linear_beta`, `rms_norm_eps`,
+the field (`refuse_unsupported`, shared with the Kimi Linear reader), as does a field of the wrong
+JSON type (`"false"` for a boolean, `"8"` for an integer: `ConfigFields`). So does a missing
+field that the release always sets and that the weights cannot confirm: `hidden_act`,
+`activation_situ_beta` / `activation_situ_linear_beta`, `rms_norm_eps`,
 `linear_attn_config.gate_lower_bound` and, with experts, `num_experts_per_token`,
 `first_k_dense_replace`, `routed_scaling_factor`, `moe_renormalize`, `topk_method`; k3 never
 guesses them. Defaults remain only where they equal the release's modeling code and the release
@@ -97,7 +98,8 @@ def config_from_release(d: dict) -> K3Config:
         raise ValueError("config.json text_config.linear_attn_config.gate_lower_bound is missing: the K3 release "
                          "always sets it (-5.0); null selects Kimi Linear's unbounded gate")
     bound = lin.number("gate_lower_bound")
-    vision = vision_from_release(d["vision_config"]) if d.get("vision_config") not in (None, {}) and tc is not d else None
+    has_vision = d.get("vision_config") not in (None, {}) and tc is not d
+    vision = vision_from_release(d["vision_config"]) if has_vision else None
     return k3_config(
         vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=layer_types,
         mlp_types=mlp_types, intermediate_size=f.get("intermediate_size"),
@@ -252,7 +254,8 @@ def _moe(f: ConfigFields) -> dict:
     latent = f.get("routed_expert_hidden_size")
     if latent is not None and not f.flag("latent_moe_use_norm", default=False):
         f.refuse("latent_moe_use_norm", f.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
-    return dict(num_experts=f.get("num_experts"), num_experts_per_token=f.integer("num_experts_per_token", required=True),
+    return dict(num_experts=f.get("num_experts"),
+                num_experts_per_token=f.integer("num_experts_per_token", required=True),
                 num_shared_experts=f.get("num_shared_experts", default=0),
                 moe_intermediate_size=f.get("moe_intermediate_size"), moe_latent_size=latent,
                 routed_scaling=float(f.number("routed_scaling_factor", required=True)),
