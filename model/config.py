@@ -28,6 +28,20 @@ MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("situ_glu", "swiglu")
 KDA_GATES = ("bounded", "unbounded")
 KDA_OUTPUT_GATES = ("full", "low_rank")
+# Chunk sizes of the KDA chunkwise form: each chunk holds [C, C] and [C, K] fp32 blocks per head,
+# so a chunk far beyond the Triton kernels' 16, 32, 64 only costs memory (2^20 asked for 35 TB).
+KDA_CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# kernels.kda.GATE_FLOOR: a log-decay below -88 is clamped there (exp(-88) is below fp32's smallest
+# normal number, the state is gone), so a lower bound under it means nothing.
+KDA_GATE_FLOOR = -88.0
+# Upper limits of the float fields, each far above any model k3 knows of and inside fp32 (a value
+# past fp32's 3.4e38 becomes inf in the model: NaN logits). The SiTU-GLU clamps bound activations
+# (K3: 4 and 25, |h| < 100); at 1e4 they no longer clamp anything. Released routed_scaling is 1
+# (K3) to 16 (DeepSeek-V2). An eps or an init std above 1 swamps what it is added to or scales.
+FLOAT_LIMITS = {"situ_b1": 1e4, "situ_b2": 1e4, "routed_scaling": 1e3, "rms_norm_eps": 1.0, "mla_norm_eps": 1.0,
+                "initializer_range": 1.0}
+# Fields a k3 config.json may leave out: absent, the model is text-only (to_dict writes them as null).
+OPTIONAL_FIELDS = ("vision_config", "media_placeholder_token_id")
 
 
 def hybrid_schedule(num_layers: int, every: int, last_is_mla: bool = True) -> list[str]:
@@ -114,9 +128,9 @@ class K3Config:
                 raise ValueError(f"K3Config.{fld}: {msg}")
 
         check_field_types(self, skip=("K3VisionConfig",))  # vision_config: checked below
-        for fld in ("rms_norm_eps", "mla_norm_eps", "initializer_range", "routed_scaling", "situ_b1", "situ_b2"):
+        for fld, most in FLOAT_LIMITS.items():
             v = getattr(self, fld)
-            need(v > 0, fld, f"must be positive, got {v!r}")
+            need(0 < v <= most, fld, f"must be in (0, {most:g}], got {v!r}")
         for fld in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "kda_num_heads",
                     "kda_head_dim", "kda_conv_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
                     "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
@@ -137,10 +151,10 @@ class K3Config:
         need(self.kda_gate in KDA_GATES, "kda_gate", f"must be one of {KDA_GATES}, got {self.kda_gate!r}")
         need(self.kda_output_gate in KDA_OUTPUT_GATES, "kda_output_gate",
              f"must be one of {KDA_OUTPUT_GATES}, got {self.kda_output_gate!r}")
-        need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
-             f"must be negative (a log-decay), got {self.kda_gate_lower_bound}")
-        need(self.kda_chunk_size <= 16 or self.kda_chunk_size % 16 == 0, "kda_chunk_size",
-             f"must be <= 16 or a multiple of 16, got {self.kda_chunk_size}")
+        need(KDA_GATE_FLOOR <= self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
+             f"must be a log-decay in [{KDA_GATE_FLOOR:g}, 0), got {self.kda_gate_lower_bound}")
+        need(self.kda_chunk_size in KDA_CHUNK_SIZES, "kda_chunk_size",
+             f"must be a power of two up to {KDA_CHUNK_SIZES[-1]}, got {self.kda_chunk_size}")
         need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
              "q_lora_rank", f"must be None or a positive int, got {self.q_lora_rank!r}")
         need(self.moe_latent_size is None or (isinstance(self.moe_latent_size, int) and self.moe_latent_size > 0),
@@ -186,10 +200,19 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "K3Config":
+        """The config `to_dict` wrote. Every field it writes must be there (a vision_config too):
+        a missing one is refused, never filled in from the K3 defaults; only OPTIONAL_FIELDS may
+        be left out."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"K3Config: unknown field(s) {unknown}")
+        missing = sorted(known - set(d) - set(OPTIONAL_FIELDS))
+        if isinstance(d.get("vision_config"), dict):
+            vision = {f.name for f in dataclasses.fields(K3VisionConfig)}
+            missing += [f"vision_config.{n}" for n in sorted(vision - set(d["vision_config"]))]
+        if missing:
+            raise ValueError(f"K3Config: missing field(s) {missing} (k3 does not fill them in from the defaults)")
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -219,9 +242,17 @@ class K3Config:
             raise ValueError(f"{where}: {what} ({e})") from None
         if not isinstance(d, dict):
             raise ValueError(f"{where}: a K3Config must be a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            if is_file:
+                raise ValueError(f"{where}: {e}") from None
+            raise
 
     def replace(self, **changes: Any) -> "K3Config":
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"K3Config: unknown field(s) {unknown}")
         return dataclasses.replace(self, **changes)
 
 

@@ -19,8 +19,10 @@ release's own modeling code (mirrored in the public ports, see docs/checkpoints.
 
 Values k3 cannot honour (grouped routing, softmax routing, a `topk_method` other than
 "noaux_tc", rotated MLA, MTP layers, a latent MoE without its norm, ...) raise a ValueError naming
-the field. So does a missing field that the release always sets and that the weights cannot
-confirm: `hidden_act`, `activation_situ_beta` / `activation_situ_linear_beta`, `rms_norm_eps`,
+the field (`refuse_unsupported`, shared with the Kimi Linear reader), as does a field of the wrong
+JSON type (`"false"` for a boolean, `"8"` for an integer: `ConfigFields`). So does a missing
+field that the release always sets and that the weights cannot confirm: `hidden_act`,
+`activation_situ_beta` / `activation_situ_linear_beta`, `rms_norm_eps`,
 `linear_attn_config.gate_lower_bound` and, with experts, `num_experts_per_token`,
 `first_k_dense_replace`, `routed_scaling_factor`, `moe_renormalize`, `topk_method`; k3 never
 guesses them. Defaults remain only where they equal the release's modeling code and the release
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import K3Config, get_preset
 from .vision_config import K3VisionConfig
@@ -63,12 +65,10 @@ def schedule_params(mlp_types: list[str]) -> tuple[int, int]:
     raise ValueError(f"mlp_types {mlp_types} is not expressible as first_k_dense_replace + moe_layer_freq")
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"config.json text_config.{field}={value!r}: {why}")
-
-
 def vision_from_release(v: dict) -> K3VisionConfig:
     """K3VisionConfig for a release `vision_config` block (k3 keeps the released field names)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"config.json vision_config: must be an object, got {v!r}")
     if v.get("mlp_type", "mlp2") != "mlp2":
         raise ValueError(f"config.json vision_config.mlp_type={v['mlp_type']!r}: the tower's MLP is 'mlp2' "
                          f"(fc0 -> gelu-tanh -> fc1)")
@@ -84,38 +84,48 @@ def config_from_release(d: dict) -> K3Config:
     tc = d.get("text_config", d)
     if not isinstance(tc, dict):
         raise ValueError("config.json: text_config must be an object")
-    f = _Fields(d, tc)
-    L = f.get("num_hidden_layers")
-    if not isinstance(L, int) or L < 1:
+    f = ConfigFields(d, tc)
+    L = f.integer("num_hidden_layers")
+    if L is None or L < 1:
         raise ValueError(f"config.json: text_config.num_hidden_layers must be a positive int, got {L!r}")
-    lin = tc.get("linear_attn_config") or {}
+    lin = f.section("linear_attn_config")
     layer_types = _layer_types(L, lin)
     moe = f.get("num_experts") is not None
-    mlp_types = mlp_schedule(L, f.required("first_k_dense_replace"), f.get("moe_layer_freq", 1)) if moe else \
-        ["dense"] * L
-    _refuse_unsupported(f, layer_types)
+    mlp_types = mlp_schedule(L, f.integer("first_k_dense_replace", required=True),
+                             f.integer("moe_layer_freq", default=1)) if moe else ["dense"] * L
+    refuse_unsupported(f, layer_types, nope_default=False)
     if "gate_lower_bound" not in lin:
         raise ValueError("config.json text_config.linear_attn_config.gate_lower_bound is missing: the K3 release "
                          "always sets it (-5.0); null selects Kimi Linear's unbounded gate")
-    bound, eos = lin["gate_lower_bound"], f.get("eos_token_id")
-    vision = vision_from_release(d["vision_config"]) if d.get("vision_config") and tc is not d else None
-    return K3Config(
+    bound = lin.number("gate_lower_bound")
+    has_vision = d.get("vision_config") not in (None, {}) and tc is not d
+    vision = vision_from_release(d["vision_config"]) if has_vision else None
+    return k3_config(
         vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=layer_types,
         mlp_types=mlp_types, intermediate_size=f.get("intermediate_size"),
-        rms_norm_eps=float(f.required("rms_norm_eps")), max_position_embeddings=f.get("max_position_embeddings", 1 << 20),
-        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)), **_activation(f),
-        kda_num_heads=lin.get("num_heads", f.get("num_attention_heads")), kda_head_dim=lin.get("head_dim", 128),
-        kda_conv_size=lin.get("short_conv_kernel_size", 4),
+        rms_norm_eps=float(f.number("rms_norm_eps", required=True)),
+        max_position_embeddings=f.get("max_position_embeddings", default=1 << 20),
+        tie_word_embeddings=f.flag("tie_word_embeddings", default=False), **_activation(f),
+        kda_num_heads=lin.get("num_heads", default=f.get("num_attention_heads")),
+        kda_head_dim=lin.get("head_dim", default=128), kda_conv_size=lin.get("short_conv_kernel_size", default=4),
         kda_gate="unbounded" if bound is None else "bounded", kda_gate_lower_bound=-5.0 if bound is None else float(bound),
-        kda_output_gate="full" if lin.get("use_full_rank_gate", False) else "low_rank",
+        kda_output_gate="full" if lin.flag("use_full_rank_gate", default=False) else "low_rank",
         num_heads=f.get("num_attention_heads"), q_lora_rank=f.get("q_lora_rank"), kv_lora_rank=f.get("kv_lora_rank"),
         qk_nope_head_dim=f.get("qk_nope_head_dim"), qk_rope_head_dim=f.get("qk_rope_head_dim"),
-        v_head_dim=f.get("v_head_dim"), mla_output_gate=bool(f.get("mla_use_output_gate", False)),
+        v_head_dim=f.get("v_head_dim"), mla_output_gate=f.flag("mla_use_output_gate", default=False),
         mla_norm_eps=MLA_NORM_EPS, **(_moe(f) if moe else _NO_MOE), attn_res_block_size=f.get("attn_res_block_size"),
-        bos_token_id=f.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        bos_token_id=f.get("bos_token_id"), eos_token_id=f.token_id("eos_token_id"),
         pad_token_id=f.get("pad_token_id"), vision_config=vision,
         media_placeholder_token_id=d.get("media_placeholder_token_id"),
     )
+
+
+def k3_config(**fields: Any) -> K3Config:
+    """K3Config(**fields) read from a config.json: its ValueError names the file too."""
+    try:
+        return K3Config(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
 
 
 # A config without experts (all dense) still fills the MoE fields validly; they are unused.
@@ -123,28 +133,105 @@ _NO_MOE = dict(num_experts=2, num_experts_per_token=1, num_shared_experts=0, moe
                moe_latent_size=None, routed_scaling=1.0, moe_renormalize=True)
 
 
-class _Fields:
-    """text_config fields, falling back to the top level (where the release repeats token ids)."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
-    def __init__(self, d: dict, tc: dict) -> None:
-        self.d, self.tc = d, tc
 
-    def get(self, name: str, default: Any = None) -> Any:
-        v = self.tc.get(name, self.d.get(name) if self.tc is not self.d else None)
-        return default if v is None else v
+def _is_ints(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(t) for t in v)
 
-    def required(self, name: str) -> Any:
-        """A field the K3 release always sets and the weights cannot confirm: never guessed."""
-        v = self.get(name)
+
+class ConfigFields:
+    """The fields of a Hugging Face config.json, each read with its JSON type checked: a wrong one
+    is a ValueError naming config.json and the field (never `bool("false")`, never a TypeError
+    later). `tc` holds the model's fields (the release's text_config, or all of Kimi Linear's
+    file); a field missing there is read from the top level `d`, where the release repeats the
+    token ids. A null field counts as missing."""
+
+    def __init__(self, d: dict, tc: dict | None = None, prefix: str | None = None) -> None:
+        self.d, self.tc = d, d if tc is None else tc
+        self.prefix = ("" if self.tc is self.d else "text_config.") if prefix is None else prefix
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tc
+
+    def refuse(self, name: str, value: Any, why: str) -> NoReturn:
+        raise ValueError(f"config.json {self.prefix}{name}={value!r}: {why}")
+
+    def _find(self, names: tuple[str, ...]) -> tuple[str, Any]:
+        """(the first of `names` that is set, its value), or (names[0], None)."""
+        for n in names:
+            v = self.tc.get(n, self.d.get(n) if self.tc is not self.d else None)
+            if v is not None:
+                return n, v
+        return names[0], None
+
+    def _read(self, names: tuple[str, ...], default: Any, required: bool, ok, what: str) -> Any:
+        name, v = self._find(names)
         if v is None:
-            raise ValueError(f"config.json text_config.{name} is missing: the K3 release always sets it and k3 "
-                             f"does not guess it")
+            if required:  # a field the K3 release always sets and the weights cannot confirm: never guessed
+                raise ValueError(f"config.json {self.prefix}{name} is missing: the K3 release always sets it and "
+                                 f"k3 does not guess it")
+            return default
+        if not ok(v):
+            self.refuse(name, v, f"must be {what}")
         return v
 
+    def get(self, *names: str, default: Any = None) -> Any:
+        """The first of `names` that is set, as it is (K3Config checks the type), else `default`."""
+        return self._read(names, default, False, lambda v: True, "")
 
-def _layer_types(L: int, lin: dict) -> list[str]:
-    kda = set(lin.get("kda_layers") or [])
-    full = set(lin.get("full_attn_layers") or [])
+    def required(self, name: str) -> Any:
+        return self._read((name,), None, True, lambda v: True, "")
+
+    def flag(self, *names: str, default: bool | None = None, required: bool = False) -> bool | None:
+        return self._read(names, default, required, lambda v: isinstance(v, bool), "true or false (a JSON boolean)")
+
+    def integer(self, *names: str, default: int | None = None, required: bool = False) -> int | None:
+        return self._read(names, default, required, _is_int, "an integer")
+
+    def number(self, *names: str, default: float | None = None, required: bool = False) -> float | None:
+        return self._read(names, default, required, lambda v: _is_int(v) or isinstance(v, float), "a number")
+
+    def integers(self, name: str) -> list[int]:
+        """A list of integers ([] when missing)."""
+        return self._read((name,), [], False, _is_ints, "a list of integers")
+
+    def token_id(self, name: str) -> int | None:
+        """A token id, or the first of a list of them (transformers allows several end tokens)."""
+        v = self._read((name,), None, False, lambda v: _is_int(v) or _is_ints(v) and len(v) > 0,
+                       "a token id or a non-empty list of them")
+        return v[0] if isinstance(v, list) else v
+
+    def section(self, name: str) -> "ConfigFields":
+        """The fields of the object `name` (none when it is missing)."""
+        v = self._read((name,), {}, False, lambda v: isinstance(v, dict), "an object")
+        return ConfigFields(v, prefix=f"{self.prefix}{name}.")
+
+
+def refuse_unsupported(f: ConfigFields, layer_types: list[str], nope_default: bool) -> None:
+    """Refuse what the K3 release and Kimi Linear configs can say but k3 cannot run, naming the
+    field. `nope_default`: what a missing mla_use_nope means (Kimi Linear's MLA is always NoPE; the
+    release always sets it)."""
+    for name in ("moe_router_activation_func", "scoring_func"):  # scoring_func: DeepSeek's name for it
+        if f.get(name, default="sigmoid") != "sigmoid":
+            f.refuse(name, f.get(name), "k3's router is sigmoid")
+    if f.get("topk_method", default="noaux_tc") != "noaux_tc":
+        f.refuse("topk_method", f.get("topk_method"), "k3 selects by score + e_score_correction_bias ('noaux_tc')")
+    groups, topk_group = f.integer("num_expert_group", "n_group", default=1), f.integer("topk_group", default=1)
+    if groups > 1 and groups > topk_group:
+        f.refuse("num_expert_group", groups, "grouped routing is not supported by k3")
+    if not f.flag("mla_use_nope", default=nope_default) and "mla" in layer_types:
+        f.refuse("mla_use_nope", f.get("mla_use_nope"), "k3's MLA is NoPE (no rotary embedding)")
+    if f.integer("num_nextn_predict_layers", default=0):
+        f.refuse("num_nextn_predict_layers", f.get("num_nextn_predict_layers"), "MTP layers are not supported by k3")
+    heads = f.get("num_attention_heads")
+    if f.get("num_key_value_heads", default=heads) != heads:
+        f.refuse("num_key_value_heads", f.get("num_key_value_heads"), "MLA has one KV latent for all heads")
+
+
+def _layer_types(L: int, lin: ConfigFields) -> list[str]:
+    kda, full = set(lin.integers("kda_layers")), set(lin.integers("full_attn_layers"))
     if kda & full or (kda | full) - set(range(1, L + 1)):
         raise ValueError("config.json: linear_attn_config.kda_layers / full_attn_layers must split layers 1..L")
     if not kda and not full:
@@ -152,40 +239,27 @@ def _layer_types(L: int, lin: dict) -> list[str]:
     return ["kda" if i + 1 in kda else "mla" for i in range(L)]
 
 
-def _activation(f: _Fields) -> dict:
+def _activation(f: ConfigFields) -> dict:
     act = f.required("hidden_act")
     if act == "silu":
         return dict(activation="swiglu")
     if act != "situ":
-        _refuse("hidden_act", act, "k3 runs 'situ' (SiTU-GLU) or 'silu' (SwiGLU) only")
-    return dict(activation="situ_glu", situ_b1=float(f.required("activation_situ_beta")),
-                situ_b2=float(f.required("activation_situ_linear_beta")))
+        f.refuse("hidden_act", act, "k3 runs 'situ' (SiTU-GLU) or 'silu' (SwiGLU) only")
+    return dict(activation="situ_glu", situ_b1=float(f.number("activation_situ_beta", required=True)),
+                situ_b2=float(f.number("activation_situ_linear_beta", required=True)))
 
 
-def _moe(f: _Fields) -> dict:
-    if f.required("topk_method") != "noaux_tc":
-        _refuse("topk_method", f.get("topk_method"), "k3 selects by score + e_score_correction_bias ('noaux_tc')")
+def _moe(f: ConfigFields) -> dict:
+    f.required("topk_method")  # its value: refuse_unsupported
     latent = f.get("routed_expert_hidden_size")
-    if latent is not None and not f.tc.get("latent_moe_use_norm", False):
-        _refuse("latent_moe_use_norm", f.tc.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
-    return dict(num_experts=f.get("num_experts"), num_experts_per_token=f.required("num_experts_per_token"),
-                num_shared_experts=f.get("num_shared_experts", 0), moe_intermediate_size=f.get("moe_intermediate_size"),
-                moe_latent_size=latent, routed_scaling=float(f.required("routed_scaling_factor")),
-                moe_renormalize=bool(f.required("moe_renormalize")))
-
-
-def _refuse_unsupported(f: _Fields, layer_types: list[str]) -> None:
-    if f.get("moe_router_activation_func", "sigmoid") != "sigmoid":
-        _refuse("moe_router_activation_func", f.get("moe_router_activation_func"), "k3's router is sigmoid")
-    groups, topk_group = f.get("num_expert_group", 1), f.get("topk_group", 1)
-    if groups > 1 and groups > topk_group:
-        _refuse("num_expert_group", groups, "grouped routing is not supported by k3")
-    if not f.tc.get("mla_use_nope", False) and "mla" in layer_types:
-        _refuse("mla_use_nope", f.tc.get("mla_use_nope"), "k3's MLA is NoPE (no rotary embedding)")
-    if f.get("num_nextn_predict_layers", 0):
-        _refuse("num_nextn_predict_layers", f.get("num_nextn_predict_layers"), "MTP layers are not supported by k3")
-    if f.get("num_key_value_heads", f.get("num_attention_heads")) != f.get("num_attention_heads"):
-        _refuse("num_key_value_heads", f.get("num_key_value_heads"), "MLA has one KV latent for all heads")
+    if latent is not None and not f.flag("latent_moe_use_norm", default=False):
+        f.refuse("latent_moe_use_norm", f.get("latent_moe_use_norm"), "k3's LatentMoE always norms the latent sum")
+    return dict(num_experts=f.get("num_experts"),
+                num_experts_per_token=f.integer("num_experts_per_token", required=True),
+                num_shared_experts=f.get("num_shared_experts", default=0),
+                moe_intermediate_size=f.get("moe_intermediate_size"), moe_latent_size=latent,
+                routed_scaling=float(f.number("routed_scaling_factor", required=True)),
+                moe_renormalize=f.flag("moe_renormalize", required=True))
 
 
 def config_to_release(cfg: K3Config, with_vision: bool = False, quantized_experts: bool = True,

@@ -19,70 +19,70 @@ from safetensors.torch import save_file
 from .checkpoint_reader import CheckpointReader
 from .config import K3Config
 from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
-from .hf_k3_config import mlp_schedule, schedule_params
-from .loading import wants_vision
+from .hf_k3_config import ConfigFields, k3_config, mlp_schedule, refuse_unsupported, schedule_params
+from .loading import check_device, check_dtype, read_config_json, require_floating, wants_vision
 from .model import K3ForCausalLM, load_dtype
 from .moe import require_all_experts
 
 
 def config_from_hf(hf: dict) -> K3Config:
     """A K3Config for a Kimi Linear config.json (the released form or transformers' saved form)."""
-    def get(*names, default=None):
-        for n in names:
-            if n in hf and hf[n] is not None:
-                return hf[n]
-        return default
-
-    L = get("num_hidden_layers")
-    if not isinstance(L, int) or L < 1:
+    f = ConfigFields(hf)
+    L = f.integer("num_hidden_layers")
+    if L is None or L < 1:
         raise ValueError(f"config.json: num_hidden_layers must be a positive int, got {L!r}")
-    lin = hf.get("linear_attn_config") or {}
+    lin = f.section("linear_attn_config")
     if hf.get("layer_types"):
-        types = ["mla" if t == "full_attention" else "kda" for t in hf["layer_types"]]
+        types = _kinds(f, "layer_types", {"full_attention": "mla", "linear_attention": "kda"})
     elif "full_attn_layers" in lin:
-        full = set(lin["full_attn_layers"])  # 1-based in the released config
+        full = set(lin.integers("full_attn_layers"))  # 1-based in the released config
         types = ["mla" if i + 1 in full else "kda" for i in range(L)]
     else:
         raise ValueError("config.json: needs layer_types or linear_attn_config.full_attn_layers")
-    act = get("hidden_act", default="silu")
+    act = f.get("hidden_act", default="silu")
     if act != "silu":  # the MLPs would silently run SwiGLU on weights trained with another activation
         raise ValueError(f"config.json: hidden_act={act!r} is not supported for Kimi Linear (k3 runs 'silu' "
                          f"gated MLPs, SwiGLU)")
     # The released modeling code puts an MoE where layer >= first_k_dense_replace and
     # layer % moe_layer_freq == 0; transformers' saved form lists mlp_layer_types instead.
-    k, freq = get("first_k_dense_replace", default=1), get("moe_layer_freq", default=1)
+    k, freq = f.integer("first_k_dense_replace", default=1), f.integer("moe_layer_freq", default=1)
     rule = mlp_schedule(L, k, freq)
     if hf.get("mlp_layer_types"):
-        mlp = ["moe" if t == "sparse" else "dense" for t in hf["mlp_layer_types"]]
+        mlp = _kinds(f, "mlp_layer_types", {"sparse": "moe", "dense": "dense"})
         if freq != 1 and mlp != rule:
             raise ValueError(f"config.json: moe_layer_freq={freq} (with first_k_dense_replace={k}) contradicts "
                              f"mlp_layer_types {hf['mlp_layer_types']}")
     else:
         mlp = rule
-    if get("num_expert_group", "n_group", default=1) != 1 or get("topk_group", default=1) != 1:
-        raise ValueError("config.json: grouped routing (num_expert_group > 1) is not supported by k3")
-    eos = get("eos_token_id")
-    return K3Config(
-        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=L, layer_types=types, mlp_types=mlp,
-        intermediate_size=get("intermediate_size"), rms_norm_eps=get("rms_norm_eps", default=1e-5),
-        max_position_embeddings=get("model_max_length", "max_position_embeddings", default=1_048_576),
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), activation="swiglu",
-        kda_num_heads=get("linear_num_heads", default=lin.get("num_heads", 32)),
-        kda_head_dim=get("linear_head_dim", default=lin.get("head_dim", 128)),
-        kda_conv_size=get("linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", 4)),
+    refuse_unsupported(f, types, nope_default=True)
+    return k3_config(
+        vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=types, mlp_types=mlp,
+        intermediate_size=f.get("intermediate_size"), rms_norm_eps=f.number("rms_norm_eps", default=1e-5),
+        max_position_embeddings=f.get("model_max_length", "max_position_embeddings", default=1_048_576),
+        tie_word_embeddings=f.flag("tie_word_embeddings", default=False), activation="swiglu",
+        kda_num_heads=f.get("linear_num_heads", default=lin.get("num_heads", default=32)),
+        kda_head_dim=f.get("linear_head_dim", default=lin.get("head_dim", default=128)),
+        kda_conv_size=f.get("linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", default=4)),
         kda_gate="unbounded", kda_output_gate="low_rank",
-        num_heads=get("num_attention_heads"), q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank"),
-        qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
-        v_head_dim=get("v_head_dim"), mla_output_gate=False,
-        num_experts=get("num_experts", "num_local_experts"),
-        num_experts_per_token=get("num_experts_per_token", "num_experts_per_tok"),
-        num_shared_experts=get("num_shared_experts", "n_shared_experts", default=1),
-        moe_intermediate_size=get("moe_intermediate_size"), moe_latent_size=None,
-        routed_scaling=float(get("routed_scaling_factor", default=1.0)),
-        moe_renormalize=bool(get("moe_renormalize", "norm_topk_prob", default=True)), attn_res_block_size=None,
-        bos_token_id=get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        pad_token_id=get("pad_token_id"),
+        num_heads=f.get("num_attention_heads"), q_lora_rank=f.get("q_lora_rank"), kv_lora_rank=f.get("kv_lora_rank"),
+        qk_nope_head_dim=f.get("qk_nope_head_dim"), qk_rope_head_dim=f.get("qk_rope_head_dim"),
+        v_head_dim=f.get("v_head_dim"), mla_output_gate=False,
+        num_experts=f.get("num_experts", "num_local_experts"),
+        num_experts_per_token=f.get("num_experts_per_token", "num_experts_per_tok"),
+        num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=1),
+        moe_intermediate_size=f.get("moe_intermediate_size"), moe_latent_size=None,
+        routed_scaling=float(f.number("routed_scaling_factor", default=1.0)),
+        moe_renormalize=f.flag("moe_renormalize", "norm_topk_prob", default=True), attn_res_block_size=None,
+        bos_token_id=f.get("bos_token_id"), eos_token_id=f.token_id("eos_token_id"), pad_token_id=f.get("pad_token_id"),
     )
+
+
+def _kinds(f: ConfigFields, name: str, kinds: dict[str, str]) -> list[str]:
+    """A per-layer list of transformers' names (layer_types, mlp_layer_types) in k3's words."""
+    v = f.get(name)
+    if not isinstance(v, list) or any(t not in kinds for t in v):
+        f.refuse(name, v, f"must be a list of {sorted(kinds)}")
+    return [kinds[t] for t in v]
 
 
 def config_to_hf(cfg: K3Config) -> dict:
@@ -151,9 +151,9 @@ def _hf_to_k3_tensors(reader: CheckpointReader, cfg: K3Config) -> Iterator[tuple
         moe = f"{p}.block_sparse_moe" if any(n.startswith(f"{p}.block_sparse_moe.") for n in names) else f"{p}.mlp"
         if cfg.mlp_types[i] == "moe":
             used.update({f"{moe}.gate.weight", f"{moe}.gate.e_score_correction_bias"})
-            yield f"{p}.mlp.gate.weight", reader.get(f"{moe}.gate.weight").float()
+            yield f"{p}.mlp.gate.weight", reader.get(f"{moe}.gate.weight")  # fp32: load_dtype
             if f"{moe}.gate.e_score_correction_bias" in reader.weight_map:
-                yield f"{p}.mlp.gate.bias", reader.get(f"{moe}.gate.e_score_correction_bias").float()
+                yield f"{p}.mlp.gate.bias", reader.get(f"{moe}.gate.e_score_correction_bias")
             E = cfg.num_experts
             if f"{moe}.experts.gate_up_proj" in reader.weight_map:
                 gu = reader.get(f"{moe}.experts.gate_up_proj")
@@ -188,7 +188,8 @@ def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path}: no config.json")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    dtype, device = check_dtype(dtype), check_device(device, meta=False)
+    cfg = config_from_hf(read_config_json(path))
     wants_vision(cfg, vision, f"{path}/config.json (Kimi Linear)")
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
@@ -198,6 +199,7 @@ def load_kimi_linear(path: str | Path, dtype: torch.dtype | None = None,
         if name not in expected:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         want = expected[name]
+        require_floating(name, t, str(path))
         if tuple(t.shape) != tuple(want.shape):
             raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)} != expected {tuple(want.shape)} "
                              f"(check heads x head_dim in config.json)")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from .checkpoint_reader import CheckpointReader
 from .config import K3Config
 from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
-from .loading import model_class, require_state
+from .loading import check_device, check_dtype, model_class, require_state
 from .model import K3ForCausalLM, load_dtype
 from .moe import require_all_experts
 from .multimodal import K3ForConditionalGeneration
@@ -50,6 +50,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     """A model directory written by save_model_dir; a ValueError names what is missing or off.
     `vision` as in k3.model.load (which calls this for a k3 model directory)."""
     root = Path(path)
+    dtype, device = check_dtype(dtype), check_device(device, meta=False)
     for name in (CONFIG, WEIGHTS):
         if not (root / name).is_file():
             raise ValueError(f"{root}: not a k3 model directory (no {name})")

@@ -35,10 +35,14 @@ BUNDLED_TOKENIZER = Path(__file__).with_name("data") / "tokenizer.json"
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer in a tokenizer.json file; a ValueError naming the file when it is not one."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"tokenizer file not found: {p}")
-    return Tokenizer.from_file(str(p))
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception, in serde's words only
+        raise ValueError(f"{p}: not a tokenizer file ({e})") from None
 
 
 def check_tokenizer_fits(tok: Tokenizer, cfg, where: str = "tokenizer") -> None:

@@ -128,6 +128,50 @@ def test_config_values_k3_cannot_honour_are_refused(tmp_path, field, value, matc
         load_k3(path, vision=False)
 
 
+def with_value(cfg: dict, keys: tuple[str, ...], value) -> dict:
+    """`cfg` with the field at a dotted path (from the top level) set to `value`."""
+    cfg = copy.deepcopy(cfg)
+    *parents, last = keys
+    node = cfg
+    for k in parents:
+        node = node[k]
+    node[last] = value
+    return cfg
+
+
+T = "text_config"
+
+
+@pytest.mark.parametrize("keys,value,match", [
+    ((T, "scoring_func"), "softmax", "text_config.scoring_func='softmax': k3's router is sigmoid"),
+    # JSON booleans only: bool("false") is True
+    ((T, "moe_renormalize"), "false", "text_config.moe_renormalize='false': must be true or false"),
+    ((T, "moe_renormalize"), 0, "text_config.moe_renormalize=0: must be true or false"),
+    ((T, "mla_use_output_gate"), "false", "text_config.mla_use_output_gate='false': must be true or false"),
+    ((T, "mla_use_nope"), "false", "text_config.mla_use_nope='false': must be true or false"),
+    ((T, "tie_word_embeddings"), "false", "text_config.tie_word_embeddings='false': must be true or false"),
+    ((T, "latent_moe_use_norm"), "true", "text_config.latent_moe_use_norm='true': must be true or false"),
+    ((T, "linear_attn_config", "use_full_rank_gate"), "false",
+     "text_config.linear_attn_config.use_full_rank_gate='false': must be true or false"),
+    # wrong types: were TypeError, IndexError, AttributeError or a float() error without the field
+    ((T, "eos_token_id"), [], r"text_config.eos_token_id=\[\]: must be a token id"),
+    ((T, "num_expert_group"), "8", "text_config.num_expert_group='8': must be an integer"),
+    ((T, "first_k_dense_replace"), "1", "text_config.first_k_dense_replace='1': must be an integer"),
+    ((T, "routed_scaling_factor"), "abc", "text_config.routed_scaling_factor='abc': must be a number"),
+    ((T, "activation_situ_beta"), "4", "text_config.activation_situ_beta='4': must be a number"),
+    ((T, "linear_attn_config"), [1], r"text_config.linear_attn_config=\[1\]: must be an object"),
+    ((T, "linear_attn_config", "gate_lower_bound"), "-5",
+     "text_config.linear_attn_config.gate_lower_bound='-5': must be a number"),
+    ((T, "linear_attn_config", "kda_layers"), "1,2",
+     "text_config.linear_attn_config.kda_layers='1,2': must be a list of integers"),
+    (("vision_config",), "x", "vision_config: must be an object"),
+    ((T, "vocab_size"), "256", "K3Config.vocab_size: must be an int"),
+])
+def test_config_fields_of_the_wrong_type_name_config_json_and_the_field(keys, value, match):
+    with pytest.raises(ValueError, match=f"config.json:? {match}"):
+        config_from_release(with_value(tiny_release_config(), keys, value))
+
+
 def test_a_null_gate_lower_bound_is_the_unbounded_gate():
     cfg = tiny_release_config()
     cfg["text_config"]["linear_attn_config"]["gate_lower_bound"] = None

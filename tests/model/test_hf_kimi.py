@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from k3.model import SamplingConfig, generate, get_preset, K3ForCausalLM
-from k3.model.hf_kimi import kimi_linear_torch_only
+from k3.model.hf_kimi import config_from_hf, kimi_linear_torch_only
 from k3.model.hf_kimi import load_kimi_linear, save_kimi_linear
 import k3.model
 
@@ -146,3 +147,51 @@ def test_k3_model_load_reads_kimi_linear(checkpoint):
         k3.model.load(path, vision=True)
     with pytest.raises(ValueError, match="ep_rank=2 must lie in"):
         k3.model.load(path, ep_rank=2, ep_size=2)
+
+
+RELEASED = Path(k3.model.__file__).parent / "data" / "kimi_linear_48b_a3b_config.json"
+
+
+@pytest.mark.parametrize("field,value,match", [
+    # features k3 cannot run: each would load and silently run something else
+    ("mla_use_nope", False, "mla_use_nope=False: k3's MLA is NoPE"),
+    ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax': k3's router is sigmoid"),
+    ("scoring_func", "softmax", "scoring_func='softmax': k3's router is sigmoid"),
+    ("topk_method", "greedy", "topk_method='greedy'"),
+    ("num_key_value_heads", 1, "num_key_value_heads=1"),
+    # JSON booleans only: bool("false") is True
+    ("moe_renormalize", "false", "moe_renormalize='false': must be true or false"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false': must be true or false"),
+    ("mla_use_nope", "false", "mla_use_nope='false': must be true or false"),
+    # wrong types: were TypeError, IndexError, AttributeError or a ValueError without the field
+    ("eos_token_id", [], r"eos_token_id=\[\]: must be a token id"),
+    ("num_expert_group", "8", "num_expert_group='8': must be an integer"),
+    ("first_k_dense_replace", "1", "first_k_dense_replace='1': must be an integer"),
+    ("routed_scaling_factor", "abc", "routed_scaling_factor='abc': must be a number"),
+    ("linear_attn_config", [1], r"linear_attn_config=\[1\]: must be an object"),
+    ("layer_types", ["linear_attention", "sliding_attention"], "layer_types=.*must be a list of"),
+    ("vocab_size", "4096", "K3Config.vocab_size: must be an int"),
+])
+def test_config_fields_k3_cannot_honour_are_refused_naming_the_field(field, value, match):
+    hf = json.loads(RELEASED.read_text()) | {field: value}
+    with pytest.raises(ValueError, match=f"config.json:? {match}"):
+        config_from_hf(hf)
+
+
+def test_several_end_tokens_stop_at_the_first():
+    hf = json.loads(RELEASED.read_text()) | {"eos_token_id": [163586, 163585]}
+    assert config_from_hf(hf).eos_token_id == 163586
+
+
+def test_a_weight_that_is_not_floating_point_is_named(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint
+    bad = tmp_path / "int"
+    bad.mkdir()
+    (bad / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].long()
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{bad}: model.embed_tokens.weight is stored as torch.int64"):
+        load_kimi_linear(bad)

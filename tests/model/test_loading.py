@@ -112,6 +112,7 @@ def test_vision_picks_the_class_the_same_way_for_every_layout(layout, tmp_path):
     (lambda d: d, "no config.json"),
     (lambda d: (d / "config.json").write_text("{not json") and d, "not JSON"),
     (lambda d: (d / "config.json").write_text("[1, 2]") and d, "not a JSON object"),
+    (lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00") and d, "config.json: not JSON .*utf-8"),
     (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama"})) and d, "model_type 'llama'"),
 ])
 def test_a_directory_k3_cannot_read_is_named(tmp_path, make, match):
@@ -170,6 +171,19 @@ def put_nan(p):
         torch.save(st, p)
 
 
+def to_int64(p):
+    """The first weight (safetensors: lm_head's) stored as int64: not a weight k3 can load."""
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file, save_file
+        st = load_file(str(p))
+        st["lm_head.weight"] = st["lm_head.weight"].long()
+        save_file(st, str(p))
+    else:
+        st = torch.load(p)
+        st[next(iter(st))] = st[next(iter(st))].long()
+        torch.save(st, p)
+
+
 def drop_first_key(p):
     st = torch.load(p)
     st.pop(next(iter(st)))
@@ -201,6 +215,8 @@ def add_code(p):
     ("training", "k3/shared.pt", put_nan, r"shared.pt: model.embed_tokens.weight: non-finite"),
     ("training", "k3/experts-ep0-of-2.pt", put_nan, r"experts-ep0-of-2.pt: model.layers.1.mlp.experts.\w+: non-finite"),
     ("training", "k3/shared.pt", drop_first_key, r"missing tensors \['model.embed_tokens.weight'\]"),
+    ("k3", "model.safetensors", to_int64, "model.safetensors: lm_head.weight is stored as torch.int64"),
+    ("training", "k3/shared.pt", to_int64, r"shared.pt .*: model.embed_tokens.weight is stored as torch.int64"),
 ])
 def test_damaged_checkpoint_is_a_value_error_naming_the_file(layout, file, damage, match, tmp_path):
     path = write(layout, k3.model.build(tiny(), seed=1), tmp_path / layout)
@@ -216,3 +232,55 @@ def test_config_that_does_not_match_the_weights_is_named(layout, tmp_path):
     cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"num_experts": 8, "num_experts_per_token": 2}))
     with pytest.raises(ValueError, match=r"mlp.gate.weight has shape \(16, 128\), the config makes \(8, 128\)"):
         k3.model.load(path)
+
+
+@pytest.mark.parametrize("layout", ["k3", "training"])
+def test_config_json_missing_fields_is_refused_naming_the_fields(layout, tmp_path):
+    """Missing fields are never the full K3's (situ_glu, eps 1e-5, bounded gate): logits would differ."""
+    cfg = tiny(activation="swiglu", kda_gate="unbounded", rms_norm_eps=1e-2)
+    path = write(layout, k3.model.build(cfg, seed=1), tmp_path / layout)
+    file = path / ("k3/config.json" if layout == "training" else "config.json")
+    d = json.loads(file.read_text())
+    for f in ("activation", "rms_norm_eps", "kda_gate"):
+        del d[f]
+    file.write_text(json.dumps(d))
+    match = f"{file}: K3Config: missing field\\(s\\) \\['activation', 'kda_gate', 'rms_norm_eps'\\]"
+    for read in (k3.model.load, k3.model.load_config):
+        with pytest.raises(ValueError, match=match):
+            read(path)
+
+
+def test_build_refuses_a_model_larger_than_memory_before_allocating():
+    with pytest.raises(ValueError, match=r"parameters take 1,0\d\d,\d\d\d.\d GiB, more than the .* GiB of cpu"):
+        k3.model.build(tiny(vocab_size=1 << 40))  # 1 PiB: it tried to allocate it
+    with pytest.raises(ValueError, match="cannot be allocated anywhere: .*overflow"):
+        k3.model.build(tiny(vocab_size=1 << 62))
+    on_meta = k3.model.build(tiny(vocab_size=1 << 40), device="meta")  # allocates nothing
+    assert on_meta.lm_head.weight.is_meta and on_meta.lm_head.weight.shape == (1 << 40, 128)
+
+
+NO_CUDA_DEVICE = f"cuda:{torch.cuda.device_count()}"  # one past the last, on any machine
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype=torch.int64), "dtype=torch.int64: must be a floating torch dtype"),
+    (dict(dtype="int64"), "dtype='int64': must be a floating"),
+    (dict(dtype="bf16"), "dtype='bf16': must be a floating"),
+    (dict(dtype=16), "dtype=16: must be a floating"),
+    (dict(device=NO_CUDA_DEVICE), f"device='{NO_CUDA_DEVICE}': this machine has"),
+    (dict(device="gpu"), "device='gpu' is not a device"),
+    (dict(device="meta"), "device='meta': .* no weights"),
+])
+def test_bad_load_arguments_are_named(kw, match, tmp_path):
+    path = save_model_dir(k3.model.build(tiny(), seed=1), tmp_path / "k3")
+    with pytest.raises(ValueError, match=match):
+        k3.model.load(path, **kw)
+
+
+def test_load_takes_a_dtype_by_name_and_build_checks_its_device(tmp_path):
+    path = save_model_dir(k3.model.build(tiny(), seed=1), tmp_path / "k3")
+    model = k3.model.load(path, dtype="bfloat16")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays fp32
+    with pytest.raises(ValueError, match=f"device='{NO_CUDA_DEVICE}'"):
+        k3.model.build(tiny(), device=NO_CUDA_DEVICE)

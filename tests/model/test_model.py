@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -155,6 +156,8 @@ def test_solving_router_bias_routes_each_layer_with_its_solve_before_the_next(mo
     (dict(kda_num_heads=0), "kda_num_heads"),
     (dict(layer_types=["kda"] * 7 + ["attention"]), "layer_types"),
     (dict(kda_chunk_size=40), "kda_chunk_size"),
+    (dict(kda_chunk_size=48), "kda_chunk_size"),
+    (dict(kda_chunk_size=1 << 20), "kda_chunk_size"),  # its forward asked for 35 TB
     (dict(activation="gelu"), "activation"),
     (dict(eos_token_id=5000), "eos_token_id"),
 ])
@@ -171,6 +174,10 @@ def test_inconsistent_configs_name_the_field(change, field):
     ("mla_norm_eps", 0), ("routed_scaling", float("nan")), ("routed_scaling", float("-inf")),
     ("initializer_range", float("nan")), ("situ_b1", "4"), ("situ_b2", float("inf")),
     ("kda_gate_lower_bound", "-5"), ("activation", None),
+    # finite, but NaN logits or meaningless: inf in fp32, or far past any model's value
+    ("situ_b1", 1e39), ("situ_b2", 3.5e38), ("situ_b2", 1e5), ("routed_scaling", 1e300), ("routed_scaling", 1e4),
+    ("kda_gate_lower_bound", -1e300), ("kda_gate_lower_bound", -89.0), ("rms_norm_eps", 1e300),
+    ("mla_norm_eps", 2.0), ("initializer_range", 1e30),
 ])
 def test_config_fields_of_the_wrong_type_or_range_name_the_field(field, value):
     d = get_preset("k3-tiny").to_dict() | {field: value}
@@ -207,3 +214,40 @@ def test_config_json_roundtrip(tmp_path):
         K3Config.from_dict(d)
     with pytest.raises(ValueError, match="preset"):
         get_preset("k4")
+
+
+def test_the_gate_floor_is_the_kernels():
+    from k3.kernels.kda import GATE_FLOOR
+    from k3.model.config import KDA_GATE_FLOOR
+
+    assert KDA_GATE_FLOOR == GATE_FLOOR
+
+
+def test_an_unknown_override_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['foo'\]"):
+        get_preset("k3-tiny", foo=1)
+    with pytest.raises(ValueError, match="bar"):
+        get_preset("k3-tiny").replace(bar=2)
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "k3-tiny-vl"])
+def test_a_config_json_missing_fields_is_refused_naming_file_and_fields(tmp_path, preset):
+    """A missing field would take the full K3's value (situ_glu, 1e-5, bounded): never filled in."""
+    d = get_preset(preset).to_dict()
+    for f in ("activation", "rms_norm_eps", "kda_gate"):
+        del d[f]
+    if preset == "k3-tiny-vl":
+        del d["vision_config"]["vt_rms_norm_eps"]
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    missing = ["activation", "kda_gate", "rms_norm_eps"] + (["vision_config.vt_rms_norm_eps"] if "vl" in preset else [])
+    with pytest.raises(ValueError, match=re.escape(f"{p}: K3Config: missing field(s) {missing}")):
+        K3Config.from_json(p)
+
+
+def test_a_text_only_config_json_may_leave_out_the_vision_fields(tmp_path):
+    c = get_preset("k3-tiny")
+    d = c.to_dict()
+    del d["vision_config"], d["media_placeholder_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert K3Config.from_json(tmp_path / "config.json") == c
