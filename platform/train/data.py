@@ -61,6 +61,14 @@ class Manifest:
         """Each shard's path (or URI, under a URI root)."""
         return [storage.join(str(root), s) for s in self.shards]
 
+    def rows_hash(self) -> str:
+        """A hash of what decides the rows (the input's fingerprint, the settings, the tokenizer,
+        the counts and the shards), not of where the directory is: a copy moved to a shared mount
+        or a bucket keeps it, a re-prepare from other input or settings does not. A checkpoint
+        keeps it, and `--resume` compares it (k3.platform.train.launch.check_resume)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "input"}
+        return blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
 
 def _files(root: Path, suffixes: set[str]) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
