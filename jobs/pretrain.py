@@ -19,10 +19,15 @@ import os
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from k3.model.config import PRESETS
 from k3.platform.balance import METHODS
 from k3.platform.ops.local_ray import init_local_ray
 from k3.platform.train.config import TrainConfig
+from k3.platform.train.data import read_manifest, read_tokenizer
+
+SAMPLE_PROMPT = "def "  # what the sample after training continues
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
@@ -101,6 +106,15 @@ try:
         if args.sample >= positions:  # the sample's prompt takes a position too
             raise ValueError(f"--sample {args.sample} is more tokens than the model's {positions} positions hold")
     data_info = cfg.check()
+    if args.sample:  # the prompt's tokens, in the data's tokenizer (the checkpoint keeps it), take positions too
+        run = cfg.located()
+        positions = run.model_cfg().max_position_embeddings
+        tok = Tokenizer.from_str(read_tokenizer(run.data, read_manifest(run.data)))
+        prompt = len(tok.encode(SAMPLE_PROMPT).ids)
+        if prompt + args.sample > positions:
+            raise ValueError(f"--sample {args.sample} + the sample prompt's {prompt} tokens ({SAMPLE_PROMPT!r}) = "
+                             f"{prompt + args.sample} is more than the model's {positions} positions hold: "
+                             f"--sample <= {positions - prompt}")
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration{f' (--config {args.config})' if args.config else ''}: {e}")
 sequences = cfg.micro_batch * cfg.num_workers // cfg.context_parallel
@@ -141,7 +155,7 @@ if args.sample:
     # the request a client would send for it (the completions API: prompt, max_tokens, temperature,
     # top_p, seed), ended at <|eos|> as a served model ends it; the summary keeps both, so the
     # served checkpoint can be asked the same and must answer the same text (jobs/demo.py does)
-    sample = {"prompt": "def ", "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
+    sample = {"prompt": SAMPLE_PROMPT, "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
     new = generate(model, [tok.encode(sample["prompt"]).ids],
                    SamplingConfig(**{k: v for k, v in sample.items() if k != "prompt"},
                                   stop_token_ids=(special_ids(tok)["eos"],)))[0]

@@ -135,3 +135,20 @@ def test_a_forward_longer_than_the_model_positions_is_refused_up_front(rows_of_6
 def test_a_forward_that_fits_the_positions_passes(rows_of_64, data, positions, change):
     TrainConfig(**{"data": str(rows_of_64 / data), "num_workers": 2, "micro_batch": 8, "balance": {"method": "none"},
                    "model_overrides": {"max_position_embeddings": positions}, **change}).check()
+
+
+def test_pretrain_counts_the_sample_prompt_before_training(rows_of_64, tmp_path):
+    """--sample 64 on a model of 65 positions: the prompt ("def ", 2+ tokens in this tokenizer) and
+    the sample do not fit; generate refused it after training, with a traceback and no summary."""
+    from k3.model.tokenizer import load_tokenizer
+
+    prompt = len(load_tokenizer(rows_of_64 / "plain" / "tokenizer.json").encode("def ").ids)
+    assert prompt >= 2
+    config = tmp_path / "train.json"
+    config.write_text('{"model_overrides": {"max_position_embeddings": 65}}')
+    out = pretrain("--config", str(config), "--data", str(rows_of_64 / "plain"), "--sample", "64",
+                   "--micro-batch", "1", "--num-workers", "1")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("pretrain: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"--sample 64 + the sample prompt's {prompt} tokens ('def ') = {64 + prompt} is more than the model's 65 " \
+           f"positions hold: --sample <= {65 - prompt}" in out.stderr, out.stderr
