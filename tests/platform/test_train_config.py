@@ -67,6 +67,27 @@ def test_pretrain_config_file_errors_name_the_file(tmp_path, content, match):
     assert re.search(match, out.stderr), out.stderr
 
 
+@pytest.mark.parametrize("args, config, lines", [
+    (["--context-parallel", "0"], None, ["pretrain: --context-parallel must be >= 1, got 0"]),
+    (["--context-parallel", "0", "--lr", "-1", "--name", "a/b"], None,
+     ["pretrain: --context-parallel must be >= 1, got 0", "pretrain: --lr must be > 0.0, got -1.0",
+      "pretrain: name (--name) must be one plain directory name under storage_path, got 'a/b'"]),
+    # a field the --config file set is named as its field, after the file
+    (["--steps", "3"], '{"steps": 0, "micro_batch": 0, "lr": 1e999, "foo": 1}',
+     ["pretrain: --config {config}: micro_batch must be >= 1, got 0",
+      "pretrain: --config {config}: lr must be a finite number, got inf",
+      "pretrain: --config {config}: foo is not a TrainConfig field, got 1"]),
+])
+def test_pretrain_names_each_bad_flag_in_one_line(tmp_path, args, config, lines):
+    if config is not None:
+        (tmp_path / "train.json").write_text(config)
+        args = [*args, "--config", str(tmp_path / "train.json")]
+    out = pretrain(*args)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    want = [line.format(config=tmp_path / "train.json") for line in lines]
+    assert sorted(out.stderr.strip().splitlines()) == sorted(want), out.stderr
+
+
 @pytest.mark.parametrize("name", ["", "../../x", "/tmp/x"])
 def test_pretrain_refuses_a_name_that_is_not_one_directory(name):
     out = pretrain("--name", name)
