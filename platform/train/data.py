@@ -8,7 +8,8 @@ that mixes them is refused) and not the output directory. Output directory:
     tokenizer.json
     shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
                                doc_starts, also `doc_start`: list<int8>, 1 where a document begins
-    manifest.json              tokenizer hash, input fingerprint, counts, shard list
+    manifest.json              tokenizer hash, input fingerprint, counts, shard list; dropped_tokens:
+                               the stream's tokens after its last whole row, left out
 
 Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifted labels).
 Documents follow each other in the rows, each ended by <eos>; `doc_start` (asked for with
@@ -56,6 +57,9 @@ class Manifest:
     num_sequences: int
     num_tokens: int
     shards: list[str]
+    # the stream's tokens after its last whole row (fewer than seq_len + 1), in no row; None in a
+    # manifest written before it was kept
+    dropped_tokens: int | None = None
 
     def shard_paths(self, root: str | Path) -> list[str]:
         """Each shard's path (or URI, under a URI root)."""
@@ -203,19 +207,24 @@ def _up_to_date(out: Path, fp: str, settings: dict) -> Manifest | None:
     return None
 
 
-def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> list[str]:
-    texts = list(iter_texts(kind, files))
-    if max_bytes is not None:
-        kept, total = [], 0
-        for t in texts:
-            if total >= max_bytes:
-                break
-            kept.append(t)
-            total += len(t.encode())
-        texts = kept
+def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> tuple[list[str], int]:
+    """(the input's documents, their UTF-8 bytes). With max_bytes, its first max_bytes bytes: the
+    document that crosses the budget is cut there (a character the cut would split is left out)
+    and the input after it is not read."""
+    texts, total = [], 0
+    for t in iter_texts(kind, files):
+        size = len(t.encode())
+        if max_bytes is not None and total + size > max_bytes:
+            t = t.encode()[:max_bytes - total].decode(errors="ignore")
+            if t:
+                texts.append(t)
+                total += len(t.encode())
+            break
+        texts.append(t)
+        total += size
     if not any(t.strip() for t in texts):
         raise ValueError(f"input {source!r} has no text")
-    return texts
+    return texts, total
 
 
 def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[list[int], list[int]]:
@@ -244,7 +253,8 @@ def _write_shards(stream: list[int], starts: list[int] | None, row: int, rows_pe
     `starts` is given); returns the file names."""
     n_rows = len(stream) // row
     if n_rows == 0:
-        raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
+        raise ValueError(f"the input's {len(stream):,} tokens are fewer than one row of seq_len + 1 = {row:,} "
+                         f"(--seq-len {row - 1}): pass --seq-len <= {len(stream) - 1}")
     shards = []
     for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
         rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
@@ -265,9 +275,12 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     prepare killed midway leaves the previous version as it was, and its rerun starts over.
     doc_starts: also write each row's `doc_start` column (see the module docstring)."""
     if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        raise ValueError(f"seq_len (--seq-len) must be >= 2, got {seq_len}")
     if rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+        raise ValueError(f"rows_per_shard (--rows-per-shard) must be >= 1, got {rows_per_shard}")
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes (--max-bytes) must be >= 1 (bytes of text to use; leave it out for all), got "
+                         f"{max_bytes}")
     out = Path(out_dir)
     _check_out(source, out)
     kind, files = resolve_input(source)
@@ -280,7 +293,15 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     current = _up_to_date(out, fp, settings)
     if current is not None:
         return current, False
-    texts = _read_texts(source, kind, files, max_bytes)
+    texts, n_bytes = _read_texts(source, kind, files, max_bytes)
+    # Before the tokenizer's training (minutes on a large input): a token holds at least one byte of
+    # text, and each document adds its <eos>, so the input gives at most n_bytes + documents tokens.
+    most = n_bytes + len(texts)
+    if seq_len + 1 > most:
+        raise ValueError(f"seq_len (--seq-len) {seq_len} needs rows of {seq_len + 1:,} tokens, but the input's "
+                         f"{n_bytes:,} bytes of text in {len(texts):,} documents give at most {most:,} (a token holds "
+                         f"at least one byte, and each document adds <eos>): pass --seq-len <= {most - 1}"
+                         f"{' or a larger --max-bytes' if max_bytes is not None else ''}")
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
     stream, starts = _token_stream(tok, texts, ids["eos"], progress)
@@ -291,6 +312,7 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
         n_rows = len(stream) // (seq_len + 1)
         m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",
                      tokenizer_hash=tokenizer_hash(tok), vocab_size=tok.get_vocab_size(), special_ids=ids,
-                     seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * (seq_len + 1), shards=shards)
+                     seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * (seq_len + 1), shards=shards,
+                     dropped_tokens=len(stream) - n_rows * (seq_len + 1))
         (stage / MANIFEST).write_text(json.dumps(asdict(m), indent=2) + "\n")
     return m, True
