@@ -30,6 +30,7 @@ from k3.platform.balance.config import BalanceConfig
 from k3.platform.balance.strategies import check_method
 
 from . import storage
+from .context_parallel import piece_problem
 from .data import read_manifest
 from .vision_data import read_vision_info
 
@@ -201,11 +202,8 @@ class TrainConfig(BaseModel):
         if self.num_workers % C:
             raise ValueError(f"context_parallel (--context-parallel) = {C} must divide num_workers (--num-workers) "
                              f"= {self.num_workers}")
-        if seq_len % C:
-            raise ValueError(f"context_parallel (--context-parallel) = {C} must divide the data's seq_len = {seq_len} "
-                             f"(prepare the data with a --seq-len that C divides)")
-        if C > 1 and seq_len // C < cfg.kda_conv_size - 1:
-            raise ValueError(f"context_parallel (--context-parallel) = {C} cuts seq_len {seq_len} into pieces shorter "
-                             f"than the KDA conv window ({cfg.kda_conv_size - 1} tokens)")
+        problem = piece_problem(C, seq_len, cfg.kda_conv_size)
+        if problem is not None:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} {problem} (the data's seq_len, --seq-len)")
         if C > 1 and cfg.vision_config is not None:
             raise ValueError(f"context_parallel (--context-parallel) = {C} runs text presets only, not {self.preset}")
