@@ -7,7 +7,8 @@ that mixes them is refused) and not the output directory. Output directory:
 
     tokenizer.json
     shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
-                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins
+                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins;
+                               rows_per_shard rows a shard, at most SHARD_TOKENS tokens' worth
     manifest.json              tokenizer hash, input fingerprint, counts, shard list; dropped_tokens:
                                the stream's tokens after its last whole row, left out
 
@@ -21,13 +22,13 @@ the manifest and does nothing. The directory is read from a path or a URI
 """
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import blake3
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -41,6 +42,9 @@ from .corpus import stdlib_corpus
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
 MANIFEST = "manifest.json"
 MEDIA_DIR = "media"  # k3.platform.train.vision_data writes the media set there
+# A shard holds at most this many tokens (64 MiB as int32), whatever --rows-per-shard asks
+# (shard_rows): at --seq-len 1,048,576 that is 15 rows a shard, at 256 the 1024 rows asked.
+SHARD_TOKENS = 1 << 24
 
 
 @dataclass
@@ -227,41 +231,55 @@ def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None
     return texts, total
 
 
-def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[list[int], list[int]]:
-    """The documents' tokens end to end, each ended by eos; and the offsets where each begins."""
-    stream: list[int] = []
-    starts: list[int] = []
+def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' tokens end to end, each ended by eos ([n] int32); and the offsets where each
+    begins ([documents] int64). In numpy, 4 bytes a token: as a Python list of ints the stream took
+    ~36, which at a long --seq-len's corpus is what bounds the machine."""
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    end = np.array([eos], dtype=np.int32)
     for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
         for enc in tok.encode_batch(texts[i:i + 256]):
-            starts.append(len(stream))
-            stream.extend(enc.ids)
-            stream.append(eos)
+            chunks += [np.asarray(enc.ids, dtype=np.int32), end]
+            lengths.append(len(enc.ids) + 1)
+    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) if lengths else np.zeros(0, np.int64)
     return stream, starts
 
 
-def _doc_start_rows(starts: list[int], first: int, n_rows: int, row: int) -> list[list[int]]:
-    """Rows [first, first + n_rows * row) of the stream as 0/1 flags: 1 where a document begins."""
-    flags = [0] * (n_rows * row)
-    for s in starts[bisect.bisect_left(starts, first):bisect.bisect_left(starts, first + n_rows * row)]:
-        flags[s - first] = 1
-    return [flags[r * row:(r + 1) * row] for r in range(n_rows)]
+def _doc_start_flags(starts: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Tokens [first, first + n) of the stream as 0/1 flags ([n] int8): 1 where a document begins."""
+    flags = np.zeros(n, dtype=np.int8)
+    lo, hi = np.searchsorted(starts, [first, first + n])
+    flags[starts[lo:hi] - first] = 1
+    return flags
 
 
-def _write_shards(stream: list[int], starts: list[int] | None, row: int, rows_per_shard: int, out: Path,
+def shard_rows(row: int, rows_per_shard: int) -> int:
+    """Rows a shard holds: rows_per_shard, but at most SHARD_TOKENS tokens' worth (and at least one
+    row), so a long --seq-len makes more, smaller shards rather than one of rows_per_shard x seq_len
+    tokens (1024 rows of 1M tokens: 4 GiB as int32, each built whole before it is written)."""
+    return max(1, min(rows_per_shard, SHARD_TOKENS // row))
+
+
+def _write_shards(stream: np.ndarray, starts: np.ndarray | None, row: int, rows_per_shard: int, out: Path,
                   progress: bool) -> list[str]:
-    """Rows of `row` tokens, `rows_per_shard` per Parquet file (with their doc_start flags when
-    `starts` is given); returns the file names."""
+    """Rows of `row` tokens, `shard_rows(row, rows_per_shard)` per Parquet file (with their doc_start
+    flags when `starts` is given); returns the file names. Each column is built from a slice of
+    the stream and one offsets array, not a Python list per row."""
     n_rows = len(stream) // row
     if n_rows == 0:
         raise ValueError(f"the input's {len(stream):,} tokens are fewer than one row of seq_len + 1 = {row:,} "
                          f"(--seq-len {row - 1}): pass --seq-len <= {len(stream) - 1}")
+    per_shard = shard_rows(row, rows_per_shard)
     shards = []
-    for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
-        rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
-        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
+    for s, start in enumerate(tqdm(range(0, n_rows, per_shard), desc="shards", disable=not progress)):
+        n = min(per_shard, n_rows - start)
+        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * row)
+        columns = {"tokens": pa.ListArray.from_arrays(offsets, pa.array(stream[start * row:(start + n) * row]))}
         if starts is not None:
-            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
-                                            type=pa.list_(pa.int8()))
+            columns["doc_start"] = pa.ListArray.from_arrays(offsets, pa.array(_doc_start_flags(starts, start * row,
+                                                                                               n * row)))
         shards.append(f"shard-{s:05d}.parquet")
         pq.write_table(pa.table(columns), out / shards[-1])
     return shards
@@ -305,6 +323,7 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
     stream, starts = _token_stream(tok, texts, ids["eos"], progress)
+    del texts  # the stream holds what the shards need
     with write_beside(out, stale=_is_shard) as stage:  # the old version's shards never outlive it
         shards = _write_shards(stream, starts if doc_starts else None, seq_len + 1, rows_per_shard, stage,
                                progress)

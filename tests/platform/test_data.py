@@ -130,6 +130,32 @@ def test_doc_starts_mark_the_first_token_of_every_document(tmp_path, seq_len):
     assert pq.read_table(plain.shard_paths(tmp_path / "plain")[0]).column_names == ["tokens"]
 
 
+def test_a_shard_holds_at_most_shard_tokens_whatever_rows_per_shard_asks(tmp_path, monkeypatch):
+    """At a long --seq-len a shard of --rows-per-shard rows was built whole as Python lists (~56
+    bytes a token: ~60 GB at 1024 rows of 1M tokens); shards now hold at most SHARD_TOKENS tokens
+    (here 100: three rows of 33 tokens), the rows and their flags as before."""
+    from k3.platform.train import data
+
+    monkeypatch.setattr(data, "SHARD_TOKENS", 100, raising=False)  # without the cap the sizes below fail
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i, n in enumerate([3, 40, 1, 17, 90]):
+        (src / f"d{i}.txt").write_text(f"document {i} says " + "words and more words " * n)
+    m, _ = prepare(str(src), tmp_path / "data", seq_len=32, doc_starts=True, **SETTINGS)  # rows_per_shard=16
+    tables = [pq.read_table(p) for p in m.shard_paths(tmp_path / "data")]
+    assert [t.num_rows for t in tables[:-1]] == [3] * (len(tables) - 1) and 1 <= tables[-1].num_rows <= 3
+    assert tables[0].schema.field("tokens").type == pa.list_(pa.int32())
+    assert tables[0].schema.field("doc_start").type == pa.list_(pa.int8())
+    stream = [t for table in tables for row in table.column("tokens").to_pylist() for t in row]
+    flags = [f for table in tables for row in table.column("doc_start").to_pylist() for f in row]
+    tok = load_tokenizer(tmp_path / "data" / "tokenizer.json")
+    texts = [f.read_text() for f in sorted(src.iterdir())]
+    want = [t for text in texts for t in [*tok.encode(text).ids, m.special_ids["eos"]]]
+    assert stream == want[:len(stream)] and len(stream) == m.num_tokens == len(want) - m.dropped_tokens
+    eos = m.special_ids["eos"]
+    assert flags == [int(p == 0 or stream[p - 1] == eos) for p in range(len(stream))]
+
+
 @pytest.mark.parametrize("column, type_name", [(pa.array([1, 2, 3]), "int64"), (pa.array([b"bytes"]), "binary"),
                                                (pa.array([["a", "b"]]), "list<")])
 def test_a_parquet_text_column_of_another_type_is_refused_naming_the_file_and_the_type(tmp_path, column, type_name):
