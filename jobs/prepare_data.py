@@ -23,8 +23,10 @@ p.add_argument("--input", default="bundled", help="corpus: 'bundled', a director
 p.add_argument("--out", default="data/bundled", help="output directory (shards, tokenizer, manifest)")
 p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (k3-tiny uses 4096)")
 p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
-p.add_argument("--rows-per-shard", type=int, default=1024, help="sequences per Parquet shard")
-p.add_argument("--max-bytes", type=int, default=None, help="use at most this many bytes of text")
+p.add_argument("--rows-per-shard", type=int, default=1024, help="sequences per Parquet shard, at most 16,777,216 "
+               "tokens' worth (a long --seq-len makes more, smaller shards: 15 rows a shard at --seq-len 1048576)")
+p.add_argument("--max-bytes", type=int, default=None, help="use the input's first this many bytes of text (UTF-8; "
+               "the document that crosses it is cut there, the rest is not read); default: all of it")
 p.add_argument("--doc-starts", action="store_true", help="also mark where each document starts in a row (column "
                "doc_start): training then resets the KDA state and masks MLA there; for long --seq-len (32768, 65536), "
                "where a row holds many documents")
@@ -38,8 +40,11 @@ try:
                               args.max_bytes, progress=not args.quiet, doc_starts=args.doc_starts)
 except ValueError as e:
     sys.exit(f"prepare_data: {e}")
+# the tokens after the last whole row are in no row: say how many (a long --seq-len can leave out most of a small input)
+left_out = "" if manifest.dropped_tokens is None else \
+    f"; the last {manifest.dropped_tokens:,} tokens, less than one row of {manifest.seq_len + 1:,}, are left out"
 print(("wrote" if wrote else "up to date:") + f" {manifest.num_sequences} sequences, {manifest.num_tokens:,} tokens, "
-      f"{len(manifest.shards)} shards in {args.out}", file=sys.stderr)
+      f"{len(manifest.shards)} shards in {args.out}{left_out}", file=sys.stderr)
 out = asdict(manifest)
 if args.vision:
     from k3.platform.train.vision_data import write_vision_set

@@ -19,10 +19,43 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+from tokenizers import Tokenizer
+
 from k3.model.config import PRESETS
 from k3.platform.balance import METHODS
 from k3.platform.ops.local_ray import init_local_ray
 from k3.platform.train.config import TrainConfig
+from k3.platform.train.data import read_manifest, read_tokenizer
+
+SAMPLE_PROMPT = "def "  # what the sample after training continues
+# pydantic's checks as a flag's help would say them (the rest: its message, "Input should" -> "must")
+BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+          "less_than": ("<", "lt")}
+
+
+def field_errors(e: ValidationError, flags: set[str], config: str | None) -> str:
+    """One line per bad field: `pretrain: --context-parallel must be >= 1, got 0` for a field a
+    flag set, `pretrain: --config FILE: steps must be ...` for one the --config file set (pydantic's
+    own text is several lines a field, naming the field and not the flag)."""
+    lines = []
+    for err in e.errors():
+        field = ".".join(map(str, err["loc"]))
+        where = f"--{field.replace('_', '-')}" if err["loc"][0] in flags else f"--config {config}: {field}"
+        if err["type"] == "value_error":  # a validator's own message names the field (and its flag)
+            what = str(err["ctx"]["error"])
+            lines.append(f"pretrain: {what}" if err["loc"][0] in flags else f"pretrain: --config {config}: {what}")
+            continue
+        if err["type"] in BOUNDS:
+            op, key = BOUNDS[err["type"]]
+            rule = f"must be {op} {err['ctx'][key]}"
+        elif err["type"] == "extra_forbidden":
+            rule = "is not a TrainConfig field"
+        else:
+            rule = err["msg"].replace("Input should be", "must be", 1)
+        lines.append(f"pretrain: {where} {rule}, got {err['input']!r}")
+    return "\n".join(lines)
+
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
@@ -81,26 +114,34 @@ if args.config:
     if not isinstance(fields, dict):
         sys.exit(f"pretrain: --config {args.config}: must be a JSON object of TrainConfig fields, "
                  f"got {type(fields).__name__}")
-for flag, key in [("preset", "preset"), ("init_from", "init_from"), ("data", "data"), ("num_workers", "num_workers"),
-                  ("ep_size", "ep_size"), ("context_parallel", "context_parallel"),
-                  ("zero_stage", "zero_stage"), ("micro_batch", "micro_batch"), ("steps", "steps"), ("lr", "lr"),
-                  ("optimizer", "optimizer"), ("activation_checkpointing", "activation_checkpointing"),
-                  ("checkpoint_every", "checkpoint_every"), ("log_every", "log_every"),
-                  ("storage_path", "storage_path"), ("name", "name"), ("resume", "resume"),
-                  ("max_failures", "max_failures"), ("seed", "seed"), ("use_gpu", "use_gpu"),
-                  ("fail_at_step", "fail_at_step"), ("media_micro_batch", "media_micro_batch"),
-                  ("text_every", "text_every")]:
-    if getattr(args, flag) is not None:
-        fields[key] = getattr(args, flag)
+flags = set()  # the TrainConfig fields set by a flag (each flag is its field's name: --num-workers, num_workers)
+for key in ["preset", "init_from", "data", "num_workers", "ep_size", "context_parallel", "zero_stage", "micro_batch",
+            "steps", "lr", "optimizer", "activation_checkpointing", "checkpoint_every", "log_every", "storage_path",
+            "name", "resume", "max_failures", "seed", "use_gpu", "fail_at_step", "media_micro_batch", "text_every"]:
+    if getattr(args, key) is not None:
+        fields[key] = getattr(args, key)
+        flags.add(key)
 if args.balance and isinstance(fields.get("balance", {}), dict):  # else TrainConfig names the bad balance
     fields["balance"] = {**fields.get("balance", {}), "method": args.balance}
 try:
     cfg = TrainConfig(**fields)
+except ValidationError as e:
+    sys.exit(field_errors(e, flags, args.config))
+try:
     if cfg.preset in PRESETS or cfg.init_from:
         positions = cfg.located().model_cfg().max_position_embeddings
         if args.sample >= positions:  # the sample's prompt takes a position too
             raise ValueError(f"--sample {args.sample} is more tokens than the model's {positions} positions hold")
     data_info = cfg.check()
+    if args.sample:  # the prompt's tokens, in the data's tokenizer (the checkpoint keeps it), take positions too
+        run = cfg.located()
+        positions = run.model_cfg().max_position_embeddings
+        tok = Tokenizer.from_str(read_tokenizer(run.data, read_manifest(run.data)))
+        prompt = len(tok.encode(SAMPLE_PROMPT).ids)
+        if prompt + args.sample > positions:
+            raise ValueError(f"--sample {args.sample} + the sample prompt's {prompt} tokens ({SAMPLE_PROMPT!r}) = "
+                             f"{prompt + args.sample} is more than the model's {positions} positions hold: "
+                             f"--sample <= {positions - prompt}")
 except ValueError as e:
     sys.exit(f"pretrain: invalid configuration{f' (--config {args.config})' if args.config else ''}: {e}")
 sequences = cfg.micro_batch * cfg.num_workers // cfg.context_parallel
@@ -141,7 +182,7 @@ if args.sample:
     # the request a client would send for it (the completions API: prompt, max_tokens, temperature,
     # top_p, seed), ended at <|eos|> as a served model ends it; the summary keeps both, so the
     # served checkpoint can be asked the same and must answer the same text (jobs/demo.py does)
-    sample = {"prompt": "def ", "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
+    sample = {"prompt": SAMPLE_PROMPT, "max_tokens": args.sample, "temperature": 0.8, "top_p": 0.95, "seed": cfg.seed}
     new = generate(model, [tok.encode(sample["prompt"]).ids],
                    SamplingConfig(**{k: v for k, v in sample.items() if k != "prompt"},
                                   stop_token_ids=(special_ids(tok)["eos"],)))[0]

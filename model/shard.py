@@ -24,6 +24,7 @@ first piece has no previous rows and no earlier states: zeros computed from the 
 from __future__ import annotations
 
 import bisect
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,9 +33,9 @@ import torch
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """rank: this process in the group; bounds: [world + 1] stream offsets, piece r =
+    """rank: this process in the group; bounds: [world + 1] stream offsets (ints), piece r =
     [bounds[r], bounds[r + 1]), each non-empty; cu_seqlens: [N + 1] documents over the whole
-    stream (None: one document); gather: x -> [world, *x.shape] in rank order, differentiable
+    stream (a 1-D integer tensor; None: one document); gather: x -> [world, *x.shape] in rank order, differentiable
     (its backward hands each process the gradient of its own x); every process calls it at the
     same points of the forward."""
 
@@ -45,6 +46,22 @@ class SequenceShard:
     _docs: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # offsets are whole tokens: a float bound or offset was truncated without a word, and an
+        # empty cu_seqlens failed with a bare IndexError
+        if not isinstance(self.rank, numbers.Integral) or isinstance(self.rank, bool):
+            raise ValueError(f"SequenceShard.rank must be an int, got {self.rank!r}")
+        if not isinstance(self.bounds, (tuple, list)) or \
+                not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in self.bounds):
+            raise ValueError(f"SequenceShard.bounds must be a tuple of ints, got {self.bounds!r}"[:200])
+        object.__setattr__(self, "bounds", tuple(int(x) for x in self.bounds))
+        object.__setattr__(self, "rank", int(self.rank))
+        cu = self.cu_seqlens
+        if cu is not None and not (isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2
+                                   and not cu.dtype.is_floating_point and not cu.dtype.is_complex
+                                   and cu.dtype != torch.bool):
+            what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"SequenceShard.cu_seqlens must be a 1-D integer tensor of >= 2 offsets (or None), got "
+                             f"{what}")
         b = self.bounds
         if len(b) < 2 or b[0] != 0 or any(e <= s for s, e in zip(b, b[1:])):
             raise ValueError(f"SequenceShard.bounds must rise strictly from 0, got {list(b)[:8]}")

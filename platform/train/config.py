@@ -8,7 +8,8 @@ registers the checkpoint only once all are persisted, so a half-written one is n
     k3/shared.pt                every non-expert parameter and buffer (rank 0)  (k3.model.training_checkpoint)
     k3/experts-ep{r}-of-{n}.pt  routed experts + their AdamW state of expert-parallel rank r,
                                 by full parameter name (loads with any ep_size)  (k3.model.training_checkpoint)
-    k3/state.pt                 step, losses so far, the balancing strategy's state
+    k3/state.pt                 step, losses so far, the balancing strategy's state, the run's
+                                TrainConfig and its data's rows hash (what --resume compares)
     k3/tokenizer.json           the tokenizer the data was made with
 
 `k3.model.load(checkpoint)` reads one as a single model.
@@ -29,6 +30,7 @@ from k3.platform.balance.config import BalanceConfig
 from k3.platform.balance.strategies import check_method
 
 from . import storage
+from .context_parallel import piece_problem
 from .data import read_manifest
 from .vision_data import read_vision_info
 
@@ -149,6 +151,7 @@ class TrainConfig(BaseModel):
         if m.vocab_size > mcfg.vocab_size:
             raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {mcfg.vocab_size}")
         self._check_context_parallel(mcfg, m.seq_len)
+        self._check_positions(mcfg, m.seq_len, bool(m.settings.get("doc_starts")))
         per_step = self.micro_batch * (self.num_workers // self.context_parallel)
         if per_step > m.num_sequences:
             raise ValueError(f"micro_batch x num_workers / context_parallel = {per_step} sequences per step, but the "
@@ -163,6 +166,35 @@ class TrainConfig(BaseModel):
                                  f"examples per step, but the media set has {info['counts']['train']['rows']}")
         return m
 
+    def _check_positions(self, cfg: K3Config, seq_len: int, doc_starts: bool) -> None:
+        """The tokens a worker's forward receives against the model's max_position_embeddings,
+        which the forward refuses to exceed (K3ForCausalLM._check). A row holds seq_len + 1 tokens
+        (the inputs and their shifted labels, Trainer.make_batch); a batch is [micro_batch, seq_len
+        + 1], or, with document starts in the data or context parallelism, its rows laid end to end
+        as one stream of micro_batch x (seq_len + 1) tokens, which every rank of a context-parallel
+        group receives whole (it computes its piece of it)."""
+        row, limit, mb = seq_len + 1, cfg.max_position_embeddings, self.micro_batch
+        packed = doc_starts or self.context_parallel > 1
+        tokens = mb * row if packed else row
+        if tokens <= limit:
+            return
+        if not packed:
+            raise ValueError(f"the data's seq_len {seq_len} (--seq-len) gives rows of {row} tokens (seq_len + 1: "
+                             f"inputs and shifted labels), more than the model's max_position_embeddings {limit}: "
+                             f"prepare the data with --seq-len <= {limit - 1}")
+        why = "the data has document starts" if doc_starts else f"context_parallel {self.context_parallel}"
+        fits = f"--seq-len <= {limit // mb - 1}" if limit // mb - 1 >= 2 else None
+        if mb == 1:
+            fix = f"prepare the data with --seq-len <= {limit - 1}"
+        elif seq_len + 1 <= limit:
+            fix = f"lower --micro-batch to {limit // row}" + (f", or prepare the data with {fits}" if fits else "")
+        else:
+            fix = f"prepare the data with --seq-len <= {limit - 1} and train with --micro-batch 1" + \
+                (f", or with {fits} at --micro-batch {mb}" if fits else "")
+        raise ValueError(f"micro_batch (--micro-batch) {mb} x (the data's seq_len {seq_len} (--seq-len) + 1) = {tokens} "
+                         f"tokens reach each worker's forward as one stream ({why}), more than the model's "
+                         f"max_position_embeddings {limit}: {fix}")
+
     def _check_context_parallel(self, cfg: K3Config, seq_len: int) -> None:
         """The layout rules of --context-parallel C: C divides the workers (ranks = DP x C) and the
         sequence (equal pieces), each piece reaches back one piece only (KDA's conv window)."""
@@ -170,11 +202,8 @@ class TrainConfig(BaseModel):
         if self.num_workers % C:
             raise ValueError(f"context_parallel (--context-parallel) = {C} must divide num_workers (--num-workers) "
                              f"= {self.num_workers}")
-        if seq_len % C:
-            raise ValueError(f"context_parallel (--context-parallel) = {C} must divide the data's seq_len = {seq_len} "
-                             f"(prepare the data with a --seq-len that C divides)")
-        if C > 1 and seq_len // C < cfg.kda_conv_size - 1:
-            raise ValueError(f"context_parallel (--context-parallel) = {C} cuts seq_len {seq_len} into pieces shorter "
-                             f"than the KDA conv window ({cfg.kda_conv_size - 1} tokens)")
+        problem = piece_problem(C, seq_len, cfg.kda_conv_size)
+        if problem is not None:
+            raise ValueError(f"context_parallel (--context-parallel) = {C} {problem} (the data's seq_len, --seq-len)")
         if C > 1 and cfg.vision_config is not None:
             raise ValueError(f"context_parallel (--context-parallel) = {C} runs text presets only, not {self.preset}")

@@ -41,6 +41,18 @@ def cp_groups(rank: int, world: int, cp_size: int) -> dist.ProcessGroup | None:
     return mine
 
 
+def piece_problem(cp_size: int, seq_len: int, conv_size: int) -> str | None:
+    """Why cp_size ranks cannot cut sequences of seq_len tokens into their pieces (None when they
+    can): the pieces are equal (C divides the sequence) and, for C > 1, each holds KDA's conv window
+    (conv_size - 1 tokens), which reaches back one piece only. The trainer's rule
+    (TrainConfig.check) and the planner's (`k3 plan`)."""
+    if seq_len % cp_size:
+        return f"must divide the sequence of {seq_len} tokens"
+    if cp_size > 1 and seq_len // cp_size < conv_size - 1:
+        return f"cuts the sequence of {seq_len} tokens into pieces shorter than the KDA conv window ({conv_size - 1} tokens)"
+    return None
+
+
 def stream_cu_seqlens(tokens: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
     """Documents of the stream tokens.reshape(-1) ([B, T] rows laid end to end): each row starts
     one, and so does every position doc_start [B, T] marks (1). Returns [N + 1] offsets."""

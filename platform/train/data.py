@@ -7,8 +7,10 @@ that mixes them is refused) and not the output directory. Output directory:
 
     tokenizer.json
     shard-00000.parquet ...    column `tokens`: list<int32> of seq_len + 1 tokens per row; with
-                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins
-    manifest.json              tokenizer hash, input fingerprint, counts, shard list
+                               doc_starts, also `doc_start`: list<int8>, 1 where a document begins;
+                               rows_per_shard rows a shard, at most SHARD_TOKENS tokens' worth
+    manifest.json              tokenizer hash, input fingerprint, counts, shard list; dropped_tokens:
+                               the stream's tokens after its last whole row, left out
 
 Rows hold seq_len + 1 tokens so a row is one training example (inputs and shifted labels).
 Documents follow each other in the rows, each ended by <eos>; `doc_start` (asked for with
@@ -20,13 +22,13 @@ the manifest and does nothing. The directory is read from a path or a URI
 """
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import blake3
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -40,6 +42,9 @@ from .corpus import stdlib_corpus
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".js", ".ts", ".go", ".rs", ".java"}
 MANIFEST = "manifest.json"
 MEDIA_DIR = "media"  # k3.platform.train.vision_data writes the media set there
+# A shard holds at most this many tokens (64 MiB as int32), whatever --rows-per-shard asks
+# (shard_rows): at --seq-len 1,048,576 that is 15 rows a shard, at 256 the 1024 rows asked.
+SHARD_TOKENS = 1 << 24
 
 
 @dataclass
@@ -56,10 +61,21 @@ class Manifest:
     num_sequences: int
     num_tokens: int
     shards: list[str]
+    # the stream's tokens after its last whole row (fewer than seq_len + 1), in no row; None in a
+    # manifest written before it was kept
+    dropped_tokens: int | None = None
 
     def shard_paths(self, root: str | Path) -> list[str]:
         """Each shard's path (or URI, under a URI root)."""
         return [storage.join(str(root), s) for s in self.shards]
+
+    def rows_hash(self) -> str:
+        """A hash of what decides the rows (the input's fingerprint, the settings, the tokenizer,
+        the counts and the shards), not of where the directory is: a copy moved to a shared mount
+        or a bucket keeps it, a re-prepare from other input or settings does not. A checkpoint
+        keeps it, and `--resume` compares it (k3.platform.train.launch.check_resume)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "input"}
+        return blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _files(root: Path, suffixes: set[str]) -> list[Path]:
@@ -195,55 +211,75 @@ def _up_to_date(out: Path, fp: str, settings: dict) -> Manifest | None:
     return None
 
 
-def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> list[str]:
-    texts = list(iter_texts(kind, files))
-    if max_bytes is not None:
-        kept, total = [], 0
-        for t in texts:
-            if total >= max_bytes:
-                break
-            kept.append(t)
-            total += len(t.encode())
-        texts = kept
+def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> tuple[list[str], int]:
+    """(the input's documents, their UTF-8 bytes). With max_bytes, its first max_bytes bytes: the
+    document that crosses the budget is cut there (a character the cut would split is left out)
+    and the input after it is not read."""
+    texts, total = [], 0
+    for t in iter_texts(kind, files):
+        size = len(t.encode())
+        if max_bytes is not None and total + size > max_bytes:
+            t = t.encode()[:max_bytes - total].decode(errors="ignore")
+            if t:
+                texts.append(t)
+                total += len(t.encode())
+            break
+        texts.append(t)
+        total += size
     if not any(t.strip() for t in texts):
         raise ValueError(f"input {source!r} has no text")
-    return texts
+    return texts, total
 
 
-def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[list[int], list[int]]:
-    """The documents' tokens end to end, each ended by eos; and the offsets where each begins."""
-    stream: list[int] = []
-    starts: list[int] = []
+def _token_stream(tok, texts: list[str], eos: int, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' tokens end to end, each ended by eos ([n] int32); and the offsets where each
+    begins ([documents] int64). In numpy, 4 bytes a token: as a Python list of ints the stream took
+    ~36, which at a long --seq-len's corpus is what bounds the machine."""
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    end = np.array([eos], dtype=np.int32)
     for i in tqdm(range(0, len(texts), 256), desc="tokenize", unit="batch", disable=not progress):
         for enc in tok.encode_batch(texts[i:i + 256]):
-            starts.append(len(stream))
-            stream.extend(enc.ids)
-            stream.append(eos)
+            chunks += [np.asarray(enc.ids, dtype=np.int32), end]
+            lengths.append(len(enc.ids) + 1)
+    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) if lengths else np.zeros(0, np.int64)
     return stream, starts
 
 
-def _doc_start_rows(starts: list[int], first: int, n_rows: int, row: int) -> list[list[int]]:
-    """Rows [first, first + n_rows * row) of the stream as 0/1 flags: 1 where a document begins."""
-    flags = [0] * (n_rows * row)
-    for s in starts[bisect.bisect_left(starts, first):bisect.bisect_left(starts, first + n_rows * row)]:
-        flags[s - first] = 1
-    return [flags[r * row:(r + 1) * row] for r in range(n_rows)]
+def _doc_start_flags(starts: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Tokens [first, first + n) of the stream as 0/1 flags ([n] int8): 1 where a document begins."""
+    flags = np.zeros(n, dtype=np.int8)
+    lo, hi = np.searchsorted(starts, [first, first + n])
+    flags[starts[lo:hi] - first] = 1
+    return flags
 
 
-def _write_shards(stream: list[int], starts: list[int] | None, row: int, rows_per_shard: int, out: Path,
+def shard_rows(row: int, rows_per_shard: int) -> int:
+    """Rows a shard holds: rows_per_shard, but at most SHARD_TOKENS tokens' worth (and at least one
+    row), so a long --seq-len makes more, smaller shards rather than one of rows_per_shard x seq_len
+    tokens (1024 rows of 1M tokens: 4 GiB as int32, each built whole before it is written)."""
+    return max(1, min(rows_per_shard, SHARD_TOKENS // row))
+
+
+def _write_shards(stream: np.ndarray, starts: np.ndarray | None, row: int, rows_per_shard: int, out: Path,
                   progress: bool) -> list[str]:
-    """Rows of `row` tokens, `rows_per_shard` per Parquet file (with their doc_start flags when
-    `starts` is given); returns the file names."""
+    """Rows of `row` tokens, `shard_rows(row, rows_per_shard)` per Parquet file (with their doc_start
+    flags when `starts` is given); returns the file names. Each column is built from a slice of
+    the stream and one offsets array, not a Python list per row."""
     n_rows = len(stream) // row
     if n_rows == 0:
-        raise ValueError(f"input has {len(stream)} tokens, fewer than one sequence of {row}")
+        raise ValueError(f"the input's {len(stream):,} tokens are fewer than one row of seq_len + 1 = {row:,} "
+                         f"(--seq-len {row - 1}): pass --seq-len <= {len(stream) - 1}")
+    per_shard = shard_rows(row, rows_per_shard)
     shards = []
-    for s, start in enumerate(tqdm(range(0, n_rows, rows_per_shard), desc="shards", disable=not progress)):
-        rows = [stream[(start + r) * row:(start + r + 1) * row] for r in range(min(rows_per_shard, n_rows - start))]
-        columns = {"tokens": pa.array(rows, type=pa.list_(pa.int32()))}
+    for s, start in enumerate(tqdm(range(0, n_rows, per_shard), desc="shards", disable=not progress)):
+        n = min(per_shard, n_rows - start)
+        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * row)
+        columns = {"tokens": pa.ListArray.from_arrays(offsets, pa.array(stream[start * row:(start + n) * row]))}
         if starts is not None:
-            columns["doc_start"] = pa.array(_doc_start_rows(starts, start * row, len(rows), row),
-                                            type=pa.list_(pa.int8()))
+            columns["doc_start"] = pa.ListArray.from_arrays(offsets, pa.array(_doc_start_flags(starts, start * row,
+                                                                                               n * row)))
         shards.append(f"shard-{s:05d}.parquet")
         pq.write_table(pa.table(columns), out / shards[-1])
     return shards
@@ -257,9 +293,12 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     prepare killed midway leaves the previous version as it was, and its rerun starts over.
     doc_starts: also write each row's `doc_start` column (see the module docstring)."""
     if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        raise ValueError(f"seq_len (--seq-len) must be >= 2, got {seq_len}")
     if rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+        raise ValueError(f"rows_per_shard (--rows-per-shard) must be >= 1, got {rows_per_shard}")
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes (--max-bytes) must be >= 1 (bytes of text to use; leave it out for all), got "
+                         f"{max_bytes}")
     out = Path(out_dir)
     _check_out(source, out)
     kind, files = resolve_input(source)
@@ -272,10 +311,19 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
     current = _up_to_date(out, fp, settings)
     if current is not None:
         return current, False
-    texts = _read_texts(source, kind, files, max_bytes)
+    texts, n_bytes = _read_texts(source, kind, files, max_bytes)
+    # Before the tokenizer's training (minutes on a large input): a token holds at least one byte of
+    # text, and each document adds its <eos>, so the input gives at most n_bytes + documents tokens.
+    most = n_bytes + len(texts)
+    if seq_len + 1 > most:
+        raise ValueError(f"seq_len (--seq-len) {seq_len} needs rows of {seq_len + 1:,} tokens, but the input's "
+                         f"{n_bytes:,} bytes of text in {len(texts):,} documents give at most {most:,} (a token holds "
+                         f"at least one byte, and each document adds <eos>): pass --seq-len <= {most - 1}"
+                         f"{' or a larger --max-bytes' if max_bytes is not None else ''}")
     tok = train_bpe(texts, vocab_size=vocab_size)
     ids = special_ids(tok)
     stream, starts = _token_stream(tok, texts, ids["eos"], progress)
+    del texts  # the stream holds what the shards need
     with write_beside(out, stale=_is_shard) as stage:  # the old version's shards never outlive it
         shards = _write_shards(stream, starts if doc_starts else None, seq_len + 1, rows_per_shard, stage,
                                progress)
@@ -283,6 +331,7 @@ def prepare(source: str, out_dir: str | Path, vocab_size: int = 4096, seq_len: i
         n_rows = len(stream) // (seq_len + 1)
         m = Manifest(version=1, input=source, input_fingerprint=fp, settings=settings, tokenizer="tokenizer.json",
                      tokenizer_hash=tokenizer_hash(tok), vocab_size=tok.get_vocab_size(), special_ids=ids,
-                     seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * (seq_len + 1), shards=shards)
+                     seq_len=seq_len, num_sequences=n_rows, num_tokens=n_rows * (seq_len + 1), shards=shards,
+                     dropped_tokens=len(stream) - n_rows * (seq_len + 1))
         (stage / MANIFEST).write_text(json.dumps(asdict(m), indent=2) + "\n")
     return m, True

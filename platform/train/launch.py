@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,8 +45,11 @@ def fit(cfg: TrainConfig) -> dict:
     cfg = cfg.located()
     cfg.check()
     run = storage.join(cfg.storage_path, cfg.name)
-    if not cfg.resume and registered_checkpoints(run):
+    found = registered_checkpoints(run)
+    if not cfg.resume and found:
         raise ValueError(f"run {run} already has checkpoints: pass resume=True (--resume) or a new name")
+    if found:  # Ray Train resumes from the latest: it must continue the data where the run stopped
+        check_resume(cfg, found[-1])
     check_every_node_sees_the_run(cfg, run)
     coordinator = start_coordinator(cfg, run)
     try:
@@ -66,6 +70,66 @@ def fit(cfg: TrainConfig) -> dict:
     finally:
         if coordinator is not None:
             ray.kill(coordinator, no_restart=True)
+
+
+# What a resumed run must keep, with its flag. The data position in a checkpoint is its step count:
+# each data-parallel group (num_workers / context_parallel ranks) reads one split of the rows
+# (data_splits) in batches of micro_batch shuffled from seed (worker.StepData), so with another
+# count of groups, micro batch or seed a resumed run would skip some rows and repeat others.
+# num_workers is kept whole as well: DeepSpeed's ZeRO optimizer state is cut in one part per
+# worker, and it refuses another count on load (inside every worker, after the start-up).
+RESUME_FIELDS = {"num_workers": "--num-workers", "context_parallel": "--context-parallel",
+                 "micro_batch": "--micro-batch", "seed": "--seed"}
+# multimodal presets: which steps are media steps, and each worker's draw of examples (MediaSchedule)
+MEDIA_RESUME_FIELDS = {"media_micro_batch": "--media-micro-batch", "text_every": "--text-every"}
+
+
+def check_resume(cfg: TrainConfig, checkpoint: str) -> None:
+    """Refuse to resume from `checkpoint` (the run's latest registered one) with a config that
+    would train other rows than the run would have, or whose workers could not load it: one
+    ValueError naming each changed flag with the checkpoint's value. A field the checkpoint's
+    config lacks was added to TrainConfig after it was written, when the run behaved as its default
+    does; a checkpoint without a rows hash (written before it was kept) is compared by its data
+    path instead."""
+    state = read_checkpoint_state(checkpoint)
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {checkpoint} holds no training config in k3/state.pt, so what data layout it "
+                         f"was trained with is unknown; start a new run from its weights with --init-from {checkpoint}")
+    fields = dict(RESUME_FIELDS)
+    if cfg.model_cfg().vision_config is not None:
+        fields |= MEDIA_RESUME_FIELDS
+    changed = []
+    for field, flag in fields.items():
+        was = saved.get(field, TrainConfig.model_fields[field].default)
+        if getattr(cfg, field) != was:
+            changed.append(f"{flag} {getattr(cfg, field)} (the checkpoint's: {was})")
+    if state.get("data_hash") is not None:
+        now = read_manifest(cfg.data).rows_hash()
+        if now != state["data_hash"]:
+            changed.append(f"--data {cfg.data} holds other rows (rows hash {now}, the checkpoint's: "
+                           f"{state['data_hash']}; prepared from other input or settings)")
+    elif saved.get("data") is not None and saved["data"] != cfg.data:
+        changed.append(f"--data {cfg.data} (the checkpoint's: {saved['data']}; it predates the rows hash, so its "
+                       f"path is compared)")
+    if changed:
+        raise ValueError(f"--resume from {checkpoint} (step {state['step']}) would skip or repeat data: "
+                         f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a new run from its "
+                         f"weights with --init-from {checkpoint} --name <new run>")
+
+
+def read_checkpoint_state(checkpoint: str) -> dict:
+    """k3/state.pt of a checkpoint (a path or URI), read as read_state reads it; ValueError naming
+    it when it is missing or unreadable."""
+    k3dir = storage.join(checkpoint, "k3")
+    if storage.node_path(k3dir) is not None:
+        return read_state(storage.node_path(k3dir))
+    with tempfile.TemporaryDirectory() as d:  # an object store: the one small file, not the checkpoint
+        try:
+            Path(d, "state.pt").write_bytes(storage.read_bytes(storage.join(k3dir, "state.pt")))
+        except OSError as e:
+            raise ValueError(f"{storage.join(k3dir, 'state.pt')}: cannot read it ({e})") from e
+        return read_state(d)
 
 
 def check_every_node_sees_the_run(cfg: TrainConfig, run: str) -> None:

@@ -145,7 +145,10 @@ class StepLog:
         # after a failure, or --resume), kept in the checkpoints and the run summary
         self.start_step, self.history, self.restored_at = start_step, history, restored_at
         self.metrics = TrainMetrics(enabled=self.rank == 0)
-        self.tokenizer_json = read_tokenizer(self.cfg.data, read_manifest(self.cfg.data)) if self.rank == 0 else None
+        manifest = read_manifest(self.cfg.data) if self.rank == 0 else None
+        self.tokenizer_json = read_tokenizer(self.cfg.data, manifest) if manifest is not None else None
+        # kept in each checkpoint: --resume refuses other rows (k3.platform.train.launch.check_resume)
+        self.data_hash = manifest.rows_hash() if manifest is not None else None
         self.checkpoint_step = start_step  # a resumed run starts from its last checkpoint
         if start_step > 0:
             self.metrics.count_restart()
@@ -200,7 +203,8 @@ class StepLog:
         directory of a worker killed before its report)."""
         t0 = time.perf_counter()
         tmp = stage_dir(Path(tempfile.gettempdir()) / f"k3-checkpoint-rank{self.rank}")
-        self.trainer.save(tmp, {"step": step + 1, "history": self.history, "restored_at": self.restored_at},
+        self.trainer.save(tmp, {"step": step + 1, "history": self.history, "restored_at": self.restored_at,
+                                "data_hash": self.data_hash},
                           tokenizer_json=self.tokenizer_json, midway=lambda: self.drill.at(step, "save"))
         report["checkpoint_s"] = time.perf_counter() - t0
         return tmp

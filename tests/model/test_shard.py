@@ -90,6 +90,22 @@ def test_bad_shards(kwargs, match):
         SequenceShard(kwargs["rank"], kwargs["bounds"], cu, _stacked(2))
 
 
+@pytest.mark.parametrize("rank, bounds, cu, match", [
+    # a float offset was truncated: documents [0, 4.7) and [4.7, 10) ran as [0, 4) and [4, 10)
+    (0, (0, 5, 10), torch.tensor([0.0, 4.7, 10.0]), r"cu_seqlens must be a 1-D integer tensor .*torch.float32"),
+    (0, (0, 5, 10), torch.tensor([], dtype=torch.long), r"cu_seqlens must be a 1-D integer tensor .*shape \(0,\)"),
+    (0, (0, 5, 10), torch.tensor([[0, 10]]), r"cu_seqlens must be a 1-D integer tensor .*shape \(1, 2\)"),
+    (0, (0, 5, 10), torch.tensor([True, True]), r"cu_seqlens must be a 1-D integer tensor .*torch.bool"),
+    (0, (0, 5, 10), [0, 10], r"cu_seqlens must be a 1-D integer tensor .*got list"),
+    (0, (0, 5.5, 10), None, r"bounds must be a tuple of ints, got \(0, 5.5, 10\)"),
+    (0, (0, True, 10), None, r"bounds must be a tuple of ints"),
+    (0.0, (0, 5, 10), None, r"rank must be an int, got 0.0"),
+])
+def test_shard_offsets_are_integers(rank, bounds, cu, match):
+    with pytest.raises(ValueError, match=match):
+        SequenceShard(rank, bounds, cu, _stacked(2))
+
+
 def test_bad_inputs_with_a_shard():
     model = k3.model.build(get_preset("k3-tiny", num_layers=1, layer_types=["kda"], mlp_types=["dense"]), seed=0)
     ids = torch.randint(0, 100, (1, 30))

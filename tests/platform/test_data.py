@@ -2,7 +2,9 @@
 input is a no-op and a changed one (even at the same size and mtime) is not, a prepare killed midway
 leaves the previous version whole (and no half-written manifest to trust), the rerun after the kill
 redoes the work, and bad input (a Parquet `text` column of other types, a directory of mixed kinds,
-an output inside the input) is refused in one line naming it."""
+an output inside the input) is refused in one line naming it; the tokens after the last whole row
+are counted and said, a --seq-len the input cannot fill is refused before the tokenizer is trained,
+and --max-bytes is a budget of bytes (cut there) that must be >= 1."""
 from __future__ import annotations
 
 import os
@@ -128,6 +130,32 @@ def test_doc_starts_mark_the_first_token_of_every_document(tmp_path, seq_len):
     assert pq.read_table(plain.shard_paths(tmp_path / "plain")[0]).column_names == ["tokens"]
 
 
+def test_a_shard_holds_at_most_shard_tokens_whatever_rows_per_shard_asks(tmp_path, monkeypatch):
+    """At a long --seq-len a shard of --rows-per-shard rows was built whole as Python lists (~56
+    bytes a token: ~60 GB at 1024 rows of 1M tokens); shards now hold at most SHARD_TOKENS tokens
+    (here 100: three rows of 33 tokens), the rows and their flags as before."""
+    from k3.platform.train import data
+
+    monkeypatch.setattr(data, "SHARD_TOKENS", 100, raising=False)  # without the cap the sizes below fail
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i, n in enumerate([3, 40, 1, 17, 90]):
+        (src / f"d{i}.txt").write_text(f"document {i} says " + "words and more words " * n)
+    m, _ = prepare(str(src), tmp_path / "data", seq_len=32, doc_starts=True, **SETTINGS)  # rows_per_shard=16
+    tables = [pq.read_table(p) for p in m.shard_paths(tmp_path / "data")]
+    assert [t.num_rows for t in tables[:-1]] == [3] * (len(tables) - 1) and 1 <= tables[-1].num_rows <= 3
+    assert tables[0].schema.field("tokens").type == pa.list_(pa.int32())
+    assert tables[0].schema.field("doc_start").type == pa.list_(pa.int8())
+    stream = [t for table in tables for row in table.column("tokens").to_pylist() for t in row]
+    flags = [f for table in tables for row in table.column("doc_start").to_pylist() for f in row]
+    tok = load_tokenizer(tmp_path / "data" / "tokenizer.json")
+    texts = [f.read_text() for f in sorted(src.iterdir())]
+    want = [t for text in texts for t in [*tok.encode(text).ids, m.special_ids["eos"]]]
+    assert stream == want[:len(stream)] and len(stream) == m.num_tokens == len(want) - m.dropped_tokens
+    eos = m.special_ids["eos"]
+    assert flags == [int(p == 0 or stream[p - 1] == eos) for p in range(len(stream))]
+
+
 @pytest.mark.parametrize("column, type_name", [(pa.array([1, 2, 3]), "int64"), (pa.array([b"bytes"]), "binary"),
                                                (pa.array([["a", "b"]]), "list<")])
 def test_a_parquet_text_column_of_another_type_is_refused_naming_the_file_and_the_type(tmp_path, column, type_name):
@@ -188,3 +216,57 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, bad_input):
                           "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.startswith("prepare_data: ") and run.stderr.count("\n") == 1 \
         and str(src) in run.stderr and not run.stdout, run.stderr[-2000:]
+
+
+def prepare_data(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "prepare_data.py"), "--quiet", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_tokens_after_the_last_whole_row_are_counted_and_said(tmp_path):
+    src = corpus(tmp_path)
+    run = prepare_data("--input", str(src), "--out", str(tmp_path / "data"), "--vocab-size", "300", "--seq-len", "500")
+    assert run.returncode == 0, run.stderr
+    m = assert_usable(tmp_path / "data")
+    tok = load_tokenizer(tmp_path / "data" / "tokenizer.json")
+    stream = sum(len(tok.encode(t).ids) + 1 for t in TEXTS)  # each document ends with <eos>
+    assert m.num_tokens == m.num_sequences * 501 and 0 < m.dropped_tokens == stream - m.num_tokens < 501
+    assert f"the last {m.dropped_tokens:,} tokens, less than one row of 501, are left out" in run.stderr, run.stderr
+
+
+def test_a_seq_len_the_input_cannot_fill_is_refused_before_the_tokenizer_is_trained(tmp_path, monkeypatch):
+    from k3.platform.train import data
+
+    monkeypatch.setattr(data, "train_bpe", lambda *a, **k: pytest.fail("the tokenizer was trained"))
+    n_bytes = sum(len(t.encode()) for t in TEXTS)
+    with pytest.raises(ValueError, match=rf"seq_len \(--seq-len\) 20000 needs rows of 20,001 tokens, but the input's "
+                                         rf"{n_bytes:,} bytes of text in 2 documents give at most {n_bytes + 2:,} .*"
+                                         rf"pass --seq-len <= {n_bytes + 1}$"):
+        prepare(str(corpus(tmp_path)), tmp_path / "data", seq_len=20_000, **SETTINGS)
+    run = prepare_data("--input", str(tmp_path / "corpus"), "--out", str(tmp_path / "data"), "--seq-len", "20000")
+    assert run.returncode == 1 and run.stderr.startswith("prepare_data: seq_len (--seq-len) 20000 needs rows") \
+        and run.stderr.count("\n") == 1, run.stderr
+
+
+@pytest.mark.parametrize("max_bytes", [0, -5])
+def test_max_bytes_below_one_is_refused_naming_the_flag(tmp_path, max_bytes):
+    with pytest.raises(ValueError, match=rf"max_bytes \(--max-bytes\) must be >= 1 .*got {max_bytes}"):
+        prepare(str(corpus(tmp_path)), tmp_path / "data", max_bytes=max_bytes, **SETTINGS)
+    run = prepare_data("--input", str(tmp_path / "corpus"), "--out", str(tmp_path / "data"), "--max-bytes",
+                       str(max_bytes))
+    assert run.returncode == 1 and run.stderr.startswith("prepare_data: max_bytes (--max-bytes) must be >= 1"), \
+        run.stderr
+
+
+@pytest.mark.parametrize("text, max_bytes, kept", [
+    (TEXTS[0], 100, 100),  # the first file was kept whole (9,000 bytes)
+    ("é" * 300, 101, 100),  # a character the cut would split is left out
+])
+def test_max_bytes_cuts_the_text_at_the_budget(tmp_path, text, max_bytes, kept):
+    # the input's byte count is in the refusal of a --seq-len it cannot fill
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text(text)
+    (src / "b.txt").write_text(TEXTS[1])
+    with pytest.raises(ValueError, match=f"the input's {kept} bytes of text in 1 documents give at most {kept + 1} "):
+        prepare(str(src), tmp_path / "data", seq_len=1000, max_bytes=max_bytes, **SETTINGS)

@@ -1,15 +1,18 @@
-"""The driver's restart of a run whose Ray Train controller died while it was being created."""
+"""The driver's restart of a run whose Ray Train controller died while it was being created, and
+its refusal to resume a run under a layout that would skip or repeat data."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+import torch
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from k3.platform.train import launch
 from k3.platform.train.config import TrainConfig
-from k3.platform.train.data import prepare
+from k3.platform.train.data import prepare, read_manifest
 
 
 def died(class_name: str = "TrainController", never_started: bool = True) -> ActorDiedError:
@@ -111,3 +114,70 @@ def test_workers_build_deepspeed_ops_where_the_driver_and_make_do(monkeypatch):
     assert launch.worker_env(TrainConfig())["TORCH_EXTENSIONS_DIR"] == "/somewhere/ops"
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     assert not [line for line in makefile.splitlines() if "TORCH_EXTENSIONS_DIR" in line and not line.startswith("#")]
+
+
+# -- resume: the data a checkpoint continues ------------------------------------------------------
+def write_checkpoint(root, cfg: TrainConfig, step: int = 4, data_hash: str | None = "of the data", **config) -> str:
+    """A checkpoint's k3/state.pt as the workers write it (StepLog.write_checkpoint's state, the
+    balancing state and the run's config added by Trainer.save). data_hash "of the data": the hash of
+    cfg.data's rows; None: a checkpoint from before it was kept. config: changes to the saved config
+    (a value of None drops the field, as in a checkpoint written before TrainConfig had it)."""
+    ckpt = root / f"checkpoint_{step}"
+    (ckpt / "k3").mkdir(parents=True)
+    saved = {k: v for k, v in {**cfg.model_dump(), **config}.items() if v is not None}
+    state = {"step": step, "history": [], "restored_at": [], "balance": None, "config": saved}
+    if data_hash is not None:
+        state["data_hash"] = read_manifest(cfg.data).rows_hash() if data_hash == "of the data" else data_hash
+    torch.save(state, ckpt / "k3" / "state.pt")
+    return str(ckpt)
+
+
+@pytest.mark.parametrize("saved, resumed, flags", [
+    # 2 workers C = 2 (one data-parallel group) resumed with C = 1 (two): the second group's rows would never train
+    (dict(context_parallel=2), dict(), ["--context-parallel 1 (the checkpoint's: 2)"]),
+    # the same data-parallel groups on fewer workers: DeepSpeed's optimizer partitions are per worker
+    (dict(num_workers=4, context_parallel=2), dict(),
+     ["--num-workers 2 (the checkpoint's: 4)", "--context-parallel 1 (the checkpoint's: 2)"]),
+    (dict(), dict(micro_batch=4), ["--micro-batch 4 (the checkpoint's: 2)"]),
+    (dict(), dict(seed=1), ["--seed 1 (the checkpoint's: 0)"]),
+])
+def test_resume_refuses_a_changed_data_layout_naming_each_flag(cfg, tmp_path, saved, resumed, flags):
+    cfg = cfg.located()
+    ckpt = write_checkpoint(tmp_path, cfg, **saved)
+    with pytest.raises(ValueError) as e:
+        launch.check_resume(cfg.model_copy(update=resumed), ckpt)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--resume from {ckpt} (step 4) would skip or repeat data: ")
+    assert msg.count("(the checkpoint's: ") == len(flags) and all(f in msg for f in flags), msg
+    assert f"Resume with the checkpoint's values, or start a new run from its weights with --init-from {ckpt}" in msg
+
+
+def test_resume_compares_the_rows_of_the_data_not_where_they_are(cfg, tmp_path):
+    cfg = cfg.located()
+    ckpt = write_checkpoint(tmp_path, cfg)
+    launch.check_resume(cfg, ckpt)  # the same layout and data
+    moved = shutil.copytree(cfg.data, tmp_path / "moved")  # copied to a shared mount: the same rows
+    launch.check_resume(cfg.model_copy(update={"data": str(moved)}), ckpt)
+    other = tmp_path / "other"  # prepared again with another --seq-len: other rows
+    prepare("bundled", other, vocab_size=4096, seq_len=32, rows_per_shard=64, max_bytes=200_000, progress=False)
+    with pytest.raises(ValueError, match=f"--data {other} holds other rows"):
+        launch.check_resume(cfg.model_copy(update={"data": str(other)}), ckpt)
+
+
+def test_resume_reads_a_checkpoint_from_before_the_rows_hash_and_context_parallelism(cfg, tmp_path):
+    # no rows hash: the data path is compared; no context_parallel in its config: it ran with C = 1
+    cfg = cfg.located()
+    ckpt = write_checkpoint(tmp_path, cfg, data_hash=None, context_parallel=None)
+    launch.check_resume(cfg, ckpt)
+    with pytest.raises(ValueError, match=r"--context-parallel 2 \(the checkpoint's: 1\)"):
+        launch.check_resume(cfg.model_copy(update={"context_parallel": 2, "num_workers": 2}), ckpt)
+    with pytest.raises(ValueError, match="it predates the rows hash, so its path is compared"):
+        launch.check_resume(cfg.model_copy(update={"data": str(tmp_path)}), ckpt)
+
+
+def test_fit_refuses_a_changed_layout_before_anything_starts(cfg, tmp_path, monkeypatch):
+    ckpt = write_checkpoint(tmp_path, cfg.located(), context_parallel=2)
+    monkeypatch.setattr(launch, "registered_checkpoints", lambda run: [ckpt])
+    monkeypatch.setattr(launch, "check_every_node_sees_the_run", lambda cfg, run: pytest.fail("started"))
+    with pytest.raises(ValueError, match=r"--context-parallel 1 \(the checkpoint's: 2\)"):
+        launch.fit(cfg.model_copy(update={"resume": True}))

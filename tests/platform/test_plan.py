@@ -171,3 +171,15 @@ def test_the_reach_keeps_the_latents_the_planner_counts():
 @pytest.mark.parametrize("n", [1, 7, 64, 360, 2**20, 999_983])
 def test_layouts_enumerate_the_divisors(n):
     assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.parametrize("context, gpus, cps", [
+    (1, 1, {1}),  # no context parallelism: any context (every --context below 64 was refused, blaming CP)
+    (63, 1, {1}),
+    (4, 4, {1}),  # CP 2 and 4 would leave shards shorter than KDA's conv window (3 tokens): the trainer refuses
+    (6, 4, {1, 2}),  # CP 4 does not divide 6
+    (96, 8, {1, 2, 4, 8}),  # shards of 12 tokens: less than a KDA chunk, which the trainer runs
+])
+def test_plan_considers_the_context_parallel_sizes_the_trainer_takes(context, gpus, cps):
+    plan = make_plan(get_preset("k3-tiny"), "k3-tiny", context, gpus, "h100")
+    assert {p.layout.cp for p in plan.considered} == cps and plan.train is not None

@@ -112,7 +112,7 @@ def test_bad_configs_fail_before_any_worker_starts(data_dir, tmp_path):
         (dict(fail_at_step=2, fail_in="save"), "fail_in='save' needs a checkpoint at the end of step 2"),
         # context parallelism: C divides the workers and the sequence, pieces hold a conv window
         (dict(context_parallel=3), r"context_parallel \(--context-parallel\) = 3 must divide num_workers"),
-        (dict(context_parallel=3, num_workers=3), r"\(--context-parallel\) = 3 must divide the data's seq_len = 64"),
+        (dict(context_parallel=3, num_workers=3), r"\(--context-parallel\) = 3 must divide the sequence of 64 tokens \(the data's seq_len"),
         (dict(context_parallel=32, num_workers=32), "pieces shorter than the KDA conv window"),
         (dict(context_parallel=2, preset="k3-tiny-vl"), "text presets only"),
     ]

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 from k3.model.config import K3Config
 
+from k3.platform.train.context_parallel import piece_problem
+
 from . import activations as act
 from .hardware import GPU
 
@@ -252,12 +254,13 @@ def plan_layout(s: TrainSetup, layout: Layout, utilisation: float) -> TrainPlan:
 
 def layouts(s: TrainSetup, gpus: int, dp: int | None = None, cp: int | None = None,
             ep: int | None = None) -> list[Layout]:
-    """Every DP x CP = gpus with CP cutting the context into shards of at least one KDA chunk, and
-    EP dividing both the world and the expert count; optionally pinned to the given values."""
+    """Every DP x CP = gpus with CP cutting the context as the trainer does (piece_problem: CP divides
+    it and, above 1, leaves each shard KDA's conv window), and EP dividing both the world and the
+    expert count; optionally pinned to the given values."""
     out = []
     ways = divisors(gpus)
     for c in ways:
-        if s.context % c or s.context // c < s.cfg.kda_chunk_size or (cp is not None and c != cp):
+        if piece_problem(c, s.context, s.cfg.kda_conv_size) is not None or (cp is not None and c != cp):
             continue
         d = gpus // c
         if dp is not None and d != dp:
@@ -280,8 +283,9 @@ def best_plan(s: TrainSetup, gpus: int, utilisation: float, **pinned: int | None
     plans = [plan_layout(s, l, utilisation) for l in layouts(s, gpus, **pinned)]
     if not plans:
         raise ValueError(f"no DP x CP x EP layout of {gpus} GPUs matches {pinned_text(pinned)} (CP must divide the "
-                         f"context {s.context} into shards of >= {s.cfg.kda_chunk_size} tokens, EP must divide "
-                         f"{gpus} and the {s.cfg.num_experts} experts)")
+                         f"context {s.context} and, above 1, cut it into shards of >= {s.cfg.kda_conv_size - 1} tokens, "
+                         f"the KDA conv window, as the trainer does; EP must divide {gpus} and the "
+                         f"{s.cfg.num_experts} experts)")
     plans.sort(key=lambda p: (not p.fits, p.seconds_per_sequence if p.fits else p.total_bytes))
     return (plans[0] if plans[0].fits else None), plans
 
