@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import fail
+from ..dispatch import eager, fail
 from .reference import naive_grouped_mm
 
 __all__ = ["grouped_mm", "naive_grouped_mm"]
@@ -88,8 +88,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """x [M, K] rows sorted by group; w [G, K, N] (any strides); offs [G] int32, the cumulative
     group sizes (offs[-1] == M; group g is rows offs[g-1]:offs[g]) -> [M, N] in x's dtype.
 
-    offs is trusted as built by its callers (a cumsum of counts): reading it back to check would
-    cost a host sync per call. Differentiable in x and w.
+    offs must rise from >= 0 to M: the native op leaves rows past offs[-1] uninitialised and
+    reads rows past M. Its values are checked where that costs no device sync (CPU, eager);
+    on a GPU or in a traced graph offs is trusted as built by its callers (a cumsum of counts).
+    Differentiable in x and w.
     """
     for name, t in (("x", x), ("w", w), ("offs", offs)):
         if not isinstance(t, torch.Tensor):
@@ -103,8 +105,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     for name, t in (("w", w), ("offs", offs)):
         if t.device != x.device:
             fail("grouped_mm", name, f"is on {t.device} but x is on {x.device}")
+    if offs.device.type == "cpu" and type(offs) is torch.Tensor and eager():
+        _check_offs(offs, x.shape[0])
     x = x.contiguous()
     if type(x) is type(w) is torch.Tensor and not torch.compiler.is_dynamo_compiling() and \
             not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return _forward(x, w, offs)  # eager, nothing to record or trace: the op's dispatch costs ~40 us
     return _grouped_mm(x, w, offs)
+
+
+def _check_offs(offs: torch.Tensor, M: int) -> None:
+    """offs [G] on the CPU rises from >= 0 to M. Read as a list and compared in C (a few us beside
+    the native call; numpy's and torch's small ops cost 10-20)."""
+    o = offs.tolist()
+    bad = o[0] < 0 or o[-1] != M or o != sorted(o) if o else M != 0  # no groups: no rows
+    if bad:
+        fail("grouped_mm", "offs", f"must rise from >= 0 to M={M} (cumulative group sizes), got "
+                                   f"{o[:8]}{'...' if len(o) > 8 else ''}")

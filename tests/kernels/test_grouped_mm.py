@@ -74,3 +74,18 @@ def test_backward_compiles_in_fp32():
 def test_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
         grouped_mm(*args)
+
+
+@pytest.mark.parametrize("offs", [[4, 2], [2, 4], [2, 9], [-3, 6], [0, 0], []])
+def test_offs_that_do_not_rise_from_zero_to_m_are_refused(offs):
+    # the native op left rows past offs[-1] uninitialised and read rows past M: garbage, no error
+    with pytest.raises(ValueError, match=r"grouped_mm: offs must rise from >= 0 to M=6"):
+        grouped_mm(torch.randn(6, 4), torch.randn(len(offs), 4, 8), torch.tensor(offs, dtype=torch.int32))
+
+
+def test_offs_are_not_read_back_inside_a_compiled_graph():
+    # a traced graph cannot read offs: the check is eager-only, and the graph still computes
+    x, w, offs = inputs([2, 0, 3], seed=5)
+    fn = torch.compile(lambda a, b, o: grouped_mm(a, b, o), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(fn(x, w, offs), grouped_mm(x, w, offs))
