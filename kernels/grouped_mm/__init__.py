@@ -1,7 +1,7 @@
 """Grouped matmul: the rows of x, sorted by group, each group times its own matrix (MoE experts).
 
 `grouped_mm(x, w, offs)` runs every group in one call, with no host sync and no padding:
-`torch._grouped_mm` where this build has it for the dtype and device (CPU: every float dtype;
+`torch._grouped_mm` where this build has it for the dtype and device (CPU: fp32, bf16 and fp16;
 CUDA: bf16) and the layout suits it (strides of 16 bytes), otherwise the per-group loop of the
 readable reference `naive_grouped_mm` (same signature). It is registered as the custom op
 `k3::grouped_mm`, so `torch.compile` keeps it as one opaque call (the fake-tensor rule of
@@ -28,10 +28,16 @@ def _aligned(t: torch.Tensor) -> bool:
     return lead is not None and lead % step == 0 and (not t.is_cuda or t.data_ptr() % 16 == 0)
 
 
+# The dtypes torch._grouped_mm takes on CPU (torch 2.13: "Expected mat_a to be Float32, BFloat16 or
+# Float16"); fp64 and the rest run the reference loop.
+CPU_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _native(*ts: torch.Tensor) -> bool:
     x = ts[0]
-    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or (x.is_cuda and x.dtype == torch.bfloat16)) \
-        and all(_aligned(t) for t in ts)
+    return hasattr(torch, "_grouped_mm") and (
+        (x.device.type == "cpu" and x.dtype in CPU_NATIVE_DTYPES) or (x.is_cuda and x.dtype == torch.bfloat16)
+    ) and all(_aligned(t) for t in ts)
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

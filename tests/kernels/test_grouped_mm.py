@@ -89,3 +89,15 @@ def test_offs_are_not_read_back_inside_a_compiled_graph():
     fn = torch.compile(lambda a, b, o: grouped_mm(a, b, o), fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(fn(x, w, offs), grouped_mm(x, w, offs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(37, 19), (40, 24)])
+def test_every_float_dtype_runs_on_cpu(dtype, K, N):
+    # torch._grouped_mm takes fp32, bf16 and fp16 on CPU: fp64 failed inside it
+    x, w, offs = inputs([3, 0, 5], K, N, dtype=dtype, seed=6)
+    got, want = grads(grouped_mm, x, w, offs, False), grads(naive_grouped_mm, x, w, offs, False)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == dtype
+        assert_close(name, a.double(), b.double(), tol)
