@@ -81,7 +81,7 @@ def chunk_kda(
         initial_state: [N, H, K, V] (fp32), N = B, or the number of packed sequences.
         output_final_state: also return the final state [N, H, K, V] fp32.
         cu_seqlens: [N + 1] offsets when the batch is packed (B == 1).
-        chunk_size: a multiple of 16, or at most 16 (Triton: 16, 32 or 64, else 64).
+        chunk_size: a multiple of 16 up to 256, or at most 16 (Triton: 16, 32 or 64, else 64).
         lower_bound: g >= lower_bound is guaranteed (K3's bounded gate); faster, same result.
         backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
         states_at: {sequence: [token offsets in (0, its length]]} (inference only): also the

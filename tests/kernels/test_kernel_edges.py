@@ -125,3 +125,16 @@ def test_kda_step_checks_the_gate(bad):
         kda_step(torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, H, V), g, torch.rand(N, H), pool,
                  torch.tensor([0, 1]))
     assert torch.equal(pool, torch.zeros(4, H, K, V))
+
+
+@pytest.mark.parametrize("chunk_size", [1 << 20, 272, 1024])
+def test_chunk_kda_chunk_size_past_the_bound(chunk_size):
+    # 2**20 at T=5 allocated [H, C, C] tiles: 17 TB asked for, no error
+    with pytest.raises(ValueError, match=r"kda: chunk_size must be .* at most 256"):
+        chunk_kda(*_kda(T=5), chunk_size=chunk_size)
+
+
+def test_chunk_kda_chunk_size_at_the_bound_runs():
+    xs = _kda(T=5)
+    assert _rel(chunk_kda(*xs, chunk_size=256).o, naive_recurrent_kda(*xs).o) < 1e-5
+
