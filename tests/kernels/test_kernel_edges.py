@@ -159,3 +159,16 @@ def test_kda_scale_none_is_the_default_and_numbers_or_0d_tensors_are_taken(scale
     q, k, v, g, beta = _kda()
     want = naive_recurrent_kda(q, k, v, g, beta, scale=scale if scale is not None else 8 ** -0.5).o
     assert _rel(chunk_kda(q, k, v, g, beta, scale=scale).o, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunk_kda_is_differentiable_once_and_says_so(backend):
+    # create_graph=True gave exact first gradients, then a second backward failed inside the
+    # hand-written one ("modified by an inplace operation") or, on Triton, had nothing to follow
+    xs = [x.requires_grad_() for x in _kda(T=5)]
+    o = chunk_kda(*xs, backend=backend).o
+    first = torch.autograd.grad(o.square().sum(), xs, create_graph=True)
+    want = torch.autograd.grad(chunk_kda(*xs, backend=backend).o.square().sum(), xs)
+    assert all(torch.equal(a, b) for a, b in zip(first, want))
+    with pytest.raises(RuntimeError, match="differentiate twice .*@once_differentiable"):
+        first[0].sum().backward()

@@ -74,3 +74,13 @@ def test_traced_by_torch_compile_one_graph_serves_every_batch():
     for rows in (3, 5, 9):
         check_situ(fn, *situ_inputs((rows, 40), seed=rows))
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_differentiable_once_and_says_so(backend):
+    # a second backward through the blocked one failed with "modified by an inplace operation"
+    gate, up = (torch.randn(5, generator=torch.Generator().manual_seed(s)).requires_grad_() for s in (0, 1))
+    (dgate,) = torch.autograd.grad(situ_glu(gate, up, backend=backend).square().sum(), gate, create_graph=True)
+    assert torch.equal(dgate, torch.autograd.grad(situ_glu(gate, up, backend=backend).square().sum(), gate)[0])
+    with pytest.raises(RuntimeError, match="differentiate twice .*@once_differentiable"):
+        dgate.sum().backward()
