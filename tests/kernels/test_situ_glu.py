@@ -84,3 +84,21 @@ def test_differentiable_once_and_says_so(backend):
     assert torch.equal(dgate, torch.autograd.grad(situ_glu(gate, up, backend=backend).square().sum(), gate)[0])
     with pytest.raises(RuntimeError, match="differentiate twice .*@once_differentiable"):
         dgate.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("b1,b2,name", [
+    (3.5e38, 25.0, "b1"),  # finite in Python, inf in the fp32 math: NaN out
+    (1e39, 25.0, "b1"),
+    (4.0, 1e-46, "b2"),  # 0 in fp32: u / 0 = NaN at u = 0
+    (1e20, 1e20, r"b1 \* b2"),  # the output's bound past fp32: inf out
+])
+def test_bounds_whose_use_overflows_fp32_name_the_argument(backend, b1, b2, name):
+    with pytest.raises(ValueError, match=f"situ_glu: {name} "):
+        situ_glu(torch.tensor([0.0, 1e30]), torch.tensor([0.0, 1e30]), b1=b1, b2=b2, backend=backend)
+
+
+def test_bounds_at_the_edge_of_fp32_still_run():
+    g = torch.linspace(-50, 50, 101)
+    assert torch.isfinite(situ_glu(g, g, b1=1e19, b2=1e19)).all()
+    assert torch.equal(situ_glu(g, g, b1=1e19, b2=1e19), naive_situ_glu(g, g, b1=1e19, b2=1e19))
