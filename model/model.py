@@ -269,12 +269,14 @@ class K3ForCausalLM(nn.Module):
     ) -> CausalLMOutput:
         """input_ids [B, T] (or [1, T] packed with cu_seqlens [N + 1]).
 
-        labels: same shape as input_ids; position t is trained to predict labels[t + 1]
-        (-100 ignored; with packing, never across a sequence boundary).
-        logits_at: flat token indices to compute logits for (e.g. each sequence's last token);
-        default all (training passes none: the loss needs no [T, vocab] logits).
-        inputs_embeds: [B, T, hidden] embeddings to run instead of embedding input_ids (which
-        still give the shape and the packing checks).
+        labels: same shape as input_ids, int32 or int64; position t is trained to predict
+        labels[t + 1] (-100 ignored; with packing, never across a sequence boundary). Labels
+        that leave no target are a ValueError (the mean over none would be NaN).
+        logits_at: a 1-D int tensor of flat token indices in [0, tokens) to compute logits for
+        (e.g. each sequence's last token); default all (training passes an empty one: the loss
+        needs no [T, vocab] logits).
+        inputs_embeds: [B, T, hidden] embeddings in the model's dtype to run instead of embedding
+        input_ids (which still give the shape and the packing checks).
         shard: this process's piece of a stream split over a group (context parallelism,
         model/shard.py): input_ids and labels are the whole stream [1, total] (its documents are
         the shard's, so no cu_seqlens), the outputs are the piece's, and the loss is the piece's
