@@ -31,6 +31,7 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 
 FP32 = torch.finfo(torch.float32)
+FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below it a bound is 0 there
 
 
 def _check_bounds(b1, b2) -> None:
@@ -39,9 +40,10 @@ def _check_bounds(b1, b2) -> None:
         if isinstance(b, bool) or not isinstance(b, Real) or not (math.isfinite(b) and b > 0):
             fail("situ_glu", name, f"must be a finite number > 0, got {b!r}")
         # The math is fp32: a bound past its range is inf there (3.5e38 gave NaN), one below its
-        # smallest normal number is 0 or loses its digits.
-        if not FP32.tiny <= b <= FP32.max:
-            fail("situ_glu", name, f"must be within fp32's normal range [{FP32.tiny:.4g}, {FP32.max:.4g}], got {b!r}")
+        # smallest positive value is 0 (x / 0 = NaN at x = 0).
+        if not FP32_SMALLEST <= b <= FP32.max:
+            fail("situ_glu", name, f"must be within fp32's positive range [{FP32_SMALLEST:.4g}, {FP32.max:.4g}], "
+                                   f"got {b!r}")
     if b1 * b2 > FP32.max:  # |h| < b1 b2, and the gradients reach about b1 b2 / 4: both must stay finite
         fail("situ_glu", "b1 * b2", f"(the output's bound) must be <= fp32's max {FP32.max:.4g}, got {b1 * b2:.4g}")
 

@@ -98,7 +98,8 @@ def test_bounds_whose_use_overflows_fp32_name_the_argument(backend, b1, b2, name
         situ_glu(torch.tensor([0.0, 1e30]), torch.tensor([0.0, 1e30]), b1=b1, b2=b2, backend=backend)
 
 
-def test_bounds_at_the_edge_of_fp32_still_run():
+@pytest.mark.parametrize("b1,b2", [(1e19, 1e19), (1e-39, 25.0), (4.0, 2.0**-149)])  # subnormal bounds work
+def test_bounds_at_the_edges_of_fp32_still_run(b1, b2):
     g = torch.linspace(-50, 50, 101)
-    assert torch.isfinite(situ_glu(g, g, b1=1e19, b2=1e19)).all()
-    assert torch.equal(situ_glu(g, g, b1=1e19, b2=1e19), naive_situ_glu(g, g, b1=1e19, b2=1e19))
+    assert torch.isfinite(situ_glu(g, g, b1=b1, b2=b2)).all()
+    assert torch.equal(situ_glu(g, g, b1=b1, b2=b2), naive_situ_glu(g, g, b1=b1, b2=b2))
