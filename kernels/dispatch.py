@@ -1,7 +1,9 @@
 """What every op's public function shares: its ValueError, and the choice of Triton or torch."""
 from __future__ import annotations
 
+import math
 import os
+from numbers import Real
 from typing import NoReturn
 
 import torch
@@ -10,6 +12,21 @@ import torch
 def fail(op: str, name: str, msg: str) -> NoReturn:
     """Raise the ops' one error form: "<op>: <argument> <what is wrong>"."""
     raise ValueError(f"{op}: {name} {msg}")
+
+
+def check_scale(op: str, scale, default: float | None) -> float:
+    """The softmax/readout scale as a float: `default` for None (an op without one refuses None);
+    a number or a one-element real tensor, finite and > 0 (NaN or inf made every output NaN)."""
+    if scale is None:
+        if default is None:
+            fail(op, "scale", "is required: a finite number > 0, got None")
+        return default
+    ok = (isinstance(scale, Real) and not isinstance(scale, bool)) or (
+        isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.dtype != torch.bool and not scale.is_complex())
+    value = float(scale) if ok else math.nan
+    if not (math.isfinite(value) and value > 0):
+        fail(op, "scale", f"must be a finite number > 0, got {scale!r}")
+    return value
 
 
 def eager() -> bool:

@@ -126,6 +126,10 @@ class HybridCache:
             raise ValueError(f"HybridCache: batch_size must be >= 1, got {batch_size}")
         if not 1 <= max_len <= cfg.max_position_embeddings:
             raise ValueError(f"HybridCache: max_len must be in [1, {cfg.max_position_embeddings}], got {max_len}")
+        # The conv states and latents are stored in dtype: an integer, bool or complex one would
+        # truncate (or refuse) what the layers write, and decode would go on from the wrong state.
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"HybridCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.cfg, self.batch_size, self.max_len = cfg, batch_size, max_len
         self.specs = layer_cache_specs(cfg)
         self.kda: dict[int, KDAPool] = {}

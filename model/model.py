@@ -185,6 +185,28 @@ def load_dtype(name: str, stored: torch.dtype, requested: torch.dtype | None) ->
     return requested or stored
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)  # token ids, labels, offsets and indices
+
+
+def host_ints(values: list[torch.Tensor]) -> list[int]:
+    """0-d tensors as Python ints (bools as 0/1): on the CPU each read as it is (no sync to
+    save, and a stack costs more than the reads), on a device all in one host sync."""
+    out: list[int] = [0] * len(values)
+    on_device = []
+    for i, x in enumerate(values):
+        if x.device.type == "cpu":
+            out[i] = int(x)
+        else:
+            on_device.append(i)
+    by_device: dict[torch.device, list[int]] = {}
+    for i in on_device:
+        by_device.setdefault(values[i].device, []).append(i)
+    for idx in by_device.values():
+        for i, x in zip(idx, torch.stack([values[i].to(torch.int64) for i in idx]).tolist()):
+            out[i] = x
+    return out
+
+
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """labels [B, T] -> (targets [B, T]: position t's is labels[t + 1], -100 at the end of each
     row and, packed, of each sequence; the number of targets that are not -100)."""
@@ -247,30 +269,33 @@ class K3ForCausalLM(nn.Module):
     ) -> CausalLMOutput:
         """input_ids [B, T] (or [1, T] packed with cu_seqlens [N + 1]).
 
-        labels: same shape as input_ids; position t is trained to predict labels[t + 1]
-        (-100 ignored; with packing, never across a sequence boundary).
-        logits_at: flat token indices to compute logits for (e.g. each sequence's last token);
-        default all (training passes none: the loss needs no [T, vocab] logits).
-        inputs_embeds: [B, T, hidden] embeddings to run instead of embedding input_ids (which
-        still give the shape and the packing checks).
+        labels: same shape as input_ids, int32 or int64; position t is trained to predict
+        labels[t + 1] (-100 ignored; with packing, never across a sequence boundary). Labels
+        that leave no target are a ValueError (the mean over none would be NaN).
+        logits_at: a 1-D int tensor of flat token indices in [0, tokens) to compute logits for
+        (e.g. each sequence's last token); default all (training passes an empty one: the loss
+        needs no [T, vocab] logits).
+        inputs_embeds: [B, T, hidden] embeddings in the model's dtype to run instead of embedding
+        input_ids (which still give the shape and the packing checks).
         shard: this process's piece of a stream split over a group (context parallelism,
         model/shard.py): input_ids and labels are the whole stream [1, total] (its documents are
         the shard's, so no cu_seqlens), the outputs are the piece's, and the loss is the piece's
         share of the stream's mean (the group's losses add up to it).
         """
-        self._check(input_ids, cu_seqlens, labels, cache)
+        cu = cu_seqlens if cache is None else cache.cu_seqlens
+        self._check(input_ids, cu, labels, cache, logits_at, inputs_embeds)
         if shard is not None:
             self._check_shard(input_ids, cu_seqlens, cache, inputs_embeds, shard)
-        if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.cfg.hidden_size):
-            raise ValueError(f"inputs_embeds must be [{input_ids.shape[0]}, {input_ids.shape[1]}, "
-                             f"{self.cfg.hidden_size}], got {tuple(inputs_embeds.shape)}")
-        h, routers = self.model(input_ids, cu_seqlens if cache is None else cache.cu_seqlens, cache, collect_router,
-                                inputs_embeds, shard)
-        loss = None
-        if labels is not None:
+        target = count = None
+        if labels is not None:  # int32 labels as int64 (cross-entropy's target type), as int32 input_ids are taken
+            labels = labels.long()
             target, count = next_token_targets(labels, cu_seqlens) if shard is None else \
                 shard.next_token_targets(labels)
-            loss = next_token_loss(h, self.lm_head.weight, target, count)
+        if eager():  # values: a captured graph (the engine's decode step) cannot read them back
+            rows = input_ids.numel() if shard is None else shard.end - shard.start
+            self._check_values(input_ids, cu, logits_at, rows, inputs_embeds, target, count)
+        h, routers = self.model(input_ids, cu, cache, collect_router, inputs_embeds, shard)
+        loss = None if labels is None else next_token_loss(h, self.lm_head.weight, target, count)
         flat = h.reshape(-1, h.shape[-1])
         logits = self.lm_head(flat if logits_at is None else flat[logits_at])
         if logits_at is None:
@@ -286,32 +311,82 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"with a shard, input_ids is the whole stream [1, {shard.total}], got "
                              f"{tuple(input_ids.shape)}")
 
-    def _check(self, input_ids, cu_seqlens, labels, cache) -> None:
+    def _check(self, input_ids, cu, labels, cache, logits_at, inputs_embeds) -> None:
+        """Types, shapes and dtypes of the inputs (free: no value is read)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
-        if input_ids.dtype not in (torch.int32, torch.int64):
+        if input_ids.dtype not in INDEX_DTYPES:
             raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.dtype not in INDEX_DTYPES:
+                raise ValueError(f"labels must be an int32 or int64 tensor of token ids (-100: no target), got "
+                                 f"{getattr(labels, 'dtype', type(labels).__name__)}")
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            if labels.device != input_ids.device:
+                raise ValueError(f"labels is on {labels.device} but input_ids is on {input_ids.device}")
         if cache is None and input_ids.shape[1] > self.cfg.max_position_embeddings:
             raise ValueError(f"input_ids has {input_ids.shape[1]} tokens > max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        cu = cu_seqlens if cache is None else cache.cu_seqlens
-        if cu is not None and input_ids.shape[0] != 1 and cache is None:
-            raise ValueError(f"packed input (cu_seqlens given) must be [1, T], got input_ids {tuple(input_ids.shape)}")
-        if eager():  # values: a captured graph (the engine's decode step) cannot read them back
-            self._check_values(input_ids, cu)
+        if cu is not None:
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in INDEX_DTYPES:
+                got = f"{tuple(cu.shape)} {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+                raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor [N + 1], got {got}")
+            if input_ids.shape[0] != 1 and cache is None:
+                raise ValueError(f"packed input (cu_seqlens given) must be [1, T], got input_ids "
+                                 f"{tuple(input_ids.shape)}")
+        if logits_at is not None and (not isinstance(logits_at, torch.Tensor) or logits_at.dim() != 1
+                                      or logits_at.dtype not in INDEX_DTYPES):
+            got = f"{tuple(logits_at.shape)} {logits_at.dtype}" if isinstance(logits_at, torch.Tensor) else \
+                type(logits_at).__name__
+            raise ValueError(f"logits_at must be a 1-D int32 or int64 tensor of flat token indices, got {got}")
+        if inputs_embeds is not None:
+            want = (*input_ids.shape, self.cfg.hidden_size)
+            if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.shape != want:
+                got = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else \
+                    type(inputs_embeds).__name__
+                raise ValueError(f"inputs_embeds must be [{want[0]}, {want[1]}, {want[2]}], got {got}")
+            dtype = self.model.embed_tokens.weight.dtype
+            if inputs_embeds.dtype != dtype:
+                raise ValueError(f"inputs_embeds must be in the model's dtype {dtype}, got {inputs_embeds.dtype}")
+            if inputs_embeds.device != input_ids.device:
+                raise ValueError(f"inputs_embeds is on {inputs_embeds.device} but input_ids is on {input_ids.device}")
 
-    def _check_values(self, input_ids: torch.Tensor, cu: torch.Tensor | None) -> None:
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"input_ids out of range [0, {self.cfg.vocab_size}): min {lo}, max {hi}")
-        if cu is not None and (cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel()
-                               or bool((cu[1:] < cu[:-1]).any())):
+    def _check_values(self, input_ids, cu, logits_at, rows: int, inputs_embeds, target, count) -> None:
+        """The values of the inputs, read back in one host sync (rows: the tokens whose logits
+        logits_at picks from; target, count: next_token_targets of the labels)."""
+        stats = dict(zip(("lo", "hi"), torch.aminmax(input_ids)))
+        if cu is not None:
+            stats |= {"cu_first": cu[0], "cu_last": cu[-1], "cu_falls": (cu[1:] < cu[:-1]).any()}
+        if inputs_embeds is not None:
+            stats["embeds_bad"] = ~torch.isfinite(inputs_embeds).all()
+        if logits_at is not None and logits_at.numel():
+            stats |= dict(zip(("at_lo", "at_hi"), torch.aminmax(logits_at)))
+        if target is not None:
+            stats |= {"t_lo": target.masked_fill(target == -100, 0).min(), "t_hi": target.max()}
+            if isinstance(count, torch.Tensor):
+                stats["count"] = count
+        v = dict(zip(stats, host_ints(list(stats.values()))))
+        V = self.cfg.vocab_size
+        if v["lo"] < 0 or v["hi"] >= V:
+            raise ValueError(f"input_ids out of range [0, {V}): min {v['lo']}, max {v['hi']}")
+        if cu is not None and (v["cu_first"] != 0 or v["cu_last"] != input_ids.numel() or v["cu_falls"]):
             raise ValueError(f"cu_seqlens must rise from 0 to {input_ids.numel()}, got {cu.tolist()[:8]}")
+        if v.get("embeds_bad"):
+            raise ValueError("inputs_embeds holds NaN or inf")
+        if "at_lo" in v and (v["at_lo"] < 0 or v["at_hi"] >= rows):
+            raise ValueError(f"logits_at out of range [0, {rows}) (flat token indices): min {v['at_lo']}, "
+                             f"max {v['at_hi']}")
+        if target is not None:
+            if v["t_lo"] < 0 or v["t_hi"] >= V:
+                raise ValueError(f"labels out of range [0, {V}) (or -100, no target) where they are targets: "
+                                 f"min {v['t_lo']}, max {v['t_hi']}")
+            if v.get("count", count) == 0:
+                raise ValueError("labels give no targets: every next-token label is -100 (or each sequence has one "
+                                 "token), and a mean over none is NaN")
 
     def set_router_bias(self, biases: torch.Tensor) -> None:
         """biases [num_moe_layers, E]: selection biases for the next batch (no gradient)."""

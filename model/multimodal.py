@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.kernels.dispatch import eager
+
 from .cache import CacheBatch
 from .config import K3Config
 from .directory import Source
@@ -123,6 +125,11 @@ class K3ForConditionalGeneration(nn.Module):
             raise ValueError("give either pixel_values/grid_thws or media_embeds, not both")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        if eager():  # NaN or inf in the media reached the KDA gate check, which blamed the gate
+            for name, x in (("pixel_values", pixel_values), ("media_embeds", media_embeds)):
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and \
+                        not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{name} holds NaN or inf")
         if pixel_values is not None:
             media_embeds = torch.cat(self.encode_media(pixel_values, grid_thws))
         embeds = self.splice(input_ids, media_embeds)

@@ -1,7 +1,7 @@
 """Grouped matmul: the rows of x, sorted by group, each group times its own matrix (MoE experts).
 
 `grouped_mm(x, w, offs)` runs every group in one call, with no host sync and no padding:
-`torch._grouped_mm` where this build has it for the dtype and device (CPU: every float dtype;
+`torch._grouped_mm` where this build has it for the dtype and device (CPU: fp32, bf16 and fp16;
 CUDA: bf16) and the layout suits it (strides of 16 bytes), otherwise the per-group loop of the
 readable reference `naive_grouped_mm` (same signature). It is registered as the custom op
 `k3::grouped_mm`, so `torch.compile` keeps it as one opaque call (the fake-tensor rule of
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import fail
+from ..dispatch import eager, fail
 from .reference import naive_grouped_mm
 
 __all__ = ["grouped_mm", "naive_grouped_mm"]
@@ -28,10 +28,16 @@ def _aligned(t: torch.Tensor) -> bool:
     return lead is not None and lead % step == 0 and (not t.is_cuda or t.data_ptr() % 16 == 0)
 
 
+# The dtypes torch._grouped_mm takes on CPU (torch 2.13: "Expected mat_a to be Float32, BFloat16 or
+# Float16"); fp64 and the rest run the reference loop.
+CPU_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _native(*ts: torch.Tensor) -> bool:
     x = ts[0]
-    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or (x.is_cuda and x.dtype == torch.bfloat16)) \
-        and all(_aligned(t) for t in ts)
+    return hasattr(torch, "_grouped_mm") and (
+        (x.device.type == "cpu" and x.dtype in CPU_NATIVE_DTYPES) or (x.is_cuda and x.dtype == torch.bfloat16)
+    ) and all(_aligned(t) for t in ts)
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -88,8 +94,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """x [M, K] rows sorted by group; w [G, K, N] (any strides); offs [G] int32, the cumulative
     group sizes (offs[-1] == M; group g is rows offs[g-1]:offs[g]) -> [M, N] in x's dtype.
 
-    offs is trusted as built by its callers (a cumsum of counts): reading it back to check would
-    cost a host sync per call. Differentiable in x and w.
+    offs must rise from >= 0 to M: the native op leaves rows past offs[-1] uninitialised and
+    reads rows past M. Its values are checked where that costs no device sync (CPU, eager);
+    on a GPU or in a traced graph offs is trusted as built by its callers (a cumsum of counts).
+    Differentiable in x and w.
     """
     for name, t in (("x", x), ("w", w), ("offs", offs)):
         if not isinstance(t, torch.Tensor):
@@ -103,8 +111,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     for name, t in (("w", w), ("offs", offs)):
         if t.device != x.device:
             fail("grouped_mm", name, f"is on {t.device} but x is on {x.device}")
+    if offs.device.type == "cpu" and type(offs) is torch.Tensor and eager():
+        _check_offs(offs, x.shape[0])
     x = x.contiguous()
     if type(x) is type(w) is torch.Tensor and not torch.compiler.is_dynamo_compiling() and \
             not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return _forward(x, w, offs)  # eager, nothing to record or trace: the op's dispatch costs ~40 us
     return _grouped_mm(x, w, offs)
+
+
+def _check_offs(offs: torch.Tensor, M: int) -> None:
+    """offs [G] on the CPU rises from >= 0 to M. Read as a list and compared in C (a few us beside
+    the native call; numpy's and torch's small ops cost 10-20)."""
+    o = offs.tolist()
+    bad = o[0] < 0 or o[-1] != M or o != sorted(o) if o else M != 0  # no groups: no rows
+    if bad:
+        fail("grouped_mm", "offs", f"must rise from >= 0 to M={M} (cumulative group sizes), got "
+                                   f"{o[:8]}{'...' if len(o) > 8 else ''}")

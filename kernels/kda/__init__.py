@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from ..dispatch import check_scale, use_triton
 from .contract import (KDAOutput, check_chunk_size, check_gate, check_kda_inputs, check_lower_bound,
                        check_states_at, check_step_inputs, kda_fail)
 from .cpu import chunk_kda_torch, kda_step_torch
@@ -77,11 +77,11 @@ def chunk_kda(
     Args:
         q, k: [B, T, H, K] (q, k already L2-normalised by the caller); v: [B, T, H, V];
         g: [B, T, H, K] log-decay <= 0 (fp32 recommended); beta: [B, T, H] in [0, 1].
-        scale: multiplies q, default K ** -0.5.
+        scale: multiplies q, finite and > 0; default K ** -0.5.
         initial_state: [N, H, K, V] (fp32), N = B, or the number of packed sequences.
         output_final_state: also return the final state [N, H, K, V] fp32.
         cu_seqlens: [N + 1] offsets when the batch is packed (B == 1).
-        chunk_size: a multiple of 16, or at most 16 (Triton: 16, 32 or 64, else 64).
+        chunk_size: a multiple of 16 up to 256, or at most 16 (Triton: 16, 32 or 64, else 64).
         lower_bound: g >= lower_bound is guaranteed (K3's bounded gate); faster, same result.
         backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
         states_at: {sequence: [token offsets in (0, its length]]} (inference only): also the
@@ -91,6 +91,7 @@ def chunk_kda(
         {(sequence, offset): [H, K, V] fp32}).
     """
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = check_scale("kda", scale, k.shape[-1] ** -0.5)
     check_chunk_size(chunk_size)
     check_lower_bound(lower_bound)
     B, T = k.shape[:2]
@@ -104,7 +105,6 @@ def chunk_kda(
         return KDAOutput(v.new_zeros(v.shape), final if output_final_state else None, {})
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(k.device)
-    scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, lower_bound, states_at)
     if path == "triton":
         from .triton import chunk_kda_triton
@@ -138,7 +138,7 @@ def kda_step(
     """
     check_step_inputs(q, k, v, g, beta, state_pool, slot_idx)
     K = k.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
+    scale = check_scale("kda", scale, K**-0.5)
     if _pick_backend(k, backend, {"k": K, "v": v.shape[-1]}) == "triton":
         if not state_pool.is_contiguous():
             kda_fail("state_pool", "must be contiguous for the Triton kernel (it is updated in place)")

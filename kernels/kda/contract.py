@@ -87,11 +87,17 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     return len(cu) - 1
 
 
+# The largest chunk a path is asked to cut. The Triton kernels run 16, 32 or 64 (64 for any
+# larger size); the torch path pads every chunk to chunk_size tokens and builds [H, C, C] tiles of
+# it, so a size far past the sequence only costs (2**20 for 5 tokens asked for 17 TB).
+MAX_CHUNK_SIZE = 256
+
+
 def check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or (
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE or (
         chunk_size > 16 and chunk_size % 16
     ):
-        kda_fail("chunk_size", f"must be <= 16 or a multiple of 16, got {chunk_size!r}")
+        kda_fail("chunk_size", f"must be <= 16 or a multiple of 16, at most {MAX_CHUNK_SIZE}, got {chunk_size!r}")
 
 
 def check_lower_bound(lower_bound) -> None:

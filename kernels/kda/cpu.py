@@ -223,6 +223,8 @@ class _ChunkKDA(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    # the hand-written backward works in place: torch cannot differentiate it again
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, S0 = ctx.saved_tensors
         lay, scale, bounded = ctx.lay, ctx.scale, ctx.bounded

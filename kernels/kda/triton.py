@@ -23,6 +23,8 @@ class _ChunkKDATriton(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    # Triton kernels: nothing of the backward is recorded for a second one
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from ..dispatch import eager, fail, use_triton
+from ..dispatch import check_scale, eager, fail, use_triton
 from .cpu import finish, mla_decode_torch
 from .reference import naive_mla_decode
 
@@ -56,7 +56,7 @@ def mla_decode(
         page_table: [N, max_pages] int page ids, in any order; positions p of sequence n live
             at kv_cache[page_table[n, p // page_size], p % page_size].
         seq_lens: [N] tokens cached per sequence (>= 1, the current token included).
-        scale: softmax scale (qk_head_dim ** -0.5).
+        scale: softmax scale (qk_head_dim ** -0.5), finite and > 0; required.
         w_uv: optional [H, Vd, L]; then o = W_uv ctx per head.
         gate: optional [N, H, Vd] output-gate logits (needs w_uv); then o = sigmoid(gate) * o.
         backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
@@ -64,6 +64,7 @@ def mla_decode(
         ctx [N, H, L], or o [N, H, Vd] with w_uv; in q_lat's dtype (fp32 softmax and sums).
     """
     _check_shapes(q_lat, q_rope, kv_cache, page_table, seq_lens, w_uv, gate)
+    scale = check_scale("mla_decode", scale, None)  # no default: the qk head dim is not L + R
     N, H, L = q_lat.shape
     if N == 0:
         return q_lat.new_zeros(N, H, L if w_uv is None else w_uv.shape[1])
@@ -73,9 +74,9 @@ def mla_decode(
     if _use_triton(q_lat, backend, L, q_rope.shape[2]):
         from .triton import mla_decode_triton
 
-        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, page_table, seq_lens, float(scale), max_len=hi)
+        ctx = mla_decode_triton(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, max_len=hi)
         return finish(ctx, q_lat.dtype, w_uv, gate)
-    return mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, float(scale), w_uv, gate, max_len=hi)
+    return mla_decode_torch(q_lat, q_rope, kv_cache, page_table, seq_lens, scale, w_uv, gate, max_len=hi)
 
 
 def _check_shapes(q_lat, q_rope, kv_cache, page_table, seq_lens, w_uv, gate) -> None:

@@ -30,10 +30,22 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"situ_glu: gate and up must share a floating dtype, got {gate.dtype} and {up.dtype}")
 
 
-def _check_bound(name: str, b) -> None:
-    # An infinite bound makes its factor b tanh(x / b) = inf * 0 = NaN; NaN fails every comparison.
-    if isinstance(b, bool) or not isinstance(b, Real) or not (math.isfinite(b) and b > 0):
-        fail("situ_glu", name, f"must be a finite number > 0, got {b!r}")
+FP32 = torch.finfo(torch.float32)
+FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below it a bound is 0 there
+
+
+def _check_bounds(b1, b2) -> None:
+    for name, b in (("b1", b1), ("b2", b2)):
+        # An infinite bound makes its factor b tanh(x / b) = inf * 0 = NaN; NaN fails every comparison.
+        if isinstance(b, bool) or not isinstance(b, Real) or not (math.isfinite(b) and b > 0):
+            fail("situ_glu", name, f"must be a finite number > 0, got {b!r}")
+        # The math is fp32: a bound past its range is inf there (3.5e38 gave NaN), one below its
+        # smallest positive value is 0 (x / 0 = NaN at x = 0).
+        if not FP32_SMALLEST <= b <= FP32.max:
+            fail("situ_glu", name, f"must be within fp32's positive range [{FP32_SMALLEST:.4g}, {FP32.max:.4g}], "
+                                   f"got {b!r}")
+    if b1 * b2 > FP32.max:  # |h| < b1 b2, and the gradients reach about b1 b2 / 4: both must stay finite
+        fail("situ_glu", "b1 * b2", f"(the output's bound) must be <= fp32's max {FP32.max:.4g}, got {b1 * b2:.4g}")
 
 
 def situ_glu(
@@ -42,12 +54,11 @@ def situ_glu(
     """[..., I] x [..., I] -> [..., I]: [b1 tanh(gate/b1) sigmoid(gate)] * [b2 tanh(up/b2)].
 
     fp32 math, output in the inputs' dtype (bf16, fp16 or fp32); differentiable.
-    b1, b2: the soft clamps of the gate and up factors, finite and > 0.
+    b1, b2: the soft clamps of the gate and up factors, > 0, in fp32's range, b1 * b2 too.
     backend: None (Triton on CUDA, torch on CPU), "torch" or "triton".
     """
     _check(gate, up)
-    _check_bound("b1", b1)
-    _check_bound("b2", b2)
+    _check_bounds(b1, b2)
     if use_triton("situ_glu", gate, backend):
         from .triton import situ_glu_triton
 

@@ -37,6 +37,8 @@ class _SituGLU(torch.autograd.Function):
         return out
 
     @staticmethod
+    # the blocked backward works in place: torch cannot differentiate it again
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         b1, b2 = ctx.b1, ctx.b2

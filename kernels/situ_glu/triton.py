@@ -62,6 +62,8 @@ class _SituGLUTriton(torch.autograd.Function):
         return out
 
     @staticmethod
+    # Triton kernels: nothing of the backward is recorded for a second one
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()

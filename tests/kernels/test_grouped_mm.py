@@ -74,3 +74,30 @@ def test_backward_compiles_in_fp32():
 def test_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
         grouped_mm(*args)
+
+
+@pytest.mark.parametrize("offs", [[4, 2], [2, 4], [2, 9], [-3, 6], [0, 0], []])
+def test_offs_that_do_not_rise_from_zero_to_m_are_refused(offs):
+    # the native op left rows past offs[-1] uninitialised and read rows past M: garbage, no error
+    with pytest.raises(ValueError, match=r"grouped_mm: offs must rise from >= 0 to M=6"):
+        grouped_mm(torch.randn(6, 4), torch.randn(len(offs), 4, 8), torch.tensor(offs, dtype=torch.int32))
+
+
+def test_offs_are_not_read_back_inside_a_compiled_graph():
+    # a traced graph cannot read offs: the check is eager-only, and the graph still computes
+    x, w, offs = inputs([2, 0, 3], seed=5)
+    fn = torch.compile(lambda a, b, o: grouped_mm(a, b, o), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(fn(x, w, offs), grouped_mm(x, w, offs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(37, 19), (40, 24)])
+def test_every_float_dtype_runs_on_cpu(dtype, K, N):
+    # torch._grouped_mm takes fp32, bf16 and fp16 on CPU: fp64 failed inside it
+    x, w, offs = inputs([3, 0, 5], K, N, dtype=dtype, seed=6)
+    got, want = grads(grouped_mm, x, w, offs, False), grads(naive_grouped_mm, x, w, offs, False)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == dtype
+        assert_close(name, a.double(), b.double(), tol)

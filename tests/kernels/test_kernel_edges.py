@@ -125,3 +125,50 @@ def test_kda_step_checks_the_gate(bad):
         kda_step(torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, H, V), g, torch.rand(N, H), pool,
                  torch.tensor([0, 1]))
     assert torch.equal(pool, torch.zeros(4, H, K, V))
+
+
+@pytest.mark.parametrize("chunk_size", [1 << 20, 272, 1024])
+def test_chunk_kda_chunk_size_past_the_bound(chunk_size):
+    # 2**20 at T=5 allocated [H, C, C] tiles: 17 TB asked for, no error
+    with pytest.raises(ValueError, match=r"kda: chunk_size must be .* at most 256"):
+        chunk_kda(*_kda(T=5), chunk_size=chunk_size)
+
+
+def test_chunk_kda_chunk_size_at_the_bound_runs():
+    xs = _kda(T=5)
+    assert _rel(chunk_kda(*xs, chunk_size=256).o, naive_recurrent_kda(*xs).o) < 1e-5
+
+
+BAD_SCALES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.5, "0.3", True, torch.tensor([1.0, 2.0])]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES)
+def test_kda_scale_must_be_finite_and_positive(scale):
+    # NaN or inf returned NaN everywhere; a string or a 2-element tensor raised from float()
+    q, k, v, g, beta = _kda()
+    with pytest.raises(ValueError, match="kda: scale must be a finite number > 0"):
+        chunk_kda(q, k, v, g, beta, scale=scale)
+    pool = torch.zeros(4, 2, 8, 8)
+    with pytest.raises(ValueError, match="kda: scale must be a finite number > 0"):
+        kda_step(*(x[0, :2] for x in (q, k, v, g, beta)), pool, torch.tensor([0, 1]), scale=scale)
+    assert torch.equal(pool, torch.zeros(4, 2, 8, 8))  # refused before the state was touched
+
+
+@pytest.mark.parametrize("scale", [None, 0.25, torch.tensor(0.25)])
+def test_kda_scale_none_is_the_default_and_numbers_or_0d_tensors_are_taken(scale):
+    q, k, v, g, beta = _kda()
+    want = naive_recurrent_kda(q, k, v, g, beta, scale=scale if scale is not None else 8 ** -0.5).o
+    assert _rel(chunk_kda(q, k, v, g, beta, scale=scale).o, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunk_kda_is_differentiable_once_and_says_so(backend):
+    # create_graph=True gave exact first gradients, then a second backward failed inside the
+    # hand-written one ("modified by an inplace operation") or, on Triton, had nothing to follow
+    xs = [x.requires_grad_() for x in _kda(T=5)]
+    o = chunk_kda(*xs, backend=backend).o
+    first = torch.autograd.grad(o.square().sum(), xs, create_graph=True)
+    want = torch.autograd.grad(chunk_kda(*xs, backend=backend).o.square().sum(), xs)
+    assert all(torch.equal(a, b) for a, b in zip(first, want))
+    with pytest.raises(RuntimeError, match="differentiate twice .*@once_differentiable"):
+        first[0].sum().backward()

@@ -94,3 +94,18 @@ def test_traced_by_torch_compile_one_graph_serves_every_table_width():
         torch._dynamo.mark_dynamic(case[2], 0)  # the pool's page count differs between these cases (an engine's is fixed)
         check_mla(fn, case, with_uv=True)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("scale", [None, float("nan"), float("inf"), 0.0, -0.1, "0.1", torch.tensor([0.1, 0.2])])
+def test_scale_must_be_a_finite_positive_number(scale):
+    # NaN or inf returned NaN; None raised a TypeError from float(). There is no default: the
+    # scale is the qk head dim's, which the latent and rope widths do not give.
+    q_lat, q_rope, kv, table, lens = mla_case([3, 20])
+    with pytest.raises(ValueError, match="mla_decode: scale (must be|is required)"):
+        mla_decode(q_lat, q_rope, kv, table, lens, scale)
+
+
+def test_scale_as_a_0d_tensor_equals_the_float():
+    q_lat, q_rope, kv, table, lens = mla_case([3, 20])
+    assert torch.equal(mla_decode(q_lat, q_rope, kv, table, lens, torch.tensor(0.25)),
+                       mla_decode(q_lat, q_rope, kv, table, lens, 0.25))

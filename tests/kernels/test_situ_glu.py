@@ -74,3 +74,32 @@ def test_traced_by_torch_compile_one_graph_serves_every_batch():
     for rows in (3, 5, 9):
         check_situ(fn, *situ_inputs((rows, 40), seed=rows))
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_differentiable_once_and_says_so(backend):
+    # a second backward through the blocked one failed with "modified by an inplace operation"
+    gate, up = (torch.randn(5, generator=torch.Generator().manual_seed(s)).requires_grad_() for s in (0, 1))
+    (dgate,) = torch.autograd.grad(situ_glu(gate, up, backend=backend).square().sum(), gate, create_graph=True)
+    assert torch.equal(dgate, torch.autograd.grad(situ_glu(gate, up, backend=backend).square().sum(), gate)[0])
+    with pytest.raises(RuntimeError, match="differentiate twice .*@once_differentiable"):
+        dgate.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("b1,b2,name", [
+    (3.5e38, 25.0, "b1"),  # finite in Python, inf in the fp32 math: NaN out
+    (1e39, 25.0, "b1"),
+    (4.0, 1e-46, "b2"),  # 0 in fp32: u / 0 = NaN at u = 0
+    (1e20, 1e20, r"b1 \* b2"),  # the output's bound past fp32: inf out
+])
+def test_bounds_whose_use_overflows_fp32_name_the_argument(backend, b1, b2, name):
+    with pytest.raises(ValueError, match=f"situ_glu: {name} "):
+        situ_glu(torch.tensor([0.0, 1e30]), torch.tensor([0.0, 1e30]), b1=b1, b2=b2, backend=backend)
+
+
+@pytest.mark.parametrize("b1,b2", [(1e19, 1e19), (1e-39, 25.0), (4.0, 2.0**-149)])  # subnormal bounds work
+def test_bounds_at_the_edges_of_fp32_still_run(b1, b2):
+    g = torch.linspace(-50, 50, 101)
+    assert torch.isfinite(situ_glu(g, g, b1=b1, b2=b2)).all()
+    assert torch.equal(situ_glu(g, g, b1=b1, b2=b2), naive_situ_glu(g, g, b1=b1, b2=b2))

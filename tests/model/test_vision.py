@@ -326,3 +326,17 @@ def test_chunked_cached_prefill_with_media_rows_equals_full_forward():
             got["b"].append(out[lens[0]:])
         for k in ("a", "b"):
             assert_close(f"chunked {k}", torch.cat(got[k]), full[k], 1e-4)
+
+
+@pytest.mark.parametrize("name", ["pixel_values", "media_embeds"])
+def test_nan_in_the_media_is_named_not_blamed_on_the_kda_gate(name):
+    model = tiny_model()
+    grids = [(1, 4, 4)]
+    pv = patches(grids)
+    with torch.no_grad():
+        rows = torch.cat(model.encode_media(pv, grids))
+    media = dict(pixel_values=pv, grid_thws=grids) if name == "pixel_values" else dict(media_embeds=rows)
+    media[name] = media[name].clone()
+    media[name][1, 0] = float("nan")
+    with torch.no_grad(), pytest.raises(ValueError, match=f"{name} holds NaN or inf"):
+        model(prompt_ids([4]), **media)
