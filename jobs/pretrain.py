@@ -129,6 +129,10 @@ try:
 except ValidationError as e:
     sys.exit(field_errors(e, flags, args.config))
 try:
+    if cfg.preset in PRESETS or cfg.init_from:  # before the data is read: a --sample no model holds
+        positions = cfg.located().model_cfg().max_position_embeddings
+        if args.sample >= positions:  # the sample's prompt takes a position too
+            raise ValueError(f"--sample {args.sample} is more tokens than the model's {positions} positions hold")
     data_info = cfg.check()
     if args.sample:  # the prompt's tokens, in the data's tokenizer (the checkpoint keeps it), take positions too
         run = cfg.located()
