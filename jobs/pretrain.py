@@ -60,8 +60,9 @@ def field_errors(e: ValidationError, flags: set[str], config: str | None) -> str
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--config", help="JSON file with TrainConfig fields (flags below override it)")
 p.add_argument("--preset", help="model preset (default k3-tiny)")
-p.add_argument("--init-from", help="start from a released checkpoint directory (K3 release or Kimi Linear layout; "
-               "each expert-parallel rank reads only its own experts)")
+p.add_argument("--init-from", help="start from a checkpoint directory's weights (a k3 training checkpoint or model "
+               "directory, the K3 release or Kimi Linear layout; each expert-parallel rank reads only its own "
+               "experts)")
 p.add_argument("--data", help="prepared data directory (jobs/prepare_data.py): a path, absolute inside a Ray job and "
                "the same on every node, or a URI (s3://, gs://, file://, local://)")
 p.add_argument("--num-workers", type=int, help="Ray Train workers")
@@ -128,7 +129,7 @@ try:
 except ValidationError as e:
     sys.exit(field_errors(e, flags, args.config))
 try:
-    if cfg.preset in PRESETS or cfg.init_from:
+    if cfg.preset in PRESETS or cfg.init_from:  # before the data is read: a --sample no model holds
         positions = cfg.located().model_cfg().max_position_embeddings
         if args.sample >= positions:  # the sample's prompt takes a position too
             raise ValueError(f"--sample {args.sample} is more tokens than the model's {positions} positions hold")

@@ -28,9 +28,18 @@ MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("situ_glu", "swiglu")
 KDA_GATES = ("bounded", "unbounded")
 KDA_OUTPUT_GATES = ("full", "low_rank")
-# Chunk sizes of the KDA chunkwise form: each chunk holds [C, C] and [C, K] fp32 blocks per head,
-# so a chunk far beyond the Triton kernels' 16, 32, 64 only costs memory (2^20 asked for 35 TB).
-KDA_CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Chunk sizes of the KDA chunkwise form, the kernels' rule (kernels.kda.contract.check_chunk_size:
+# up to 16, or a multiple of 16, at most 256; each chunk holds [C, C] and [C, K] fp32 blocks per
+# head, so 2^20 asked for 35 TB). The config keeps its own copy of the rule and of the gate floor
+# because importing the kernels takes torch (~3 s for `k3 plan`); tests/model/test_model.py pins
+# both to the kernels'.
+KDA_MAX_CHUNK_SIZE = 256
+
+
+def kda_chunk_size_ok(n: int) -> bool:
+    return 1 <= n <= KDA_MAX_CHUNK_SIZE and (n <= 16 or n % 16 == 0)
+
+
 # kernels.kda.GATE_FLOOR: a log-decay below -88 is clamped there (exp(-88) is below fp32's smallest
 # normal number, the state is gone), so a lower bound under it means nothing.
 KDA_GATE_FLOOR = -88.0
@@ -153,8 +162,8 @@ class K3Config:
              f"must be one of {KDA_OUTPUT_GATES}, got {self.kda_output_gate!r}")
         need(KDA_GATE_FLOOR <= self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
              f"must be a log-decay in [{KDA_GATE_FLOOR:g}, 0), got {self.kda_gate_lower_bound}")
-        need(self.kda_chunk_size in KDA_CHUNK_SIZES, "kda_chunk_size",
-             f"must be a power of two up to {KDA_CHUNK_SIZES[-1]}, got {self.kda_chunk_size}")
+        need(kda_chunk_size_ok(self.kda_chunk_size), "kda_chunk_size",
+             f"must be at most 16 or a multiple of 16, up to {KDA_MAX_CHUNK_SIZE}, got {self.kda_chunk_size}")
         need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
              "q_lora_rank", f"must be None or a positive int, got {self.q_lora_rank!r}")
         need(self.moe_latent_size is None or (isinstance(self.moe_latent_size, int) and self.moe_latent_size > 0),

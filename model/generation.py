@@ -15,7 +15,7 @@ from .cache import HybridCache
 from .model import K3ForCausalLM
 
 
-# Below this temperature sampling is greedy, as in the serving engine (serve/engine/params.py):
+# Below this temperature sampling is greedy, here and in the serving engine (serve/engine/params.py):
 # dividing the logits by a denormal temperature overflows them to inf and the softmax is NaN.
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes

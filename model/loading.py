@@ -73,13 +73,25 @@ def check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
                      f"or None to keep the stored dtypes")
 
 
-def memory_bytes(device: torch.device) -> int | None:
-    """The memory of `device` (the machine's RAM for 'cpu'); None for 'meta', which holds nothing."""
+def memory_bytes(device: torch.device, free: bool = False) -> int | None:
+    """The memory of `device` (the machine's RAM for 'cpu'), or with `free` what can be allocated
+    on it now (RAM: the kernel's MemAvailable, which counts the page cache it would give back);
+    None for 'meta', which holds nothing."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index or 0).total_memory
-    if device.type == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
+        return torch.cuda.mem_get_info(device)[0] if free else \
+            torch.cuda.get_device_properties(device.index or 0).total_memory
+    if device.type != "cpu":
+        return None
+    if free:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def build(cfg: K3Config, ep_rank: int = 0, ep_size: int = 1, seed: int = 0, device: str | torch.device = "cpu",

@@ -162,13 +162,20 @@ def _check_size(size: tuple[int, int], what: str, cfg: ProcessorConfig) -> None:
         raise ValueError(f"{what}: aspect ratio {max(w, h) / min(w, h):.0f} is past the limit {cfg.max_aspect_ratio:g}")
 
 
+def _transparent(img: Image.Image) -> bool:
+    """Whether a picture holds transparency: an alpha channel, a transparent colour (a PNG's tRNS,
+    a GIF's), or a palette with alpha (Pillow >= 10.1's `has_transparency_data`, for 10.0 too)."""
+    return (img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in img.info
+            or (img.mode == "P" and img.palette is not None and img.palette.mode.endswith("A")))
+
+
 def _rgb(img: Image.Image, what: str) -> np.ndarray:
     try:
         if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
             # 16-bit grey: Pillow's own conversion clips at 255; scale the range down instead
             grey = (np.asarray(img).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(grey[..., None], 3, axis=-1)
-        if img.has_transparency_data:
+        if _transparent(img):
             rgba = img.convert("RGBA")
             return np.asarray(Image.alpha_composite(Image.new("RGBA", rgba.size, WHITE), rgba).convert("RGB"),
                               dtype=np.uint8)

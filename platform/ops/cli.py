@@ -88,10 +88,14 @@ ALERTS_OUT = Path("cluster") / "prometheus"
 
 def _shipped(given: str | None, default: str) -> Path:
     """A file the user named (relative to the current directory, as any path on a command line), or
-    the one k3 ships (`default`, under this checkout or the installed package), from any folder."""
+    the checkout's `default` from any folder of it. An installed wheel holds no cluster/ or serve/
+    configs: there `default` is read from the current directory, as before, and a missing one is
+    refused naming its path."""
     from k3.platform.ops.prometheus import REPO
 
-    return Path(given) if given else REPO / default
+    if given:
+        return Path(given)
+    return REPO / default if (REPO / default).is_file() else Path(default)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

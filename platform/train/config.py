@@ -45,8 +45,8 @@ class TrainConfig(BaseModel):
 
     preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
                         "kimi-linear-48b-a3b).")
-    init_from: str | None = Field(None, description="Start from a checkpoint directory (a k3 model directory, the K3 "
-                                  "release layout or Kimi Linear); its config.json replaces the preset.")
+    init_from: str | None = Field(None, description="Start from a checkpoint directory's weights (a k3 training "
+                                  "checkpoint or model directory, the K3 release layout or Kimi Linear); its config.json replaces the preset.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
     data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py: a path (absolute "
                       "inside a Ray job; the same on every node of a cluster) or a URI pyarrow reads (s3://, gs://, "

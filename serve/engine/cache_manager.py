@@ -32,24 +32,13 @@ import torch
 
 from k3.model.cache import CacheBatch, KDACacheSpec, KDAPool, MLACacheSpec, layer_cache_specs
 from k3.model.config import K3Config
+from k3.model.loading import memory_bytes
 
 from .kda_slots import SlotTable
 from .params import EngineConfig
 
 KDAStates = dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer -> (conv [3HK, W-1], recurrent [H, K, V])
 Latents = dict[int, torch.Tensor]  # MLA layer -> [tokens, latent]
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes free to allocate on `device` now (None where it cannot be told): a cache this large
-    is zeroed whole when the engine starts."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        import psutil
-
-        return psutil.virtual_memory().available
-    return None
 
 
 class FreePages:
@@ -260,7 +249,7 @@ class CacheManager:
             n_pages = ec.max_num_seqs * (-(-max_len // self.page_size))
         if n_pages < 1:
             raise ValueError(f"cache_memory_bytes={budget} leaves no room for a single {self.page_size}-token MLA page")
-        free = free_memory(self.device)
+        free = memory_bytes(self.device, free=True)  # the cache is zeroed whole when the engine starts
         if free is not None and budget > free:
             raise ValueError(f"cache_memory_bytes={budget:,} is more than the {free:,} bytes free on {self.device}: "
                              f"lower it")

@@ -7,9 +7,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-# Below this temperature sampling is greedy: dividing logits by a denormal temperature overflows
-# to inf and the softmax becomes NaN (vLLM draws the same line).
-GREEDY_BELOW = 1e-5
+# Below GREEDY_BELOW the temperature is greedy, in the engine as in k3.model.generate: dividing
+# logits by a denormal temperature overflows to inf and the softmax becomes NaN (vLLM draws the
+# same line).
+from k3.model.generation import GREEDY_BELOW
+
 MAX_SEED = 2**63 - 1
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
 COMPILE_DECODE_ENV = "K3_COMPILE_DECODE"  # EngineConfig.compile_decode's default, when set (0 or 1)

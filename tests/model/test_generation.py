@@ -47,11 +47,6 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(model, temperature):
     assert got == generate(model, PROMPTS, SamplingConfig(max_tokens=3))
 
 
-def test_greedy_below_the_engines_line():
-    from k3.serve.engine.params import GREEDY_BELOW as ENGINE_GREEDY_BELOW
-    assert GREEDY_BELOW == ENGINE_GREEDY_BELOW
-
-
 @pytest.mark.parametrize("prompts", [
     torch.tensor([[1, 2]]),  # "Boolean value of Tensor with more than one value is ambiguous"
     [1, 2, 3],  # TypeError: no len()

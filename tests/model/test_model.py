@@ -156,7 +156,7 @@ def test_solving_router_bias_routes_each_layer_with_its_solve_before_the_next(mo
     (dict(kda_num_heads=0), "kda_num_heads"),
     (dict(layer_types=["kda"] * 7 + ["attention"]), "layer_types"),
     (dict(kda_chunk_size=40), "kda_chunk_size"),
-    (dict(kda_chunk_size=48), "kda_chunk_size"),
+    (dict(kda_chunk_size=272), "kda_chunk_size"),
     (dict(kda_chunk_size=1 << 20), "kda_chunk_size"),  # its forward asked for 35 TB
     (dict(activation="gelu"), "activation"),
     (dict(eos_token_id=5000), "eos_token_id"),
@@ -221,6 +221,20 @@ def test_the_gate_floor_is_the_kernels():
     from k3.model.config import KDA_GATE_FLOOR
 
     assert KDA_GATE_FLOOR == GATE_FLOOR
+
+
+def test_the_configs_chunk_sizes_are_the_ones_the_kernels_take():
+    from k3.kernels.kda.contract import check_chunk_size
+    from k3.model.config import kda_chunk_size_ok
+
+    def kernel_takes(n: int) -> bool:
+        try:
+            check_chunk_size(n)
+        except ValueError:
+            return False
+        return True
+
+    assert [n for n in range(0, 600) if kda_chunk_size_ok(n) != kernel_takes(n)] == []
 
 
 def test_an_unknown_override_is_a_value_error_naming_it():

@@ -219,6 +219,12 @@ def test_the_cli_s_default_files_are_k3_s_from_any_folder(tmp_path, monkeypatch,
     capsys.readouterr()
     assert main(["cluster", "rayservice", "--serve-config", "serve/config.yaml"]) != 0
     assert "serve/config.yaml: no such Serve config" in capsys.readouterr().err
+    # an installed wheel holds no cluster/ or serve/ configs: the default is read where the user is
+    from k3.platform.ops import cli, prometheus
+
+    monkeypatch.setattr(prometheus, "REPO", tmp_path / "site-packages" / "k3")
+    assert cli._shipped(None, "serve/config.yaml") == Path("serve/config.yaml")
+    assert cli._shipped("x.yaml", "serve/config.yaml") == Path("x.yaml")
 
 
 def test_rayservice_with_haproxy_sets_the_flag_in_every_container(tmp_path, capsys):
