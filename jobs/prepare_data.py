@@ -25,8 +25,9 @@ p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size
 p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
 p.add_argument("--rows-per-shard", type=int, default=1024, help="sequences per Parquet shard, at most 16,777,216 "
                "tokens' worth (a long --seq-len makes more, smaller shards: 15 rows a shard at --seq-len 1048576)")
-p.add_argument("--max-bytes", type=int, default=None, help="use the input's first this many bytes of text (UTF-8; "
-               "the document that crosses it is cut there, the rest is not read); default: all of it")
+p.add_argument("--max-bytes", type=int, default=None, help="use the input's documents until they hold this many bytes "
+               "of text (UTF-8; documents are kept whole, the one that reaches it too; the rest is not read); "
+               "default: all of it")
 p.add_argument("--doc-starts", action="store_true", help="also mark where each document starts in a row (column "
                "doc_start): training then resets the KDA state and masks MLA there; for long --seq-len (32768, 65536), "
                "where a row holds many documents")

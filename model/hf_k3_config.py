@@ -94,6 +94,12 @@ def config_from_release(d: dict) -> K3Config:
     mlp_types = mlp_schedule(L, f.integer("first_k_dense_replace", required=True),
                              f.integer("moe_layer_freq", default=1)) if moe else ["dense"] * L
     refuse_unsupported(f, layer_types, nope_default=False)
+    # the release says one KV head per query head (MLA has one KV latent for all heads). Kimi Linear's
+    # configs are not checked for it: transformers' default is 32 whatever the heads, and its MLA
+    # runs alike with any value.
+    heads = f.get("num_attention_heads")
+    if f.get("num_key_value_heads", default=heads) != heads:
+        f.refuse("num_key_value_heads", f.get("num_key_value_heads"), "MLA has one KV latent for all heads")
     if "gate_lower_bound" not in lin:
         raise ValueError("config.json text_config.linear_attn_config.gate_lower_bound is missing: the K3 release "
                          "always sets it (-5.0); null selects Kimi Linear's unbounded gate")
@@ -225,9 +231,6 @@ def refuse_unsupported(f: ConfigFields, layer_types: list[str], nope_default: bo
         f.refuse("mla_use_nope", f.get("mla_use_nope"), "k3's MLA is NoPE (no rotary embedding)")
     if f.integer("num_nextn_predict_layers", default=0):
         f.refuse("num_nextn_predict_layers", f.get("num_nextn_predict_layers"), "MTP layers are not supported by k3")
-    heads = f.get("num_attention_heads")
-    if f.get("num_key_value_heads", default=heads) != heads:
-        f.refuse("num_key_value_heads", f.get("num_key_value_heads"), "MLA has one KV latent for all heads")
 
 
 def _layer_types(L: int, lin: ConfigFields) -> list[str]:

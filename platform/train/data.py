@@ -72,9 +72,10 @@ class Manifest:
     def rows_hash(self) -> str:
         """A hash of what decides the rows (the input's fingerprint, the settings, the tokenizer,
         the counts and the shards), not of where the directory is: a copy moved to a shared mount
-        or a bucket keeps it, a re-prepare from other input or settings does not. A checkpoint
+        or a bucket keeps it, a re-prepare from other input or settings does not (nor does a
+        manifest written before `dropped_tokens` was kept: the rows are the same). A checkpoint
         keeps it, and `--resume` compares it (k3.platform.train.launch.check_resume)."""
-        fields = {k: v for k, v in asdict(self).items() if k != "input"}
+        fields = {k: v for k, v in asdict(self).items() if k not in ("input", "dropped_tokens")}
         return blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -212,20 +213,15 @@ def _up_to_date(out: Path, fp: str, settings: dict) -> Manifest | None:
 
 
 def _read_texts(source: str, kind: str, files: list[Path], max_bytes: int | None) -> tuple[list[str], int]:
-    """(the input's documents, their UTF-8 bytes). With max_bytes, its first max_bytes bytes: the
-    document that crosses the budget is cut there (a character the cut would split is left out)
-    and the input after it is not read."""
+    """(the input's documents, their UTF-8 bytes). With max_bytes, its documents in order until
+    they hold max_bytes bytes: documents are kept whole (the one that reaches the budget too), and
+    the input after it is not read."""
     texts, total = [], 0
     for t in iter_texts(kind, files):
-        size = len(t.encode())
-        if max_bytes is not None and total + size > max_bytes:
-            t = t.encode()[:max_bytes - total].decode(errors="ignore")
-            if t:
-                texts.append(t)
-                total += len(t.encode())
+        if max_bytes is not None and total >= max_bytes:
             break
         texts.append(t)
-        total += size
+        total += len(t.encode())
     if not any(t.strip() for t in texts):
         raise ValueError(f"input {source!r} has no text")
     return texts, total

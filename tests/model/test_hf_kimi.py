@@ -158,7 +158,6 @@ RELEASED = Path(k3.model.__file__).parent / "data" / "kimi_linear_48b_a3b_config
     ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax': k3's router is sigmoid"),
     ("scoring_func", "softmax", "scoring_func='softmax': k3's router is sigmoid"),
     ("topk_method", "greedy", "topk_method='greedy'"),
-    ("num_key_value_heads", 1, "num_key_value_heads=1"),
     # JSON booleans only: bool("false") is True
     ("moe_renormalize", "false", "moe_renormalize='false': must be true or false"),
     ("tie_word_embeddings", "false", "tie_word_embeddings='false': must be true or false"),
@@ -176,6 +175,14 @@ def test_config_fields_k3_cannot_honour_are_refused_naming_the_field(field, valu
     hf = json.loads(RELEASED.read_text()) | {field: value}
     with pytest.raises(ValueError, match=f"config.json:? {match}"):
         config_from_hf(hf)
+
+
+def test_num_key_value_heads_is_not_read():
+    """transformers' KimiLinearConfig keeps its default 32 KV heads whatever num_attention_heads is
+    (a config built with 4 heads and no num_key_value_heads runs in transformers): k3 reads the
+    model as transformers runs it, not refused."""
+    hf = json.loads(RELEASED.read_text())
+    assert config_from_hf(hf | {"num_key_value_heads": 1}) == config_from_hf(hf)
 
 
 def test_several_end_tokens_stop_at_the_first():

@@ -258,15 +258,16 @@ def test_max_bytes_below_one_is_refused_naming_the_flag(tmp_path, max_bytes):
         run.stderr
 
 
-@pytest.mark.parametrize("text, max_bytes, kept", [
-    (TEXTS[0], 100, 100),  # the first file was kept whole (9,000 bytes)
-    ("é" * 300, 101, 100),  # a character the cut would split is left out
-])
-def test_max_bytes_cuts_the_text_at_the_budget(tmp_path, text, max_bytes, kept):
-    # the input's byte count is in the refusal of a --seq-len it cannot fill
+@pytest.mark.parametrize("max_bytes, documents", [(1, 1), (9_000, 1), (9_001, 2)])
+def test_max_bytes_keeps_whole_documents_until_the_budget(tmp_path, max_bytes, documents):
+    """Documents are kept whole, the one that reaches the budget too, and nothing after it is read
+    (the data every test and the README prepare with --max-bytes stays what it was); the input's
+    bytes are counted in the refusal of a --seq-len it cannot fill."""
     src = tmp_path / "corpus"
     src.mkdir()
-    (src / "a.txt").write_text(text)
-    (src / "b.txt").write_text(TEXTS[1])
-    with pytest.raises(ValueError, match=f"the input's {kept} bytes of text in 1 documents give at most {kept + 1} "):
-        prepare(str(src), tmp_path / "data", seq_len=1000, max_bytes=max_bytes, **SETTINGS)
+    (src / "a.txt").write_text("a" * 9_000)
+    (src / "b.txt").write_text("b" * 500)
+    kept = 9_000 + 500 * (documents - 1)
+    with pytest.raises(ValueError, match=f"the input's {kept:,} bytes of text in {documents:,} documents give at most "
+                                         f"{kept + documents:,} "):
+        prepare(str(src), tmp_path / "data", seq_len=100_000, max_bytes=max_bytes, **SETTINGS)
