@@ -56,8 +56,9 @@ def config_from_hf(hf: dict) -> K3Config:
         mlp = rule
     refuse_unsupported(f, types, nope_default=True)
     return k3_config(
-        vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=types, mlp_types=mlp,
-        intermediate_size=f.get("intermediate_size"), rms_norm_eps=f.number("rms_norm_eps", default=1e-5),
+        vocab_size=f.get("vocab_size"), hidden_size=f.get("hidden_size"), num_layers=L, layer_types=types,
+        mlp_types=mlp, intermediate_size=f.get("intermediate_size"),
+        rms_norm_eps=f.number("rms_norm_eps", default=1e-5),
         max_position_embeddings=f.get("model_max_length", "max_position_embeddings", default=1_048_576),
         tie_word_embeddings=f.flag("tie_word_embeddings", default=False), activation="swiglu",
         kda_num_heads=f.get("linear_num_heads", default=lin.get("num_heads", default=32)),

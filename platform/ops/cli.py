@@ -117,7 +117,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     elif args.action == "up":
         from k3.platform.ops.local_ray import direct_ingress_env
 
-        st = cluster.up(_shipped(args.config, "cluster/local-autoscaling.yaml"), args.state, grafana_url=os.environ.get("GRAFANA_URL") or None,
+        st = cluster.up(_shipped(args.config, "cluster/local-autoscaling.yaml"), args.state,
+                        grafana_url=os.environ.get("GRAFANA_URL") or None,
                         env=direct_ingress_env() if args.haproxy else None)
         print(f"k3 cluster up: head pid {st['pid']}, GCS {st['gcs_address']}, dashboard {st['address']}\n"
               f"  session dir {st['session_dir']}\n"

@@ -46,7 +46,8 @@ class TrainConfig(BaseModel):
     preset: str = Field("k3-tiny", description="Model preset (k3, k3-small, k3-tiny, k3-tiny-vl, "
                         "kimi-linear-48b-a3b).")
     init_from: str | None = Field(None, description="Start from a checkpoint directory's weights (a k3 training "
-                                  "checkpoint or model directory, the K3 release layout or Kimi Linear); its config.json replaces the preset.")
+                                  "checkpoint or model directory, the K3 release layout or Kimi Linear); its "
+                                  "config.json replaces the preset.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields to change.")
     data: str = Field("data/bundled", description="Directory written by jobs/prepare_data.py: a path (absolute "
                       "inside a Ray job; the same on every node of a cluster) or a URI pyarrow reads (s3://, gs://, "
@@ -191,8 +192,8 @@ class TrainConfig(BaseModel):
         else:
             fix = f"prepare the data with --seq-len <= {limit - 1} and train with --micro-batch 1" + \
                 (f", or with {fits} at --micro-batch {mb}" if fits else "")
-        raise ValueError(f"micro_batch (--micro-batch) {mb} x (the data's seq_len {seq_len} (--seq-len) + 1) = {tokens} "
-                         f"tokens reach each worker's forward as one stream ({why}), more than the model's "
+        raise ValueError(f"micro_batch (--micro-batch) {mb} x (the data's seq_len {seq_len} (--seq-len) + 1) = "
+                         f"{tokens} tokens reach each worker's forward as one stream ({why}), more than the model's "
                          f"max_position_embeddings {limit}: {fix}")
 
     def _check_context_parallel(self, cfg: K3Config, seq_len: int) -> None:

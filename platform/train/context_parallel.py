@@ -49,7 +49,8 @@ def piece_problem(cp_size: int, seq_len: int, conv_size: int) -> str | None:
     if seq_len % cp_size:
         return f"must divide the sequence of {seq_len} tokens"
     if cp_size > 1 and seq_len // cp_size < conv_size - 1:
-        return f"cuts the sequence of {seq_len} tokens into pieces shorter than the KDA conv window ({conv_size - 1} tokens)"
+        return (f"cuts the sequence of {seq_len} tokens into pieces shorter than the KDA conv window "
+                f"({conv_size - 1} tokens)")
     return None
 
 

@@ -283,7 +283,8 @@ def best_plan(s: TrainSetup, gpus: int, utilisation: float, **pinned: int | None
     plans = [plan_layout(s, l, utilisation) for l in layouts(s, gpus, **pinned)]
     if not plans:
         raise ValueError(f"no DP x CP x EP layout of {gpus} GPUs matches {pinned_text(pinned)} (CP must divide the "
-                         f"context {s.context} and, above 1, cut it into shards of >= {s.cfg.kda_conv_size - 1} tokens, "
+                         f"context {s.context} and, above 1, cut it into shards of >= "
+                         f"{s.cfg.kda_conv_size - 1} tokens, "
                          f"the KDA conv window, as the trainer does; EP must divide {gpus} and the "
                          f"{s.cfg.num_experts} experts)")
     plans.sort(key=lambda p: (not p.fits, p.seconds_per_sequence if p.fits else p.total_bytes))
