@@ -49,7 +49,7 @@ from .checkpoint_reader import INDEX, CheckpointReader
 from .config import K3Config
 from .directory import MODEL_FILES, Source, check_destination, owned, write_beside
 from .hf_k3_config import check_quantization, config_from_release, config_to_release
-from .loading import wants_vision
+from .loading import read_config_json, wants_vision
 from .model import K3ForCausalLM, load_dtype
 from .moe import Experts, check_expert_parallel, require_all_experts, shard_experts
 from .multimodal import K3ForConditionalGeneration
@@ -69,9 +69,10 @@ def read_config(path: str | Path) -> tuple[dict, K3Config]:
     p = Path(path) / "config.json"
     if not p.exists():
         raise ValueError(f"{path}: no config.json")
-    d = json.loads(p.read_text())
-    if d.get("model_type") not in (None, "kimi_k3") or "text_config" not in d:
-        raise ValueError(f"{p}: not a K3 release config (model_type {d.get('model_type')!r}, needs text_config)")
+    d = read_config_json(path)
+    if d.get("model_type") not in (None, "kimi_k3") or not isinstance(d.get("text_config"), dict):
+        raise ValueError(f"{p}: not a K3 release config (model_type {d.get('model_type')!r}, needs a text_config "
+                         f"object)")
     check_quantization(d["text_config"])
     return d, config_from_release(d)
 

@@ -283,7 +283,7 @@ class K3ForCausalLM(nn.Module):
         share of the stream's mean (the group's losses add up to it).
         """
         cu = cu_seqlens if cache is None else cache.cu_seqlens
-        self._check(input_ids, cu, labels, cache, logits_at, inputs_embeds)
+        self._check(input_ids, cu, labels, cache, logits_at, inputs_embeds, shard)
         if shard is not None:
             self._check_shard(input_ids, cu_seqlens, cache, inputs_embeds, shard)
         target = count = None
@@ -293,7 +293,7 @@ class K3ForCausalLM(nn.Module):
                 shard.next_token_targets(labels)
         if eager():  # values: a captured graph (the engine's decode step) cannot read them back
             rows = input_ids.numel() if shard is None else shard.end - shard.start
-            self._check_values(input_ids, cu, logits_at, rows, inputs_embeds, target, count)
+            self._check_values(input_ids, cu, logits_at, rows, inputs_embeds, target, count, documents=cache is None)
         h, routers = self.model(input_ids, cu, cache, collect_router, inputs_embeds, shard)
         loss = None if labels is None else next_token_loss(h, self.lm_head.weight, target, count)
         flat = h.reshape(-1, h.shape[-1])
@@ -311,8 +311,9 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"with a shard, input_ids is the whole stream [1, {shard.total}], got "
                              f"{tuple(input_ids.shape)}")
 
-    def _check(self, input_ids, cu, labels, cache, logits_at, inputs_embeds) -> None:
-        """Types, shapes and dtypes of the inputs (free: no value is read)."""
+    def _check(self, input_ids, cu, labels, cache, logits_at, inputs_embeds, shard=None) -> None:
+        """Types, shapes and dtypes of the inputs (free: no value is read; a packed stream's
+        longest document is measured in _check_values)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
@@ -328,9 +329,15 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
             if labels.device != input_ids.device:
                 raise ValueError(f"labels is on {labels.device} but input_ids is on {input_ids.device}")
-        if cache is None and input_ids.shape[1] > self.cfg.max_position_embeddings:
-            raise ValueError(f"input_ids has {input_ids.shape[1]} tokens > max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+        # a sequence, not a batch, holds positions: a row of [B, T], or a document of a packed stream
+        # (cu_seqlens: measured with the values; a shard's documents are host ints already)
+        limit = self.cfg.max_position_embeddings
+        if shard is not None:
+            if shard.longest_document > limit:
+                raise ValueError(f"the shard's stream holds a document of {shard.longest_document} tokens > "
+                                 f"max_position_embeddings {limit}")
+        elif cache is None and cu is None and input_ids.shape[1] > limit:
+            raise ValueError(f"input_ids has {input_ids.shape[1]} tokens > max_position_embeddings {limit}")
         if cu is not None:
             if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in INDEX_DTYPES:
                 got = f"{tuple(cu.shape)} {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
@@ -355,12 +362,16 @@ class K3ForCausalLM(nn.Module):
             if inputs_embeds.device != input_ids.device:
                 raise ValueError(f"inputs_embeds is on {inputs_embeds.device} but input_ids is on {input_ids.device}")
 
-    def _check_values(self, input_ids, cu, logits_at, rows: int, inputs_embeds, target, count) -> None:
+    def _check_values(self, input_ids, cu, logits_at, rows: int, inputs_embeds, target, count,
+                      documents: bool = True) -> None:
         """The values of the inputs, read back in one host sync (rows: the tokens whose logits
-        logits_at picks from; target, count: next_token_targets of the labels)."""
+        logits_at picks from; target, count: next_token_targets of the labels; documents: cu
+        delimits whole documents, each held to the model's positions, not a cache's new tokens)."""
         stats = dict(zip(("lo", "hi"), torch.aminmax(input_ids)))
         if cu is not None:
             stats |= {"cu_first": cu[0], "cu_last": cu[-1], "cu_falls": (cu[1:] < cu[:-1]).any()}
+            if documents:
+                stats["longest"] = (cu[1:] - cu[:-1]).max()
         if inputs_embeds is not None:
             stats["embeds_bad"] = ~torch.isfinite(inputs_embeds).all()
         if logits_at is not None and logits_at.numel():
@@ -375,6 +386,9 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids out of range [0, {V}): min {v['lo']}, max {v['hi']}")
         if cu is not None and (v["cu_first"] != 0 or v["cu_last"] != input_ids.numel() or v["cu_falls"]):
             raise ValueError(f"cu_seqlens must rise from 0 to {input_ids.numel()}, got {cu.tolist()[:8]}")
+        if v.get("longest", 0) > self.cfg.max_position_embeddings:
+            raise ValueError(f"cu_seqlens holds a document of {v['longest']} tokens > max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
         if v.get("embeds_bad"):
             raise ValueError("inputs_embeds holds NaN or inf")
         if "at_lo" in v and (v["at_lo"] < 0 or v["at_hi"] >= rows):

@@ -73,6 +73,11 @@ class SequenceShard:
                              f"got {list(docs)[:8]}")
         object.__setattr__(self, "_docs", tuple(sorted(set(docs))))
 
+    @property
+    def longest_document(self) -> int:
+        """Tokens in the stream's longest document (a sequence holds positions, a stream does not)."""
+        return max(e - s for s, e in zip(self._docs, self._docs[1:]))
+
     # -- where this piece lies
     @property
     def world(self) -> int:

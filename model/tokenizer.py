@@ -36,6 +36,8 @@ BUNDLED_TOKENIZER = Path(__file__).with_name("data") / "tokenizer.json"
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer in a tokenizer.json file; a ValueError naming the file when it is not one."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"the tokenizer's path must be a tokenizer.json file's path, got {path!r}")
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"tokenizer file not found: {p}")

@@ -152,7 +152,7 @@ class TrainConfig(BaseModel):
         if m.vocab_size > mcfg.vocab_size:
             raise ValueError(f"tokenizer vocab {m.vocab_size} exceeds the model's vocab_size {mcfg.vocab_size}")
         self._check_context_parallel(mcfg, m.seq_len)
-        self._check_positions(mcfg, m.seq_len, bool(m.settings.get("doc_starts")))
+        self._check_positions(mcfg, m.seq_len)
         per_step = self.micro_batch * (self.num_workers // self.context_parallel)
         if per_step > m.num_sequences:
             raise ValueError(f"micro_batch x num_workers / context_parallel = {per_step} sequences per step, but the "
@@ -167,34 +167,17 @@ class TrainConfig(BaseModel):
                                  f"examples per step, but the media set has {info['counts']['train']['rows']}")
         return m
 
-    def _check_positions(self, cfg: K3Config, seq_len: int, doc_starts: bool) -> None:
-        """The tokens a worker's forward receives against the model's max_position_embeddings,
-        which the forward refuses to exceed (K3ForCausalLM._check). A row holds seq_len + 1 tokens
-        (the inputs and their shifted labels, Trainer.make_batch); a batch is [micro_batch, seq_len
-        + 1], or, with document starts in the data or context parallelism, its rows laid end to end
-        as one stream of micro_batch x (seq_len + 1) tokens, which every rank of a context-parallel
-        group receives whole (it computes its piece of it)."""
-        row, limit, mb = seq_len + 1, cfg.max_position_embeddings, self.micro_batch
-        packed = doc_starts or self.context_parallel > 1
-        tokens = mb * row if packed else row
-        if tokens <= limit:
-            return
-        if not packed:
+    def _check_positions(self, cfg: K3Config, seq_len: int) -> None:
+        """The longest sequence a worker's forward receives against the model's
+        max_position_embeddings, which the forward refuses to exceed (K3ForCausalLM._check). A row
+        holds seq_len + 1 tokens (the inputs and their shifted labels, Trainer.make_batch); rows laid
+        end to end as one stream (document starts, context parallelism) each start a document, so no
+        sequence is longer than a row, whatever the micro batch."""
+        row, limit = seq_len + 1, cfg.max_position_embeddings
+        if row > limit:
             raise ValueError(f"the data's seq_len {seq_len} (--seq-len) gives rows of {row} tokens (seq_len + 1: "
                              f"inputs and shifted labels), more than the model's max_position_embeddings {limit}: "
                              f"prepare the data with --seq-len <= {limit - 1}")
-        why = "the data has document starts" if doc_starts else f"context_parallel {self.context_parallel}"
-        fits = f"--seq-len <= {limit // mb - 1}" if limit // mb - 1 >= 2 else None
-        if mb == 1:
-            fix = f"prepare the data with --seq-len <= {limit - 1}"
-        elif seq_len + 1 <= limit:
-            fix = f"lower --micro-batch to {limit // row}" + (f", or prepare the data with {fits}" if fits else "")
-        else:
-            fix = f"prepare the data with --seq-len <= {limit - 1} and train with --micro-batch 1" + \
-                (f", or with {fits} at --micro-batch {mb}" if fits else "")
-        raise ValueError(f"micro_batch (--micro-batch) {mb} x (the data's seq_len {seq_len} (--seq-len) + 1) = "
-                         f"{tokens} tokens reach each worker's forward as one stream ({why}), more than the model's "
-                         f"max_position_embeddings {limit}: {fix}")
 
     def _check_context_parallel(self, cfg: K3Config, seq_len: int) -> None:
         """The layout rules of --context-parallel C: C divides the workers (ranks = DP x C) and the

@@ -201,3 +201,18 @@ def test_other_mistakes_get_clear_errors(tmp_path):
         load_k3(path, vision=True)
     with pytest.raises(ValueError, match="ep_size=3"):
         load_k3(path, ep_rank=0, ep_size=3, vision=False)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"model_type": "kimi_k3", "text_config": ', r"config.json: not JSON"),  # cut short
+    (b'\xff\xfe{"model_type"', r"config.json: not JSON"),  # not UTF-8
+    (b'[1, 2]', r"config.json: not a JSON object"),
+    (b'{"model_type": "kimi_k3", "text_config": "llama"}', r"config.json: not a K3 release config .*text_config object"),
+])
+def test_a_config_json_that_is_not_a_release_config_is_named(tmp_path, content, match):
+    """read_config raised a bare JSONDecodeError, UnicodeDecodeError or AttributeError."""
+    from k3.model.hf_k3 import read_config
+
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=f"{tmp_path}/{match}"):
+        read_config(tmp_path)

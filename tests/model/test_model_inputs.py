@@ -120,3 +120,21 @@ def test_nan_in_inputs_embeds_is_named_not_blamed_on_the_kda_gate(model, bad):
 def test_bad_cu_seqlens_name_the_argument(model, cu, match):
     with torch.no_grad(), pytest.raises(ValueError, match=match):
         model(ids().reshape(1, -1), cu_seqlens=cu)
+
+
+def test_a_packed_stream_is_held_to_the_positions_by_its_longest_document():
+    """A sequence holds positions, a stream of them does not: a packed stream of three 4-token
+    documents runs on a model of 8 positions (its whole 12 tokens were refused), its output the
+    documents' own; a document of 9 tokens is refused, naming it. A row of [B, T] is one sequence."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("k3-tiny", num_layers=2, layer_types=["kda", "mla"], mlp_types=["dense", "moe"],
+                                     max_position_embeddings=8)).eval()
+    x = ids(3, 4)
+    with torch.no_grad():
+        packed = model(x.reshape(1, -1), cu_seqlens=torch.tensor([0, 4, 8, 12]), labels=x.reshape(1, -1))
+        rows = model(x, labels=x)
+        assert_close("packed vs rows", packed.logits.reshape(3, 4, -1), rows.logits, 1e-5)
+        with pytest.raises(ValueError, match="cu_seqlens holds a document of 9 tokens > max_position_embeddings 8"):
+            model(x.reshape(1, -1), cu_seqlens=torch.tensor([0, 9, 12]))
+        with pytest.raises(ValueError, match="input_ids has 9 tokens > max_position_embeddings 8"):
+            model(ids(1, 9))

@@ -115,3 +115,17 @@ def test_bad_inputs_with_a_shard():
         model(ids, cu_seqlens=torch.tensor(DOCS), shard=_shard(0))
     with pytest.raises(ValueError, match="reach past the previous piece"):
         model(ids[:, :6], shard=SequenceShard(1, (0, 2, 6), None, _stacked(2)))
+
+
+def test_a_shard_is_held_to_the_positions_by_its_longest_document():
+    """The stream of 30 tokens runs on a model of 11 positions (its documents are at most 11 long);
+    a document of 12 tokens is refused, naming the shard."""
+    cfg = get_preset("k3-tiny", num_layers=1, layer_types=["kda"], mlp_types=["dense"], max_position_embeddings=11)
+    model = k3.model.build(cfg, seed=0)
+    ids = torch.randint(0, 100, (1, 30))
+    assert _shard(0).longest_document == 11
+    with torch.no_grad():
+        assert model(ids, shard=_shard(0)).logits.shape[:2] == (1, 10)
+        with pytest.raises(ValueError, match="the shard's stream holds a document of 12 tokens > "
+                                             "max_position_embeddings 11"):
+            model(ids, shard=_shard(0, docs=[0, 5, 17, 20, 30]))

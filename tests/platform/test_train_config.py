@@ -127,31 +127,26 @@ def rows_of_64(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("data, positions, change, message", [
+@pytest.mark.parametrize("data, positions, change", [
     # rows are seq_len + 1 tokens: a model of 64 positions cannot take data of --seq-len 64
-    ("plain", 64, dict(), r"the data's seq_len 64 \(--seq-len\) gives rows of 65 tokens .* max_position_embeddings "
-     r"64: prepare the data with --seq-len <= 63"),
-    # document starts: the micro batch's rows are one stream
-    ("docs", 65, dict(micro_batch=2), r"micro_batch \(--micro-batch\) 2 x \(the data's seq_len 64 \(--seq-len\) \+ 1\) "
-     r"= 130 tokens .* one stream \(the data has document starts\), more than the model's max_position_embeddings "
-     r"65: lower --micro-batch to 1"),
-    ("docs", 64, dict(micro_batch=1), r"= 65 tokens .* prepare the data with --seq-len <= 63"),
-    # context parallelism: every rank of the group receives the whole stream
-    ("plain", 65, dict(micro_batch=2, context_parallel=2), r"= 130 tokens .* \(context_parallel 2\)"),
-    ("plain", 129, dict(micro_batch=4, context_parallel=2), r"= 260 tokens .* lower --micro-batch to 1, or prepare "
-     r"the data with --seq-len <= 31"),
+    ("plain", 64, dict()),
+    ("docs", 64, dict(micro_batch=1)),
+    ("plain", 64, dict(micro_batch=2, context_parallel=2)),
 ])
-def test_a_forward_longer_than_the_model_positions_is_refused_up_front(rows_of_64, data, positions, change, message):
+def test_a_forward_longer_than_the_model_positions_is_refused_up_front(rows_of_64, data, positions, change):
     cfg = TrainConfig(**{"data": str(rows_of_64 / data), "num_workers": 2, "micro_batch": 8, "balance": {"method": "none"},
                          "model_overrides": {"max_position_embeddings": positions}, **change})
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"the data's seq_len 64 \(--seq-len\) gives rows of 65 tokens .* "
+                                         r"max_position_embeddings 64: prepare the data with --seq-len <= 63"):
         cfg.check()
 
 
 @pytest.mark.parametrize("data, positions, change", [
     ("plain", 65, dict()),  # [8, 65] rows: each row is one sequence of 65 positions
-    ("docs", 65, dict(micro_batch=1)),
-    ("plain", 130, dict(micro_batch=2, context_parallel=2)),
+    # rows laid end to end as one stream each start a document: the stream of 8 x 65 tokens fits 65
+    # positions (it was refused, the stream measured whole)
+    ("docs", 65, dict()),
+    ("plain", 65, dict(micro_batch=4, context_parallel=2)),
 ])
 def test_a_forward_that_fits_the_positions_passes(rows_of_64, data, positions, change):
     TrainConfig(**{"data": str(rows_of_64 / data), "num_workers": 2, "micro_batch": 8, "balance": {"method": "none"},
