@@ -383,29 +383,44 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
                    "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # every bad flag named at once, before any model is built
+    problems = []
     only = set(args.only.split(","))
+    if not only or only - {"decode", "train"}:
+        problems.append(f"--only takes decode, train, got {args.only!r}")
+    models = args.models.split(",")
+    if not models or set(models) - set(MODELS):
+        problems.append(f"--models takes {', '.join(MODELS)}, got {args.models!r}")
     engines = [e.strip() for e in args.engines.split(",")]
     if not engines or set(engines) - set(ENGINES):
-        p.error(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
-    if args.new_tokens < 1:
-        p.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
+        problems.append(f"--engines takes {', '.join(ENGINES)}, got {args.engines!r}")
+    for flag, value in (("--new-tokens", args.new_tokens), ("--repeats", args.repeats),
+                        ("--train-batch", args.train_batch), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} must be >= 1, got {value}")
+    if args.train_seq < 2:
+        problems.append(f"--train-seq must be >= 2 (inputs and their next tokens), got {args.train_seq}")
     ec = EngineConfig()
+    most = min(ec.max_num_seqs, ec.max_num_batched_tokens // PROMPT_LEN)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
-        p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
-    bad = [b for b in batches if not 1 <= b <= min(ec.max_num_seqs, ec.max_num_batched_tokens // PROMPT_LEN)]
+        batches = []
+        problems.append(f"--batches takes comma-separated integers, got {args.batches!r}")
+    bad = [b for b in batches if not 1 <= b <= most]
     if bad:
-        p.error(f"--batches: each must be 1..{min(ec.max_num_seqs, ec.max_num_batched_tokens // PROMPT_LEN)} "
-                f"(the engine's max_num_seqs, and {PROMPT_LEN}-token prompts prefilled in one step), got {bad}")
+        problems.append(f"--batches: each must be 1..{most} (the engine's max_num_seqs, and {PROMPT_LEN}-token "
+                        f"prompts prefilled in one step), got {bad}")
+    if problems:
+        p.error("\n".join(problems))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                              "torch": torch.__version__, "transformers": transformers.__version__,
                              "load_average_at_start": os.getloadavg()}}
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
-        for name in args.models.split(","):
+        for name in models:
             hf, path = build(name, d)
             res[name] = {"params_million": round(sum(x.numel() for x in hf.parameters()) / 1e6, 2)}
             if "decode" in only:
