@@ -355,6 +355,26 @@ class VisionProcessor:
         return MediaItem(kind=kind, pixel_values=pv, grid_thw=grid, num_tokens=(grid[1] // kh) * (grid[2] // kw),
                          original_size=size, content_hash=digest.hexdigest(), timestamp=timestamp)
 
+    def image_tokens_at_least(self, src: Any) -> int:
+        """The placeholders `image(src)` fills, or fewer, read from the image's header (no pixel is
+        decoded; a JPEG's EXIF rotation may swap its sides, so the smaller count of the two); 0 for
+        a source without a header to read. Refuses what `image` refuses for its bytes, format and
+        size."""
+        if isinstance(src, str):
+            src = _bytes_from_string(src, "image")
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            w, h = _open(bytes(src), "image", IMAGE_FORMATS, self.cfg).size
+        elif isinstance(src, Image.Image):
+            w, h = src.size
+        else:
+            return 0
+        return min(self._tokens(w, h), self._tokens(h, w))
+
+    def _tokens(self, w: int, h: int) -> int:
+        p, (kh, kw) = self.cfg.patch_size, self.cfg.merge_kernel_size
+        _, _, pw, ph = fit_size(w, h, self.cfg.in_patch_limit, self.cfg)
+        return (ph // p // kh) * (pw // p // kw)
+
     def image(self, src: Any) -> MediaItem:
         rgb = load_image(src, self.cfg)
         size = (rgb.shape[1], rgb.shape[0])

@@ -54,19 +54,35 @@ class ChatMedia:
                 max_video_frames=config.max_video_frames, max_image_pixels=config.max_image_pixels,
                 max_video_decode_pixels=config.max_video_decode_pixels))
 
-    def _process(self, i: int, j: int, part) -> list[MediaItem]:
+    def _named(self, i: int, j: int, part, work):
+        """work(kind, url) for part j of message i; its ValueError a 400 naming the part."""
         kind = "image_url" if isinstance(part, ImageURLPart) else "video_url"
-        url = getattr(part, kind).url
         try:
-            return [self.processor.image(url)] if kind == "image_url" else self.processor.video(url)
+            return work(kind, getattr(part, kind).url)
         except ValueError as e:
             raise OpenAIError(f"messages[{i}].content[{j}]: {e}", param=f"messages[{i}].content[{j}].{kind}.url",
                               code="invalid_media") from None
 
-    def prompt(self, chat: ChatTemplate, messages: list[ChatMessage],
-               encoder: PromptEncoder | None) -> tuple[list[int], list[MediaItem]]:
+    def _process(self, i: int, j: int, part) -> list[MediaItem]:
+        return self._named(i, j, part, lambda kind, url: [self.processor.image(url)] if kind == "image_url"
+                           else self.processor.video(url))
+
+    def _check_room(self, parts, max_len: int) -> None:
+        """Pictures that alone fill the context, found from their headers before any is decoded
+        (decoding and resizing is the ingress's heaviest work, here for a request the context
+        refuses anyway). Videos count 0 here: a lower bound."""
+        least = sum(self._named(i, j, p, lambda kind, url: self.processor.image_tokens_at_least(url)
+                                if kind == "image_url" else 0) for i, j, p in parts)
+        if least >= max_len:
+            raise OpenAIError(f"This model's maximum context length is {max_len} tokens; however, the "
+                              f"{len(parts)} image/video part(s) alone fill at least {least}. Send fewer or "
+                              f"smaller images.", param="messages", code="context_length_exceeded")
+
+    def prompt(self, chat: ChatTemplate, messages: list[ChatMessage], encoder: PromptEncoder | None,
+               max_len: int | None = None) -> tuple[list[int], list[MediaItem]]:
         """(token ids, media items in placeholder order) of a conversation with media parts.
-        Every refusal is an OpenAIError (400) naming the part."""
+        Every refusal is an OpenAIError (400) naming the part; with max_len (the context), pictures
+        that cannot fit it are refused before any is decoded."""
         parts = [(i, j, p) for i, m in enumerate(messages) if not isinstance(m.content, str)
                  for j, p in enumerate(m.content) if p.type != "text"]
         if self.processor is None:
@@ -77,6 +93,8 @@ class ChatMedia:
                               param="messages")
         if encoder is None:
             raise OpenAIError("this model was deployed without a tokenizer: send token ids", param="messages")
+        if max_len is not None:
+            self._check_room(parts, max_len)
         per_part = [self._process(i, j, p) for i, j, p in parts]
         nonce = secrets.token_hex(8)
         mark = "\ue000" + nonce + ":{}\ue001"  # private-use characters around a per-request nonce

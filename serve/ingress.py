@@ -305,7 +305,8 @@ class Ingress:
             import ray
 
             # decoding and resizing is CPU work: off the event loop, which serves every other request
-            ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.encoder)
+            ids, items = await asyncio.to_thread(self.media.prompt, self.chat, body.messages, self.encoder,
+                                                 self.max_len)
             return await self._respond(body, [ids], chat=True, media=[ray.put(items)], trace=trace)
         ids = await self._off_loop(sum(len(m.text()) for m in body.messages), self._chat_ids, body.messages)
         return await self._respond(body, [ids], chat=True, trace=trace)

@@ -257,3 +257,34 @@ def test_transparent_pictures_are_laid_over_white_from_every_source():
     # an opaque picture is as before
     rgb = noise(28, 28, 4)
     np.testing.assert_array_equal(load_image(np.concatenate([rgb, np.full((28, 28, 1), 255, np.uint8)], -1), cfg), rgb)
+
+
+@pytest.mark.parametrize("h, w, limit", [(112, 112, 16384), (400, 90, 64), (1000, 30, 256), (29, 57, 4), (8, 8, 16)])
+def test_a_header_gives_the_image_tokens_or_fewer_without_decoding(h, w, limit, monkeypatch):
+    vp = VisionProcessor(ProcessorConfig(in_patch_limit=limit))
+    raw = encoded(noise(h, w))
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    tokens = vp.image(raw).num_tokens
+    with monkeypatch.context() as m:  # no pixel decoded for the count
+        m.setattr(Image.Image, "load", lambda self: (_ for _ in ()).throw(AssertionError("decoded")))
+        assert 0 < vp.image_tokens_at_least(raw) == vp.image_tokens_at_least(url) <= tokens
+    assert vp.image_tokens_at_least(Image.fromarray(noise(h, w))) <= tokens
+    assert vp.image_tokens_at_least(noise(h, w)) == 0  # an array has no header: a lower bound of 0
+
+
+def test_an_exif_rotated_header_counts_no_more_than_the_picture_shown():
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    raw = encoded(noise(40, 300), "JPEG", exif=exif.tobytes())
+    vp = VisionProcessor(ProcessorConfig(in_patch_limit=64))
+    assert vp.image_tokens_at_least(raw) <= vp.image(raw).num_tokens
+
+
+@pytest.mark.parametrize("src, match", [
+    ("http://example.com/cat.png", "remote URL"),
+    (b"\x89PNG\r\n\x1a\nnot really a png", "corrupt"),
+    (_bmp(), "unsupported format BMP"),
+])
+def test_a_header_count_refuses_what_the_image_refuses(src, match):
+    with pytest.raises(ValueError, match=match):
+        VisionProcessor().image_tokens_at_least(src)
