@@ -367,23 +367,9 @@ def tiny_step(repeats: int, gen: torch.Generator, batch: int = 8, seq: int = 256
             "profile": profile_step(lambda: tr.train_step(tr.make_batch({"tokens": ids}), repeats + 2))}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="decode,train", help="comma-separated sections: decode, train")
-    p.add_argument("--models", default="kimi8,kimi4", help="comma-separated: kimi8, kimi4")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best of each side is kept")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batches", default="1,8", help="decode: sequences per run")
-    p.add_argument("--train-batch", type=int, default=4)
-    p.add_argument("--train-seq", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
-    p.add_argument("--engines", default="default,eager",
-                   help="decode: k3 engines to time, comma-separated: default (EngineConfig()), compiled "
-                        "(compile_decode=True), eager (compile_decode=False)")
-    p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
-                   "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
-    args = p.parse_args()
-    # every bad flag named at once, before any model is built
+def check_flags(p: argparse.ArgumentParser, args) -> tuple[set[str], list[str], list[str], list[int]]:
+    """(sections, models, engines, batches) of the parsed flags; every bad flag named at once (one
+    line each, through p.error), before any model is built."""
     problems = []
     only = set(args.only.split(","))
     if not only or only - {"decode", "train"}:
@@ -413,6 +399,26 @@ def main() -> None:
                         f"prompts prefilled in one step), got {bad}")
     if problems:
         p.error("\n".join(problems))
+    return only, models, engines, batches
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="decode,train", help="comma-separated sections: decode, train")
+    p.add_argument("--models", default="kimi8,kimi4", help="comma-separated: kimi8, kimi4")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best of each side is kept")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,8", help="decode: sequences per run")
+    p.add_argument("--train-batch", type=int, default=4)
+    p.add_argument("--train-seq", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    p.add_argument("--engines", default="default,eager",
+                   help="decode: k3 engines to time, comma-separated: default (EngineConfig()), compiled "
+                        "(compile_decode=True), eager (compile_decode=False)")
+    p.add_argument("--profile", action="store_true", help="train: k3 Trainer's step by op, and k3-tiny's step "
+                   "(the README job's shapes: 8 x 256 tokens) counted and profiled the same way")
+    args = p.parse_args()
+    only, models, engines, batches = check_flags(p, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     res: dict = {"machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
